@@ -1,0 +1,179 @@
+"""Typed messages that cross actor boundaries in the collective.
+
+Every message is a frozen dataclass with tuples, not lists, so that it is hashable, cheap
+to pickle and cannot be mutated by the receiver. Tensor bytes never travel inside these
+messages: a ``Contribution`` or ``PartResult`` carries ``ray.ObjectRef``s nested in a tuple
+(Ray does not resolve nested refs, so only the reference crosses the actor call and the
+receiver fetches the bytes from the object store when it is ready to reduce them).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+# A ray.ObjectRef; typed as Any so this module imports without Ray.
+ObjectRef = Any
+ActorHandle = Any
+
+
+class RejectReason(str, enum.Enum):
+    """Why a contribution was left out of a part's weighted average."""
+
+    SHAPE_MISMATCH = "shape_mismatch"  # part length differs from the receiver's layout
+    DTYPE_MISMATCH = "dtype_mismatch"  # wire dtype differs from the round's codec
+    STALE_EPOCH = "stale_epoch"  # belongs to a round that already finished here
+    NON_FINITE = "non_finite"  # NaN or inf in the values
+    BAD_WEIGHT = "bad_weight"  # negative or non-finite weight
+    LATE = "late"  # arrived after the part was reduced
+    UNKNOWN_SENDER = "unknown_sender"  # sender is not a member of the group
+    FETCH_FAILED = "fetch_failed"  # the object could not be fetched (owner died)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """One rejected contribution, as logged, counted and reported."""
+
+    sender: str
+    part: int
+    reason: RejectReason
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Group:
+    """The peers averaging together in one round.
+
+    ``members`` contribute (and own parts of the reduction in proportion to their
+    share); ``receivers`` contribute nothing and only fetch the result. Receivers exist
+    when the peer count has a large prime factor: see ``grid.plan_grid``.
+    """
+
+    members: tuple[str, ...]
+    receivers: tuple[str, ...] = ()
+
+    @property
+    def everyone(self) -> tuple[str, ...]:
+        return self.members + self.receivers
+
+
+@dataclass(frozen=True)
+class RoundSchedule:
+    """Groups of one round (one grid dimension)."""
+
+    groups: tuple[Group, ...]
+
+    def group_of(self, peer: str) -> tuple[int, Group] | None:
+        for index, group in enumerate(self.groups):
+            if peer in group.members or peer in group.receivers:
+                return index, group
+        return None
+
+
+@dataclass(frozen=True)
+class GridPlan:
+    """A pure description of a Moshpit grid over ``peers``.
+
+    ``dims`` are the sizes of the full grid dimensions; ``extras`` are the peers beyond
+    the full grid (joined to round 0 as members and to the last round as receivers).
+    ``rounds[r]`` is the schedule of round r.
+    """
+
+    peers: tuple[str, ...]
+    dims: tuple[int, ...]
+    coords: tuple[tuple[str, tuple[int, ...]], ...]
+    extras: tuple[str, ...]
+    rounds: tuple[RoundSchedule, ...]
+
+    @property
+    def max_group_size(self) -> int:
+        return max((len(g.everyone) for r in self.rounds for g in r.groups), default=1)
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A registered participant, as the Coordinator knows it."""
+
+    peer_id: str
+    handle: ActorHandle = field(compare=False, repr=False)
+    node_id: str = ""
+    capacity: float = 1.0  # relative reduction throughput; sets the peer's share of parts
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What the Coordinator publishes for one averaging step (epoch).
+
+    ``grid`` holds the groups of each round. ``shares`` maps each peer to its relative
+    share of the reduction work (parts are sized by it inside every group). ``handles``
+    lets peers call each other without named-actor lookups.
+    """
+
+    epoch: int
+    grid: GridPlan
+    shares: tuple[tuple[str, float], ...]
+    handles: tuple[tuple[str, ActorHandle], ...] = field(compare=False, repr=False)
+    compression: str = "none"  # codec every member encodes with (see compression.py)
+
+    @property
+    def participants(self) -> tuple[str, ...]:
+        return self.grid.peers
+
+    def share_of(self, peer: str) -> float:
+        return dict(self.shares).get(peer, 1.0)
+
+    def handle_of(self, peer: str) -> ActorHandle:
+        return dict(self.handles)[peer]
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One member's tensor for one group, split into parts, as object refs.
+
+    ``part_refs[j]`` is the encoded slice the owner of part j reduces. Every member of
+    the group receives the whole tuple, so a survivor can re-reduce a part whose owner
+    died.
+    """
+
+    epoch: int
+    round_index: int
+    group_index: int
+    sender: str
+    weight: float
+    numel: int
+    part_refs: tuple[ObjectRef, ...]
+
+
+@dataclass(frozen=True)
+class PartResult:
+    """The reduced value of one part, published by its owner to every group member."""
+
+    epoch: int
+    round_index: int
+    group_index: int
+    part: int
+    owner: str
+    total_weight: float
+    contributors: tuple[str, ...]
+    ref: ObjectRef
+
+
+@dataclass(frozen=True)
+class AllReduceReport:
+    """What one peer saw in one ``all_reduce`` call."""
+
+    epoch: int
+    peer: str
+    contributors: tuple[str, ...]  # peers whose weight is in this peer's result (all parts)
+    partial_contributors: tuple[str, ...]  # peers present in some parts only
+    rejections: tuple[Rejection, ...]
+    failed_owners: tuple[str, ...]  # owners whose parts were re-reduced or kept local
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    total_weight: float
+
+    @property
+    def complete(self) -> bool:
+        return not self.rejections and not self.failed_owners and not self.partial_contributors

@@ -1,0 +1,112 @@
+"""Splitting a flat tensor into parts and reducing parts: pure numpy, no Ray.
+
+Inside a group of m members, a flat float32 vector of ``numel`` values is split into m
+contiguous parts; member j owns part j and computes its weighted average. Part sizes are
+proportional to each member's share, so a peer with less CPU or bandwidth reduces less
+(DeDLOC's load balancing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .messages import RejectReason
+
+
+def part_sizes(numel: int, shares: Sequence[float]) -> tuple[int, ...]:
+    """Sizes of the parts, proportional to ``shares``, summing to ``numel``.
+
+    Uses the largest-remainder method so the result is deterministic and exact. Shares
+    that are zero, negative or non-finite count as zero; if none is positive the split is
+    even. Raises ValueError for an empty ``shares`` or a negative ``numel``.
+    """
+    if not shares:
+        raise ValueError("need at least one share")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    clean = [s if np.isfinite(s) and s > 0 else 0.0 for s in shares]
+    total = sum(clean)
+    if total <= 0:
+        clean, total = [1.0] * len(shares), float(len(shares))
+    exact = [numel * s / total for s in clean]
+    sizes = [int(x) for x in exact]
+    leftover = numel - sum(sizes)
+    # Hand the remaining elements to the largest fractional parts (ties: lowest index).
+    order = sorted(range(len(exact)), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in order[:leftover]:
+        sizes[i] += 1
+    return tuple(sizes)
+
+
+def part_slices(sizes: Sequence[int]) -> tuple[slice, ...]:
+    """Contiguous slices for parts of the given sizes."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(slice(start, start + size))
+        start += size
+    return tuple(out)
+
+
+def check_contribution(
+    values: np.ndarray, expected_numel: int, expected_dtype: np.dtype, weight: float
+) -> tuple[RejectReason, str] | None:
+    """Why a decoded part must be rejected, or None if it is acceptable.
+
+    Checks, in order: the weight (finite, >= 0), the dtype of the wire values, the
+    length against the receiver's own layout, and finiteness of every value.
+    """
+    if not np.isfinite(weight) or weight < 0:
+        return RejectReason.BAD_WEIGHT, f"weight {weight!r}"
+    if values.dtype != expected_dtype:
+        return RejectReason.DTYPE_MISMATCH, f"got {values.dtype}, expected {expected_dtype}"
+    if values.ndim != 1 or values.shape[0] != expected_numel:
+        return RejectReason.SHAPE_MISMATCH, f"got shape {values.shape}, expected ({expected_numel},)"
+    if not np.isfinite(values).all():
+        return RejectReason.NON_FINITE, "NaN or inf in values"
+    return None
+
+
+class WeightedMean:
+    """Streaming weighted mean of equally long float32 vectors.
+
+    ``add`` may be called in any order as contributions arrive; ``result`` returns
+    ``sum(w * x) / sum(w)`` (or the plain mean when every weight is zero) and the total
+    weight. Accumulates in float32 in place: one pass over each contribution.
+    """
+
+    def __init__(self, numel: int):
+        self._acc = np.zeros(numel, dtype=np.float32)
+        self._plain = np.zeros(0, dtype=np.float32)  # sum of values, only if weights are 0
+        self.total_weight = 0.0
+        self.count = 0
+
+    def add(self, values: np.ndarray, weight: float) -> None:
+        if weight > 0:
+            if self.total_weight == 0:
+                np.multiply(values, np.float32(weight), out=self._acc)
+            else:
+                _axpy(np.float32(weight), values, self._acc)
+            self.total_weight += float(weight)
+        elif self.total_weight == 0:
+            # Only needed if every weight stays zero: then the result is the plain mean.
+            self._plain = values.astype(np.float32) if self._plain.size == 0 else self._plain + values
+        self.count += 1
+
+    def result(self) -> tuple[np.ndarray, float]:
+        if self.count == 0:
+            raise ValueError("no contribution to average")
+        if self.total_weight > 0:
+            return self._acc / np.float32(self.total_weight), self.total_weight
+        return self._plain / np.float32(self.count), 0.0
+
+
+def _axpy(a: np.float32, x: np.ndarray, y: np.ndarray, block: int = 1 << 20) -> None:
+    """y += a * x in blocks (bounded temporaries, cache friendly)."""
+    tmp = np.empty(min(block, x.size), dtype=np.float32)
+    for start in range(0, x.size, block):
+        stop = min(start + block, x.size)
+        t = tmp[: stop - start]
+        np.multiply(x[start:stop], a, out=t)
+        y[start:stop] += t

@@ -1,0 +1,212 @@
+"""The Moshpit averager a peer embeds: d group rounds over a ``RoundPlan``.
+
+An ``Averager`` lives inside an async Ray actor (``AveragingPeer`` here, the replica actor
+in training). The actor forwards two transport methods to it::
+
+    async def receive_contribution(self, c): self.averager.deliver_contribution(c)
+    async def receive_result(self, r): self.averager.deliver_result(r)
+
+and a training loop calls ``await averager.all_reduce(tensors, weight, plan, timeout)``.
+
+Contract of ``all_reduce``:
+- returns ``(averaged, report)`` where ``averaged`` has the same shapes, dtypes and
+  devices as ``tensors`` (torch tensors or numpy arrays);
+- with no failures every participant gets the exact weighted average (float32 rounding,
+  plus the documented codec error when compression is on);
+- each round waits at most ``timeout`` seconds (contributions for the first 60% of it,
+  results until its end) plus the time to re-reduce parts of dead owners locally; it
+  never raises because another peer failed, and never waits forever;
+- bad contributions (shape, dtype, stale epoch, non-finite, bad weight) are rejected,
+  logged and counted in ``rejection_counts`` and in the report.
+Only one ``all_reduce`` runs at a time per averager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .allreduce import Deadlines, GroupMailbox, GroupRound, RoundKey
+from .messages import AllReduceReport, Contribution, PartResult, Rejection, RejectReason, RoundPlan
+
+log = logging.getLogger(__name__)
+
+CONTRIBUTION_FRACTION = 0.6
+
+
+def flatten(tensors: Sequence[Any]) -> np.ndarray:
+    """Concatenate tensors (torch or numpy) into one float32 vector on the CPU."""
+    parts = []
+    for t in tensors:
+        if hasattr(t, "detach"):  # torch.Tensor; the object store needs CPU memory
+            t = t.detach().to("cpu", dtype=_torch().float32).numpy()
+        parts.append(np.asarray(t, dtype=np.float32).reshape(-1))
+    if not parts:
+        return np.zeros(0, dtype=np.float32)
+    return np.concatenate(parts)
+
+
+def unflatten(flat: np.ndarray, like: Sequence[Any]) -> list[Any]:
+    """Split ``flat`` back into tensors shaped, typed and placed like ``like``."""
+    out, offset = [], 0
+    for t in like:
+        n = int(np.prod(t.shape)) if len(t.shape) else 1
+        chunk = flat[offset : offset + n].reshape(t.shape)
+        offset += n
+        if hasattr(t, "detach"):
+            out.append(_torch().from_numpy(np.array(chunk)).to(device=t.device, dtype=t.dtype))
+        else:
+            out.append(chunk.astype(t.dtype, copy=True))
+    return out
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+class Averager:
+    """One peer's side of Moshpit All-Reduce (see module docstring).
+
+    ``send(peer_handle, method_name, message)`` is the transport; by default it calls
+    ``getattr(handle, method).remote(message)``. ``clock`` is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        peer_id: str,
+        clock: Callable[[], float] = time.monotonic,
+        send: Callable[[Any, str, object], object] | None = None,
+    ):
+        self.peer_id = peer_id
+        self.clock = clock
+        self._send = send or (lambda handle, method, msg: getattr(handle, method).remote(msg))
+        self._boxes: dict[RoundKey, GroupMailbox] = {}
+        self._floor_epoch = -1  # contributions below this epoch are stale
+        self._done: collections.deque[RoundKey] = collections.deque(maxlen=256)
+        self.rejection_counts: collections.Counter[str] = collections.Counter()
+        self._pending_rejections: list[Rejection] = []
+        self._lock = asyncio.Lock()
+
+    # -- transport entry points ----------------------------------------------------------
+
+    def _box(self, key: RoundKey) -> GroupMailbox:
+        box = self._boxes.get(key)
+        if box is None:
+            box = self._boxes[key] = GroupMailbox(key)
+        return box
+
+    def deliver_contribution(self, c: Contribution) -> None:
+        key = (c.epoch, c.round_index, c.group_index)
+        if c.epoch < self._floor_epoch:
+            self._record(Rejection(c.sender, -1, RejectReason.STALE_EPOCH,
+                                   f"epoch {c.epoch} < current {self._floor_epoch}"))
+            return
+        if key in self._done or (key in self._boxes and self._boxes[key].reduced):
+            self._record(Rejection(c.sender, -1, RejectReason.LATE, f"round {key} already reduced"))
+            return
+        box = self._box(key)
+        box.contributions.setdefault(c.sender, c)
+        if box.own_part is not None:  # streaming: start moving our part's bytes now
+            box.fetch_part(c.sender, box.own_part)
+        box.notify()
+
+    def deliver_result(self, r: PartResult) -> None:
+        key = (r.epoch, r.round_index, r.group_index)
+        if r.epoch < self._floor_epoch or key in self._done:
+            return  # a result nobody waits for any more
+        box = self._box(key)
+        box.results.setdefault(r.part, r)
+        box.fetch_result(r.part)
+        box.notify()
+
+    def _record(self, rejection: Rejection) -> None:
+        self.rejection_counts[rejection.reason.value] += 1
+        self._pending_rejections.append(rejection)
+        log.warning("rejected contribution from %s: %s (%s)", rejection.sender,
+                    rejection.reason.value, rejection.detail)
+
+    # -- the API a training loop calls ----------------------------------------------------
+
+    async def all_reduce(
+        self, tensors: Sequence[Any], weight: float, plan: RoundPlan, timeout: float
+    ) -> tuple[list[Any], AllReduceReport]:
+        """Average ``tensors`` with the plan's participants, weighted by ``weight``."""
+        async with self._lock:
+            return await self._all_reduce(tensors, weight, plan, timeout)
+
+    async def _all_reduce(self, tensors, weight, plan: RoundPlan, timeout: float):
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        started = self.clock()
+        self._advance_floor(plan.epoch)
+        flat = flatten(tensors)
+        handles = dict(plan.handles)
+
+        def send(peer: str, method: str, message: object):
+            return self._send(handles[peer], method, message)
+
+        rejections: list[Rejection] = []
+        contributors: set[str] = set()
+        partial: set[str] = set()
+        failed: list[str] = []
+        sent = received = 0
+        for r, schedule in enumerate(plan.grid.rounds):
+            found = schedule.group_of(self.peer_id)
+            if found is None:
+                continue
+            g, group = found
+            key = (plan.epoch, r, g)
+            box = self._box(key)
+            t0 = self.clock()
+            deadlines = Deadlines(t0 + CONTRIBUTION_FRACTION * timeout, t0 + timeout)
+            runner = GroupRound(self.peer_id, plan, r, g, group, box, send, self.clock)
+            outcome = await runner.run(flat, weight, deadlines)
+            self._finish(key)
+            flat, weight = outcome.values, outcome.weight
+            rejections += outcome.rejections
+            for rej in outcome.rejections:
+                self.rejection_counts[rej.reason.value] += 1
+            contributors |= set(outcome.contributors)
+            partial |= set(outcome.partial_contributors)
+            failed += outcome.failed_owners
+            sent += outcome.bytes_sent
+            received += outcome.bytes_received
+        rejections += self._pending_rejections
+        self._pending_rejections = []
+        report = AllReduceReport(
+            epoch=plan.epoch,
+            peer=self.peer_id,
+            contributors=tuple(sorted(contributors - partial)),
+            partial_contributors=tuple(sorted(partial)),
+            rejections=tuple(rejections),
+            failed_owners=tuple(failed),
+            bytes_sent=sent,
+            bytes_received=received,
+            seconds=self.clock() - started,
+            total_weight=float(weight),
+        )
+        return unflatten(flat, tensors), report
+
+    def _finish(self, key: RoundKey) -> None:
+        box = self._boxes.pop(key, None)
+        self._done.append(key)
+        if box is not None:
+            for task in list(box.fetches.values()) + list(box.result_fetches.values()):
+                task.cancel()
+
+    def _advance_floor(self, epoch: int) -> None:
+        """Forget rounds of older epochs; what they still held was never used (stale)."""
+        self._floor_epoch = max(self._floor_epoch, epoch)
+        for key in [k for k in self._boxes if k[0] < self._floor_epoch]:
+            box = self._boxes.pop(key)
+            for sender in box.contributions:
+                self._record(Rejection(sender, -1, RejectReason.STALE_EPOCH,
+                                       f"epoch {key[0]} < current {self._floor_epoch}"))

@@ -1,0 +1,107 @@
+"""Who takes part in the next round: pure membership logic behind the Coordinator.
+
+Peers register, heartbeat, leave, or are marked draining (a preemption notice for their
+node). A peer not heard from for ``peer_ttl_s`` is considered dead. ``plan`` turns the live,
+non-draining peers into a ``RoundPlan`` for the next epoch. Time is injected (``now``
+arguments) so all of this is testable with plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .grid import DEFAULT_MAX_GROUP, plan_grid
+from .messages import PeerInfo, RoundPlan
+
+
+@dataclass(frozen=True)
+class MembershipConfig:
+    max_group: int = DEFAULT_MAX_GROUP
+    peer_ttl_s: float = 30.0
+    compression: str = "none"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_group < 2:
+            raise ValueError(f"max_group must be >= 2, got {self.max_group}")
+        if self.peer_ttl_s <= 0:
+            raise ValueError(f"peer_ttl_s must be positive, got {self.peer_ttl_s}")
+
+
+@dataclass
+class _Member:
+    info: PeerInfo
+    last_seen: float
+    draining_deadline: float | None = None
+
+
+@dataclass
+class Membership:
+    config: MembershipConfig = field(default_factory=MembershipConfig)
+    epoch: int = 0
+    _members: dict[str, _Member] = field(default_factory=dict)
+
+    def register(self, info: PeerInfo, now: float) -> None:
+        """Add or refresh a peer (re-registering clears nothing but its liveness)."""
+        old = self._members.get(info.peer_id)
+        self._members[info.peer_id] = _Member(
+            info, now, old.draining_deadline if old else None
+        )
+
+    def heartbeat(self, peer_id: str, now: float) -> bool:
+        """Refresh a peer; False if it is unknown (it should register again)."""
+        member = self._members.get(peer_id)
+        if member is None:
+            return False
+        member.last_seen = now
+        return True
+
+    def leave(self, peer_id: str) -> bool:
+        return self._members.pop(peer_id, None) is not None
+
+    def mark_draining(self, node_id: str, deadline: float) -> tuple[str, ...]:
+        """Mark every peer on ``node_id`` draining; returns the affected peer ids."""
+        hit = []
+        for peer_id, member in self._members.items():
+            if member.info.node_id == node_id:
+                member.draining_deadline = deadline
+                hit.append(peer_id)
+        return tuple(sorted(hit))
+
+    def expire(self, now: float) -> tuple[str, ...]:
+        """Drop peers silent for longer than the TTL; returns who was dropped."""
+        gone = [p for p, m in self._members.items() if now - m.last_seen > self.config.peer_ttl_s]
+        for p in gone:
+            del self._members[p]
+        return tuple(sorted(gone))
+
+    def live(self, now: float) -> tuple[PeerInfo, ...]:
+        """Peers that may take part in the next round (alive and not draining)."""
+        return tuple(
+            m.info
+            for _, m in sorted(self._members.items())
+            if now - m.last_seen <= self.config.peer_ttl_s and m.draining_deadline is None
+        )
+
+    def draining(self) -> tuple[str, ...]:
+        return tuple(sorted(p for p, m in self._members.items() if m.draining_deadline is not None))
+
+    def plan(self, now: float, peers: tuple[str, ...] | None = None) -> RoundPlan | None:
+        """The plan of the next epoch over the live peers (or the given subset of them).
+
+        Returns None when no live peer is left. Increments the epoch.
+        """
+        live = {p.peer_id: p for p in self.live(now)}
+        chosen = [live[p] for p in (peers if peers is not None else live) if p in live]
+        if not chosen:
+            return None
+        self.epoch += 1
+        ids = [p.peer_id for p in chosen]
+        grid = plan_grid(ids, self.config.max_group, epoch=self.epoch, seed=self.config.seed)
+        return RoundPlan(
+            epoch=self.epoch,
+            grid=grid,
+            shares=tuple((p.peer_id, p.capacity) for p in chosen),
+            handles=tuple((p.peer_id, p.handle) for p in chosen),
+            compression=self.config.compression,
+        )

@@ -1,0 +1,150 @@
+"""The embedded local cluster: a head plus simulated spot nodes, all on 127.0.0.1.
+
+Each spot node is a real raylet (``ray.cluster_utils.Cluster``) with the ``spot`` custom
+resource. Removing one is a preemption (graceful) or a hard kill (``hard=True``: its
+processes are killed with SIGKILL and Ray finds out through its health checks). Everything
+binds to loopback: the node IP is pinned to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from moshray.cluster.placement import SPOT_RESOURCE
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+# Fast failure detection for a local cluster: a dead raylet is noticed in ~2-3 s.
+SYSTEM_CONFIG = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 2,
+}
+
+
+def pin_loopback() -> None:
+    """Make Ray bind to 127.0.0.1 only (call before Ray starts any process).
+
+    Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when it is imported; the environment
+    variable covers the processes Ray spawns, the constant covers this already-imported one.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+@dataclass(frozen=True)
+class LocalClusterConfig:
+    """Sizes of the embedded cluster (logical CPUs; object store per node in bytes)."""
+
+    spot_nodes: int = 2
+    cpus_per_node: float = 2
+    head_cpus: float = 1
+    object_store_bytes: int = 200 * 1024 * 1024
+    dashboard: bool = False
+    dashboard_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.spot_nodes < 0:
+            raise ValueError(f"spot_nodes must be >= 0, got {self.spot_nodes}")
+        if self.object_store_bytes < 80 * 1024 * 1024:
+            raise ValueError("object_store_bytes must be at least 80 MiB")
+
+
+class LocalCluster:
+    """A head node and ``spot_nodes`` spot raylets on this machine.
+
+    Use as a context manager; ``shutdown`` stops only the processes this object started.
+    Node slots are integers; ``add_node(slot)`` starts a raylet for the slot and
+    ``remove_node(slot)`` stops it. Thread-safe (a trace replayer may call it).
+    """
+
+    def __init__(self, config: LocalClusterConfig = LocalClusterConfig()):
+        import ray
+        from ray.cluster_utils import Cluster
+
+        pin_loopback()
+        self.config = config
+        self._lock = threading.Lock()
+        head_args = dict(
+            node_ip_address=LOOPBACK,
+            num_cpus=config.head_cpus,
+            object_store_memory=config.object_store_bytes,
+            include_dashboard=config.dashboard,
+            _system_config=SYSTEM_CONFIG,
+        )
+        if config.dashboard:
+            head_args["dashboard_host"] = LOOPBACK
+            if config.dashboard_port:
+                head_args["dashboard_port"] = config.dashboard_port
+        self.cluster = Cluster(initialize_head=True, head_node_args=head_args)
+        self.nodes: dict[int, object] = {}
+        for slot in range(config.spot_nodes):
+            self.add_node(slot)
+        self._ray = ray
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    @property
+    def dashboard_url(self) -> str | None:
+        url = getattr(self.cluster, "webui_url", None)
+        return f"http://{url}" if url else None
+
+    def connect(self, namespace: str = "moshray") -> None:
+        import ray
+
+        ray.init(address=self.address, namespace=namespace, ignore_reinit_error=True,
+                 log_to_driver=False)
+
+    def add_node(self, slot: int | None = None) -> int:
+        """Start a spot raylet for ``slot`` (next free slot if None); returns the slot."""
+        with self._lock:
+            if slot is None:
+                slot = next(i for i in range(len(self.nodes) + 1) if i not in self.nodes)
+            if slot in self.nodes:
+                raise ValueError(f"slot {slot} already has a node")
+            node = self.cluster.add_node(
+                node_ip_address=LOOPBACK,
+                num_cpus=self.config.cpus_per_node,
+                object_store_memory=self.config.object_store_bytes,
+                resources={SPOT_RESOURCE: 1000, f"slot-{slot}": 1},
+            )
+            self.nodes[slot] = node
+            log.info("spot node %d up (%s)", slot, node.unique_id)
+            return slot
+
+    def node_id(self, slot: int) -> str:
+        return self.nodes[slot].unique_id
+
+    def remove_node(self, slot: int, hard: bool = False) -> None:
+        """Stop the raylet of ``slot``; ``hard`` kills its processes without grace."""
+        with self._lock:
+            node = self.nodes.pop(slot)
+        self.cluster.remove_node(node, allow_graceful=not hard)
+        log.info("spot node %d %s", slot, "killed" if hard else "removed")
+
+    def live_slots(self) -> tuple[int, ...]:
+        with self._lock:
+            return tuple(sorted(self.nodes))
+
+    def shutdown(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        self.cluster.shutdown()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -334,6 +334,7 @@ class GroupRound:
             group_index=self.group_index,
             part=part,
             owner=self.me,
+            numel=self.numel,
             total_weight=total,
             contributors=tuple(contributors),
             ref=ref,
@@ -356,6 +357,10 @@ class GroupRound:
                                 "deadline", self.plan.epoch, self.round_index, part, owner)
                     return None
         result = self.box.results[part]
+        if result.numel != self.numel:
+            log.warning("result of part %d from %s is for a tensor of %d values, not %d; "
+                        "re-reducing", part, owner, result.numel, self.numel)
+            return None
         try:
             remaining = max(deadline - self.clock(), 0.0) + 1.0
             enc = await asyncio.wait_for(asyncio.shield(self.box.fetch_result(part)), remaining)

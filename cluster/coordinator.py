@@ -55,6 +55,9 @@ class CoordinatorCore:
 class Coordinator(CoordinatorCore):
     """Ray actor shell around ``CoordinatorCore``; create it with ``get_or_create``."""
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
 
 def get_or_create(config: MembershipConfig | None = None) -> ray.actor.ActorHandle:
     """The cluster's Coordinator: created detached on the head node on first call."""

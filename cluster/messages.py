@@ -154,6 +154,7 @@ class PartResult:
     group_index: int
     part: int
     owner: str
+    numel: int  # the owner's whole-tensor length; a mismatch means a different layout
     total_weight: float
     contributors: tuple[str, ...]
     ref: ObjectRef

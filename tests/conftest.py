@@ -1,0 +1,29 @@
+"""Shared fixtures: one multi-node Ray cluster on 127.0.0.1 for the whole session.
+
+Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when imported, so it is set here, before any
+test module imports Ray.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import pytest  # noqa: E402
+
+SPOT_NODES = 4
+
+
+@pytest.fixture(scope="session")
+def local_cluster():
+    """A head plus 4 spot raylets (slots 0-3); tests may add and remove other slots."""
+    from moshray.jobs.local_cluster import LocalCluster, LocalClusterConfig
+
+    cluster = LocalCluster(LocalClusterConfig(spot_nodes=SPOT_NODES, cpus_per_node=4))
+    cluster.connect()
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()

@@ -1,0 +1,247 @@
+"""Moshpit All-Reduce on a real multi-node Ray cluster on 127.0.0.1.
+
+Peers are AveragingPeer actors spread over the spot nodes; plans come from the real
+Membership / Coordinator. Failures are real: a peer process that exits, a raylet removed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from moshray.cluster import coordinator as coordinator_mod
+from moshray.cluster.compression import max_abs_error_bound
+from moshray.cluster.membership import Membership, MembershipConfig
+from moshray.cluster.messages import PeerInfo, RejectReason
+from moshray.cluster.peer import AveragingPeer
+
+pytestmark = pytest.mark.cluster
+
+TIMEOUT = 6.0
+MARGIN = 4.0  # re-reduction and scheduling slack on a loaded 2-core machine
+
+
+def spawn(n: int, prefix: str, slots=None):
+    """n fresh peers round-robin over the given node slots."""
+    slots = slots or [0, 1, 2, 3]
+    peers = {}
+    for i in range(n):
+        slot = slots[i % len(slots)]
+        peers[f"{prefix}{i}"] = AveragingPeer.options(
+            num_cpus=0, resources={f"slot-{slot}": 0.01}
+        ).remote(f"{prefix}{i}")
+    ray.get([p.node_id.remote() for p in peers.values()], timeout=120)
+    return peers
+
+
+def make_plan(peers: dict, max_group: int = 16, compression: str = "none", epoch: int = 0):
+    membership = Membership(MembershipConfig(max_group=max_group, compression=compression))
+    membership.epoch = epoch
+    for pid, handle in peers.items():
+        membership.register(PeerInfo(pid, handle), now=0.0)
+    return membership.plan(now=0.0)
+
+
+def run(peers, plan, arrays, weights, faults=None, timeout=TIMEOUT):
+    faults = faults or {}
+    refs = {
+        pid: h.all_reduce.remote([arrays[pid]], weights[pid], plan, timeout, faults.get(pid))
+        for pid, h in peers.items()
+    }
+    return refs
+
+
+def weighted(arrays, weights, who):
+    total = sum(weights[p] for p in who)
+    return sum(arrays[p].astype(np.float64) * weights[p] for p in who) / total
+
+
+def kill_all(peers):
+    for h in peers.values():
+        ray.kill(h, no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(local_cluster):
+    return local_cluster
+
+
+@pytest.mark.parametrize(
+    "n,max_group",
+    [(1, 16), (2, 16), (5, 16), (4, 2), (6, 4), (7, 4), (8, 2)],
+)
+def test_exact_weighted_average(cluster, n, max_group):
+    peers = spawn(n, f"x{n}-{max_group}-")
+    try:
+        rng = np.random.default_rng(n * 100 + max_group)
+        arrays = {p: rng.normal(size=5000).astype(np.float32) for p in peers}
+        weights = {p: float(rng.uniform(0.5, 4.0)) for p in peers}
+        plan = make_plan(peers, max_group)
+        if n > max_group:
+            assert len(plan.grid.rounds) >= 2
+        results = ray.get(list(run(peers, plan, arrays, weights).values()), timeout=60)
+        expected = weighted(arrays, weights, peers)
+        for (out, report), pid in zip(results, peers):
+            np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-5)
+            assert report.rejections == () and report.failed_owners == ()
+            assert report.total_weight == pytest.approx(sum(weights.values()), rel=1e-6)
+        # Every participant holds bitwise identical values.
+        first = results[0][0][0]
+        assert all(np.array_equal(first, out[0]) for out, _ in results)
+    finally:
+        kill_all(peers)
+
+
+def test_load_balanced_shares_change_part_sizes(cluster):
+    peers = spawn(3, "share-")
+    try:
+        plan = make_plan(peers)
+        shares = {p: s for p, s in zip(peers, (1.0, 2.0, 5.0))}
+        plan = type(plan)(plan.epoch, plan.grid, tuple(shares.items()), plan.handles)
+        arrays = {p: np.full(8000, float(i), np.float32) for i, p in enumerate(peers)}
+        weights = {p: 1.0 for p in peers}
+        results = dict(zip(peers, ray.get(list(run(peers, plan, arrays, weights).values()))))
+        expected = weighted(arrays, weights, peers)
+        for out, report in results.values():
+            np.testing.assert_allclose(out[0], expected, rtol=1e-6)
+        # The 5x peer reduced 5/8 of the vector: it received the most bytes.
+        received = {p: r.bytes_received for p, (_, r) in results.items()}
+        assert received["share-2"] > received["share-1"] > received["share-0"]
+    finally:
+        kill_all(peers)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "uint8", "blockwise8"])
+def test_compression_error_within_documented_bound(cluster, codec):
+    peers = spawn(4, f"c-{codec}-")
+    try:
+        rng = np.random.default_rng(7)
+        arrays = {p: rng.normal(size=20000).astype(np.float32) for p in peers}
+        weights = {p: 1.0 for p in peers}
+        plan = make_plan(peers, compression=codec)
+        results = ray.get(list(run(peers, plan, arrays, weights).values()), timeout=60)
+        expected = weighted(arrays, weights, peers)
+        # Two encodings per value: contributions (bound over inputs) and the result.
+        bound = max(max_abs_error_bound(a, codec) for a in arrays.values())
+        bound += max_abs_error_bound(expected.astype(np.float32), codec)
+        first = results[0][0][0]
+        for out, _ in results:
+            assert np.abs(out[0] - expected).max() <= bound
+            assert np.array_equal(out[0], first)  # all peers hold the same decoded values
+    finally:
+        kill_all(peers)
+
+
+def test_peer_killed_mid_round(cluster):
+    peers = spawn(4, "kill-")
+    try:
+        rng = np.random.default_rng(1)
+        arrays = {p: rng.normal(size=40000).astype(np.float32) for p in peers}
+        weights = {p: float(i + 1) for i, p in enumerate(peers)}
+        plan = make_plan(peers)
+        t0 = time.monotonic()
+        refs = run(peers, plan, arrays, weights, faults={"kill-3": "die"})
+        survivors = ["kill-0", "kill-1", "kill-2"]
+        results = dict(zip(survivors, ray.get([refs[p] for p in survivors], timeout=60)))
+        elapsed = time.monotonic() - t0
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(refs["kill-3"], timeout=30)
+        expected = weighted(arrays, weights, survivors)
+        for pid, (out, report) in results.items():
+            np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-6)
+            assert report.contributors == tuple(survivors)
+            assert "kill-3" in report.failed_owners
+        assert elapsed < TIMEOUT + MARGIN
+    finally:
+        kill_all(peers)
+
+
+def test_node_removed_mid_round(cluster):
+    slot = cluster.add_node()
+    try:
+        peers = spawn(3, "node-", slots=[0, 1])
+        peers.update(spawn(1, "node-gone-", slots=[slot]))
+        rng = np.random.default_rng(2)
+        arrays = {p: rng.normal(size=40000).astype(np.float32) for p in peers}
+        weights = {p: 1.0 + i for i, p in enumerate(peers)}
+        plan = make_plan(peers)
+        t0 = time.monotonic()
+        refs = run(peers, plan, arrays, weights, faults={"node-gone-0": "stall"})
+        time.sleep(1.0)  # the round is under way; the stalled peer's node goes away
+        cluster.remove_node(slot, hard=True)
+        slot = None
+        survivors = ["node-0", "node-1", "node-2"]
+        results = ray.get([refs[p] for p in survivors], timeout=60)
+        elapsed = time.monotonic() - t0
+        expected = weighted(arrays, weights, survivors)
+        for out, report in results:
+            np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-6)
+            assert report.contributors == tuple(survivors)
+        assert elapsed < TIMEOUT + MARGIN
+    finally:
+        if slot is not None:
+            cluster.remove_node(slot)
+        kill_all(peers)
+
+
+def test_bad_contributions_rejected_with_reason(cluster):
+    peers = spawn(6, "bad-")
+    try:
+        rng = np.random.default_rng(3)
+        arrays = {p: rng.normal(size=12000).astype(np.float32) for p in peers}
+        weights = {p: 1.0 + i for i, p in enumerate(peers)}
+        # A first clean round moves every peer to epoch 10, so epoch-1000 labels are stale.
+        warm = make_plan(peers, epoch=9)
+        ray.get(list(run(peers, warm, arrays, weights).values()), timeout=60)
+        plan = make_plan(peers, epoch=19)
+        faults = {"bad-2": "nan", "bad-3": "wrong_shape", "bad-4": "wrong_dtype",
+                  "bad-5": "stale_epoch"}
+        refs = run(peers, plan, arrays, weights, faults=faults, timeout=4.0)
+        good = ["bad-0", "bad-1"]
+        results = ray.get([refs[p] for p in good], timeout=60)
+        ray.get([refs[p] for p in faults], timeout=60)  # the bad ones also finish
+        expected = weighted(arrays, weights, good)
+        reasons = {}
+        for out, report in results:
+            np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-6)
+            for rej in report.rejections:
+                reasons.setdefault(rej.sender, set()).add(rej.reason)
+        assert RejectReason.NON_FINITE in reasons["bad-2"]
+        assert RejectReason.SHAPE_MISMATCH in reasons["bad-3"]
+        assert RejectReason.DTYPE_MISMATCH in reasons["bad-4"]
+        assert RejectReason.STALE_EPOCH in reasons["bad-5"]
+        counts = ray.get(peers["bad-0"].rejection_counts.remote())
+        assert counts["non_finite"] >= 1 and counts["stale_epoch"] >= 1
+    finally:
+        kill_all(peers)
+
+
+def test_coordinator_on_head_plans_without_draining_nodes(cluster):
+    coord = coordinator_mod.get_or_create(MembershipConfig(max_group=2))
+    head = cluster.cluster.head_node.unique_id
+    assert ray.get(coord.node_id.remote()) == head
+    peers = spawn(4, "coord-")
+    try:
+        nodes = dict(zip(peers, ray.get([h.node_id.remote() for h in peers.values()])))
+        for pid, h in peers.items():
+            ray.get(coord.register.remote(pid, h, nodes[pid], 1.0))
+        plan = ray.get(coord.plan_round.remote())
+        assert set(plan.participants) >= set(peers)
+        drained = ray.get(coord.mark_draining.remote(nodes["coord-1"], 30.0))
+        assert "coord-1" in drained
+        plan2 = ray.get(coord.plan_round.remote(tuple(peers)))
+        assert "coord-1" not in plan2.participants and plan2.epoch == plan.epoch + 1
+        arrays = {p: np.full(100, i, np.float32) for i, p in enumerate(peers)}
+        weights = {p: 1.0 for p in peers}
+        live = {p: h for p, h in peers.items() if p in plan2.participants}
+        results = ray.get(list(run(live, plan2, arrays, weights).values()), timeout=60)
+        expected = weighted(arrays, weights, list(live))
+        for out, _ in results:
+            np.testing.assert_allclose(out[0], expected, rtol=1e-6)
+    finally:
+        for pid in peers:
+            ray.get(coord.leave.remote(pid))
+        kill_all(peers)

@@ -106,6 +106,7 @@ class RoundOutcome:
     failed_owners: tuple[str, ...]
     bytes_sent: int
     bytes_received: int
+    phases: dict[str, float]  # seconds spent in put / reduce / publish / gather
 
 
 @dataclass(frozen=True)
@@ -179,17 +180,29 @@ class GroupRound:
         failed: list[str] = []
         weights: dict[int, float] = {}
 
+        phases: dict[str, float] = {}
+        mark = self.clock()
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            now = self.clock()
+            phases[name] = phases.get(name, 0.0) + now - mark
+            mark = now
+
         if self.me in members:
             own = members.index(self.me)
             self.box.own_part = own
             await self._contribute(flat, weight, slices, own)
+            lap("put")
             values, total, contributors = await self._reduce_part(
                 own, flat[slices[own]], weight, sizes[own], deadlines.contributions
             )
             self.box.reduced = True
+            lap("reduce")
             await self._publish(own, values, total, contributors)
             out[slices[own]] = values
             per_part[own], weights[own] = contributors, total
+            lap("publish")
 
         for j, owner in enumerate(members):
             if j in per_part:
@@ -211,6 +224,7 @@ class GroupRound:
                 out[slices[j]] = values
                 per_part[j], weights[j] = result.contributors, result.total_weight
 
+        lap("gather")
         everyone = [set(c) for j, c in per_part.items() if sizes[j] > 0] or [set()]
         full = set.intersection(*everyone)
         partial = set.union(*everyone) - full
@@ -226,6 +240,7 @@ class GroupRound:
             failed_owners=tuple(failed),
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
+            phases=phases,
         )
 
     async def _contribute(self, flat: np.ndarray, weight: float, slices, own: int) -> None:

@@ -158,6 +158,7 @@ class Averager:
         partial: set[str] = set()
         failed: list[str] = []
         sent = received = 0
+        phases: collections.Counter[str] = collections.Counter()
         for r, schedule in enumerate(plan.grid.rounds):
             found = schedule.group_of(self.peer_id)
             if found is None:
@@ -179,6 +180,7 @@ class Averager:
             failed += outcome.failed_owners
             sent += outcome.bytes_sent
             received += outcome.bytes_received
+            phases.update(outcome.phases)
         rejections += self._pending_rejections
         self._pending_rejections = []
         report = AllReduceReport(
@@ -192,6 +194,7 @@ class Averager:
             bytes_received=received,
             seconds=self.clock() - started,
             total_weight=float(weight),
+            phases=tuple(sorted(phases.items())),
         )
         return unflatten(flat, tensors), report
 

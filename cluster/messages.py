@@ -174,6 +174,7 @@ class AllReduceReport:
     bytes_received: int
     seconds: float
     total_weight: float
+    phases: tuple[tuple[str, float], ...] = ()  # seconds per phase, summed over rounds
 
     @property
     def complete(self) -> bool:

@@ -17,14 +17,23 @@ import ray
 from . import placement
 from .membership import Membership, MembershipConfig
 from .messages import PeerInfo, RoundPlan
+from .progress import ProgressReply, ProgressReport, ProgressTracker, StepRecord
 
 
 class CoordinatorCore:
     """The Coordinator's logic with an injected clock (the actor below is a thin shell)."""
 
-    def __init__(self, config: MembershipConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: MembershipConfig,
+        clock: Callable[[], float] = time.monotonic,
+        target_batch_size: int = 256,
+    ):
         self.membership = Membership(config)
         self.clock = clock
+        self.started = clock()
+        self.progress = ProgressTracker(self.membership, target_batch_size)
+        self.preemptions = 0
 
     def register(self, peer_id: str, handle, node_id: str = "", capacity: float = 1.0) -> int:
         self.membership.register(PeerInfo(peer_id, handle, node_id, capacity), self.clock())
@@ -34,7 +43,53 @@ class CoordinatorCore:
         return self.membership.heartbeat(peer_id, self.clock())
 
     def leave(self, peer_id: str) -> bool:
+        self.progress.forget(peer_id)
         return self.membership.leave(peer_id)
+
+    # -- collaborative training ------------------------------------------------------------
+
+    def report(self, r: ProgressReport) -> ProgressReply:
+        now = self.clock()
+        for gone in self.membership.expire(now):
+            self.progress.forget(gone)
+        return self.progress.report(r, now)
+
+    def mark_ready(self, peer_id: str, state_epoch: int) -> bool:
+        return self.progress.mark_ready(peer_id, state_epoch)
+
+    def resume_from(self, epoch: int) -> int:
+        """Start counting global steps at a checkpoint's epoch (only before any step)."""
+        if self.membership.epoch == 0 and not self.progress.history:
+            self.membership.epoch = epoch
+        return self.membership.epoch
+
+    def donor(self, exclude: str) -> tuple[str, object] | None:
+        """A ready live peer (other than ``exclude``) to copy state from, or None."""
+        now = self.clock()
+        for info in self.membership.live(now):
+            if info.peer_id != exclude and info.peer_id in self.progress.ready:
+                return info.peer_id, info.handle
+        return None
+
+    def note_preemption(self, count: int = 1) -> int:
+        self.preemptions += count
+        return self.preemptions
+
+    def request_stop(self) -> None:
+        self.progress.stop = True
+
+    def stats(self) -> dict:
+        now = self.clock()
+        history: list[StepRecord] = self.progress.history
+        return {
+            "epoch": self.membership.epoch,
+            "live": len(self.membership.live(now)),
+            "ready": len(self.progress.ready),
+            "draining": len(self.membership.draining()),
+            "preemptions": self.preemptions,
+            "history": [(h.epoch, h.at_s - self.started, h.samples, h.loss, h.peers)
+                        for h in history],
+        }
 
     def mark_draining(self, node_id: str, deadline_s: float) -> tuple[str, ...]:
         """Exclude ``node_id``'s peers from the next plans; ``deadline_s`` is seconds left."""
@@ -59,13 +114,15 @@ class Coordinator(CoordinatorCore):
         return ray.get_runtime_context().get_node_id()
 
 
-def get_or_create(config: MembershipConfig | None = None) -> ray.actor.ActorHandle:
+def get_or_create(
+    config: MembershipConfig | None = None, target_batch_size: int = 256, name: str | None = None
+) -> ray.actor.ActorHandle:
     """The cluster's Coordinator: created detached on the head node on first call."""
     return Coordinator.options(
-        name=placement.COORDINATOR_NAME,
+        name=name or placement.COORDINATOR_NAME,
         namespace=placement.NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
         max_concurrency=64,
         **placement.on_head(),
-    ).remote(config or MembershipConfig())
+    ).remote(config or MembershipConfig(), target_batch_size=target_batch_size)

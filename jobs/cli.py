@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench_allreduce
+from . import bench_allreduce, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,14 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_allreduce.add_arguments(allreduce)
     allreduce.set_defaults(handler=bench_allreduce.main)
 
-    try:
-        from . import train
-    except ImportError:  # the training job is optional until it lands
-        train = None
-    if train is not None:
-        train_parser = sub.add_parser("train", help="run the elastic training job")
-        train.add_arguments(train_parser)
-        train_parser.set_defaults(handler=train.main)
+    train_parser = sub.add_parser("train", help="run the elastic training job")
+    train.add_arguments(train_parser)
+    train_parser.set_defaults(handler=train.main)
     return parser
 
 

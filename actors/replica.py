@@ -1,0 +1,273 @@
+"""ReplicaActor: one model replica and its local training loop on a spot node.
+
+Collaborative mode (DeDLOC): the replica runs micro-batches at its own pace, accumulating
+gradients, and reports progress to the Coordinator after each one. When the reply carries
+a plan, it averages its mean gradient (weighted by the samples behind it) with the plan's
+participants through the Moshpit ``Averager`` and applies one optimizer step; every
+participant applies the same averaged gradient, so all replicas stay identical.
+
+Local-SGD mode (Moshpit SGD): the replica takes optimizer steps on its own gradients and
+reports samples; on a plan it averages parameters instead, optionally followed by a
+DiLoCo-style outer Nesterov step on the averaged delta.
+
+Joining: a replica with no state copies parameters, optimizer state and epoch from a live
+donor through the object store (``get_state``), then asks the Coordinator to mark it
+ready (accepted only if no newer plan exists; else it copies again). A replica told to
+resync (its checksum disagrees with the majority, or it missed a step) does the same.
+Failures of other peers never raise here: the averager's deadlines bound every round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from moshray.cluster.averager import Averager
+from moshray.cluster.messages import Contribution, PartResult, RoundPlan
+from moshray.cluster.progress import ProgressReport
+
+from .checkpoint import CheckpointStore
+from .data import ByteBatches
+from .model import build_model, pick_device
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+MAX_OWN_REJECTIONS = 3  # consecutive steps with our contribution rejected -> resync
+
+
+def checksum(model: torch.nn.Module) -> str:
+    """Digest of every parameter's bytes (equal digests = bitwise equal replicas)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@ray.remote
+class ReplicaActor:
+    """See module docstring. ``config`` is a ``TrainConfig.to_dict()`` dict."""
+
+    def __init__(self, peer_id: str, config: dict, files: list[str], shard_index: int,
+                 coordinator, init_state_ref: list | None = None):
+        from moshray.jobs.config import TrainConfig
+
+        torch.set_num_threads(1)
+        self.peer_id = peer_id
+        self.config = TrainConfig.from_dict(config)
+        t = self.config.training
+        self.device = pick_device()
+        self.model = build_model(self.config.model.to_model_config(), seed=t.seed).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr,
+                                           weight_decay=t.weight_decay)
+        self.outer = None
+        self.anchor: list[torch.Tensor] | None = None
+        if t.mode == "local_sgd" and t.outer_optimizer == "nesterov":
+            self.anchor = [p.detach().clone() for p in self.model.parameters()]
+            self.outer = torch.optim.SGD(self.anchor, lr=t.outer_lr, momentum=t.outer_momentum,
+                                         nesterov=True)
+        self.data = ByteBatches(files, shard_index, max(self.config.cluster.max_nodes, 1),
+                                self.config.model.seq_len, t.batch_size, t.seed)
+        self.coordinator = coordinator
+        self.averager = Averager(peer_id)
+        self.epoch = 0
+        self.samples = 0
+        self.micro = 0
+        self.loss_sum = 0.0
+        self.own_rejections = 0
+        self.consecutive_bad = 0
+        self.fault: str | None = None
+        self._state_lock = asyncio.Lock()
+        self._init_state_ref = init_state_ref
+        self.node_id = ray.get_runtime_context().get_node_id()
+
+    # -- transport --------------------------------------------------------------------------
+
+    async def receive_contribution(self, c: Contribution) -> None:
+        self.averager.deliver_contribution(c)
+
+    async def receive_result(self, r: PartResult) -> None:
+        self.averager.deliver_result(r)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _state(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "outer": self.outer.state_dict() if self.outer else None,
+            "anchor": [a.cpu() for a in self.anchor] if self.anchor else None,
+            "config": self.config.to_dict(),
+        }
+
+    def _load(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.outer is not None and state.get("outer") is not None:
+            for a, s in zip(self.anchor, state["anchor"]):
+                a.data.copy_(s)
+            self.outer.load_state_dict(state["outer"])
+        self.epoch = int(state["epoch"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+
+    async def get_state(self) -> tuple[int, list]:
+        """(epoch, [ref]) of this replica's state, taken between steps (never mid-step)."""
+        async with self._state_lock:
+            state = self._state()
+        return state["epoch"], [ray.put(state)]
+
+    async def save_checkpoint(self, uri: str) -> str:
+        async with self._state_lock:
+            state = self._state()
+        return await asyncio.to_thread(CheckpointStore(uri).save, state, state["epoch"])
+
+    def status(self) -> dict:
+        return {"peer": self.peer_id, "epoch": self.epoch, "checksum": checksum(self.model),
+                "node": self.node_id, "rejected": self.own_rejections, "pid": os.getpid()}
+
+    def inject_fault(self, fault: str | None) -> None:
+        """Test hook: ``"nan"`` makes every following gradient NaN (until reset to None)."""
+        self.fault = fault
+
+    # -- joining ------------------------------------------------------------------------------
+
+    async def _sync(self) -> None:
+        """Copy state from a donor (or the initial checkpoint) and become ready."""
+        for attempt in range(600):
+            donor = await self.coordinator.donor.remote(self.peer_id)
+            if donor is not None:
+                try:
+                    epoch, [ref] = await donor[1].get_state.remote()
+                    state = await ref
+                    async with self._state_lock:
+                        self._load(state)
+                except ray.exceptions.RayError as exc:
+                    log.warning("%s: donor %s failed (%s); retrying", self.peer_id, donor[0],
+                                type(exc).__name__)
+                    await asyncio.sleep(0.2)
+                    continue
+            elif self._init_state_ref:
+                state = await self._init_state_ref[0]
+                async with self._state_lock:
+                    self._load(state)
+                await self.coordinator.resume_from.remote(self.epoch)
+            if await self.coordinator.mark_ready.remote(self.peer_id, self.epoch):
+                log.info("%s ready at epoch %d (attempt %d)", self.peer_id, self.epoch, attempt)
+                return
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"{self.peer_id}: could not sync state after 600 attempts")
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _micro_step(self) -> tuple[float, int]:
+        x, y = self.data.next_batch()
+        x, y = x.to(self.device), y.to(self.device)
+        loss = self.model.loss(x, y)
+        loss.backward()
+        if self.fault == "nan":
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+        if self.config.training.mode == "local_sgd":
+            self._clip()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach()), x.shape[0]
+
+    def _clip(self) -> None:
+        if self.config.training.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.training.grad_clip)
+
+    async def run(self) -> dict:
+        """Train until the Coordinator says stop; returns this replica's final status."""
+        await self.coordinator.register.remote(self.peer_id, self._self_handle(), self.node_id)
+        await self._sync()
+        heartbeat = asyncio.ensure_future(self._heartbeat())
+        try:
+            while True:
+                loss, n = await asyncio.to_thread(self._micro_step)
+                self.samples += n
+                self.micro += 1
+                self.loss_sum += loss * n
+                reply = await self.coordinator.report.remote(ProgressReport(
+                    self.peer_id, self.epoch, self.samples,
+                    self.loss_sum / self.samples if self.samples else None,
+                    checksum(self.model), self.own_rejections))
+                if reply.stop:
+                    break
+                if reply.resync:
+                    await self._sync()
+                    continue
+                if reply.plan is not None:
+                    await self._global_step(reply.plan)
+        finally:
+            heartbeat.cancel()
+        return self.status()
+
+    def _self_handle(self):
+        return ray.get_runtime_context().current_actor
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self.coordinator.heartbeat.remote(self.peer_id)
+            except ray.exceptions.RayError:
+                pass
+
+    async def _global_step(self, plan: RoundPlan) -> None:
+        t = self.config.training
+        params = list(self.model.parameters())
+        async with self._state_lock:
+            if t.mode == "collaborative":
+                grads = [(p.grad / max(self.micro, 1)) if p.grad is not None
+                         else torch.zeros_like(p) for p in params]
+                averaged, report = await self.averager.all_reduce(
+                    grads, self.samples, plan, t.round_timeout_s)
+                for p, g in zip(params, averaged):
+                    p.grad = g.to(p.device)
+                self._clip()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            else:
+                averaged, report = await self.averager.all_reduce(
+                    [p.detach() for p in params], self.samples, plan, t.round_timeout_s)
+                with torch.no_grad():
+                    for p, a in zip(params, averaged):
+                        p.copy_(a)
+                    if self.outer is not None:
+                        for anchor, p in zip(self.anchor, params):
+                            anchor.grad = anchor - p  # outer gradient: the averaged delta
+                        self.outer.step()
+                        self.outer.zero_grad(set_to_none=True)
+                        for anchor, p in zip(self.anchor, params):
+                            p.copy_(anchor)
+            self.epoch = plan.epoch
+            self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+        mine = [r for r in report.rejections if r.sender == self.peer_id]
+        if mine:
+            self.own_rejections += 1
+            self.consecutive_bad += 1
+            log.warning("%s: own contribution rejected at epoch %d (%s)", self.peer_id,
+                        plan.epoch, mine[0].reason.value)
+            if self.consecutive_bad >= MAX_OWN_REJECTIONS:
+                log.warning("%s: %d bad steps in a row; restarting from a donor", self.peer_id,
+                            self.consecutive_bad)
+                self.consecutive_bad = 0
+                await self.coordinator.leave.remote(self.peer_id)
+                await self.coordinator.register.remote(self.peer_id, self._self_handle(),
+                                                       self.node_id)
+                await self._sync()
+        else:
+            self.consecutive_bad = 0

@@ -1,0 +1,134 @@
+"""DeDLOC-style collaborative steps: pure bookkeeping behind the Coordinator.
+
+Replicas report, after each micro-batch, the last global step they applied (``epoch``),
+the samples accumulated since, the mean loss of those samples and a checksum of their
+parameters. When the samples reported by ready peers at the current epoch reach
+``target_batch_size``, the tracker asks ``Membership`` for the plan of the next epoch over
+those peers; each of them receives it in the reply to its next report. Peers that hold
+another checksum than the majority at the same epoch, or that fell behind the last plan
+without being in it, are told to resync from a donor. Time is injected.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from .membership import Membership
+from .messages import RoundPlan
+
+
+@dataclass(frozen=True)
+class ProgressReport:
+    """Replica -> Coordinator, after every micro-batch (also a heartbeat)."""
+
+    peer_id: str
+    epoch: int  # last global step applied
+    samples: int  # accumulated since that step
+    loss: float | None = None  # mean loss over those samples
+    checksum: str | None = None  # parameters after ``epoch``
+    rejected: int = 0  # own contributions rejected so far (non-finite etc.)
+
+
+@dataclass(frozen=True)
+class ProgressReply:
+    plan: RoundPlan | None  # plan of epoch + 1 when this peer takes part in it
+    stop: bool = False
+    resync: bool = False  # reload state from a donor before going on
+    global_epoch: int = 0
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One committed global step, as the console, metrics and plots see it."""
+
+    epoch: int
+    at_s: float
+    samples: int
+    loss: float | None
+    peers: int
+
+
+@dataclass
+class ProgressTracker:
+    membership: Membership
+    target_batch_size: int
+    ready: set[str] = field(default_factory=set)
+    reports: dict[str, ProgressReport] = field(default_factory=dict)
+    plan: RoundPlan | None = None  # the latest published plan
+    history: list[StepRecord] = field(default_factory=list)
+    stop: bool = False
+    _loss: dict[int, tuple[float, int]] = field(default_factory=dict)
+
+    @property
+    def epoch(self) -> int:
+        return self.membership.epoch
+
+    def mark_ready(self, peer_id: str, state_epoch: int) -> bool:
+        """A joiner holding the state of ``state_epoch`` may take part from the next plan.
+
+        Accepted only if no plan after ``state_epoch`` exists yet (else it must reload).
+        """
+        if state_epoch != self.epoch:
+            return False
+        self.ready.add(peer_id)
+        return True
+
+    def forget(self, peer_id: str) -> None:
+        self.ready.discard(peer_id)
+        self.reports.pop(peer_id, None)
+
+    def report(self, r: ProgressReport, now: float) -> ProgressReply:
+        self.membership.heartbeat(r.peer_id, now)
+        self.reports[r.peer_id] = r
+        if self.stop:
+            return ProgressReply(None, stop=True, global_epoch=self.epoch)
+        if r.peer_id not in self.ready:
+            return ProgressReply(None, resync=True, global_epoch=self.epoch)
+        in_plan = self.plan is not None and r.peer_id in self.plan.participants
+        if r.epoch < self.epoch and not (in_plan and r.epoch == self.plan.epoch - 1):
+            self.ready.discard(r.peer_id)  # it missed a step: must reload
+            return ProgressReply(None, resync=True, global_epoch=self.epoch)
+        if self._disagrees(r):
+            self.ready.discard(r.peer_id)
+            return ProgressReply(None, resync=True, global_epoch=self.epoch)
+        if r.epoch == self.epoch:
+            self._record_loss(r)
+            self._maybe_plan(now)
+        if self.plan is not None and r.peer_id in self.plan.participants \
+                and r.epoch == self.plan.epoch - 1:
+            return ProgressReply(self.plan, global_epoch=self.epoch)
+        return ProgressReply(None, global_epoch=self.epoch)
+
+    def _disagrees(self, r: ProgressReport) -> bool:
+        if r.checksum is None:
+            return False
+        same = [x.checksum for p, x in self.reports.items()
+                if x.epoch == r.epoch and x.checksum is not None and p in self.ready]
+        counts = collections.Counter(same)
+        top, n = counts.most_common(1)[0] if counts else (None, 0)
+        return top != r.checksum and n >= 2 and n > counts[r.checksum]
+
+    def _record_loss(self, r: ProgressReport) -> None:
+        if r.loss is not None and r.samples > 0:
+            total, n = self._loss.get(r.epoch, (0.0, 0))
+            self._loss[r.epoch] = (total + r.loss * r.samples, n + r.samples)
+
+    def _maybe_plan(self, now: float) -> None:
+        live = {p.peer_id for p in self.membership.live(now)}
+        eligible = sorted(p for p in self.ready if p in live)
+        if not eligible:
+            return
+        current = [self.reports[p] for p in eligible
+                   if p in self.reports and self.reports[p].epoch == self.epoch]
+        samples = sum(r.samples for r in current)
+        if samples < self.target_batch_size:
+            return
+        at_epoch = tuple(r.peer_id for r in current)
+        total, n = self._loss.pop(self.epoch, (0.0, 0))
+        plan = self.membership.plan(now, at_epoch)
+        if plan is None:
+            return
+        self.plan = plan
+        self.history.append(StepRecord(plan.epoch, now, samples, total / n if n else None,
+                                       len(at_epoch)))

@@ -126,4 +126,4 @@ def max_abs_error_bound(values: np.ndarray, codec: Compression | str) -> float:
     view = padded.reshape(blocks, block)
     # Half a quantisation step, plus float32 rounding of the reconstruction.
     spread = view.max(axis=1) - view.min(axis=1)
-    return float((spread / 510.0).max() + np.abs(values).max() * 2.0**-22)
+    return float((spread / 510.0).max() + (spread.max() + np.abs(values).max()) * 2.0**-22)

@@ -49,10 +49,11 @@ def choose_dims(n: int, max_group: int = DEFAULT_MAX_GROUP) -> tuple[int, ...]:
         best: tuple[tuple[int, int, tuple[int, ...]], tuple[int, ...]] | None = None
         for tail in itertools.combinations_with_replacement(range(2, max_group + 1), d - 1):
             rows = math.prod(tail)
-            if rows >= n:
+            if rows > n:
                 continue
             m0, extras = divmod(n, rows)
-            if m0 < 2 or m0 + (1 if extras else 0) > max_group:
+            # m0 == 1 is allowed so that max_group == 2 terminates for any n.
+            if m0 + (1 if extras else 0) > max_group:
                 continue
             dims = (m0, *sorted(tail, reverse=True))
             score = (_largest_group(dims, extras), extras, dims)

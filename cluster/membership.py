@@ -24,7 +24,7 @@ class MembershipConfig:
     def __post_init__(self) -> None:
         if self.max_group < 2:
             raise ValueError(f"max_group must be >= 2, got {self.max_group}")
-        if self.peer_ttl_s <= 0:
+        if not self.peer_ttl_s > 0:  # also rejects NaN
             raise ValueError(f"peer_ttl_s must be positive, got {self.peer_ttl_s}")
 
 

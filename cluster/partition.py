@@ -27,6 +27,8 @@ def part_sizes(numel: int, shares: Sequence[float]) -> tuple[int, ...]:
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     clean = [s if np.isfinite(s) and s > 0 else 0.0 for s in shares]
+    top = max(clean)
+    clean = [s / top for s in clean] if top > 0 else clean  # no overflow for huge shares
     total = sum(clean)
     if total <= 0:
         clean, total = [1.0] * len(shares), float(len(shares))

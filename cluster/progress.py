@@ -81,11 +81,14 @@ class ProgressTracker:
     def report(self, r: ProgressReport, now: float) -> ProgressReply:
         self.membership.heartbeat(r.peer_id, now)
         self.reports[r.peer_id] = r
+        in_plan = self.plan is not None and r.peer_id in self.plan.participants
         if self.stop:
+            # Finish a published step first, so no participant waits for a stopped peer.
+            if r.peer_id in self.ready and in_plan and r.epoch == self.plan.epoch - 1:
+                return ProgressReply(self.plan, global_epoch=self.epoch)
             return ProgressReply(None, stop=True, global_epoch=self.epoch)
         if r.peer_id not in self.ready:
             return ProgressReply(None, resync=True, global_epoch=self.epoch)
-        in_plan = self.plan is not None and r.peer_id in self.plan.participants
         if r.epoch < self.epoch and not (in_plan and r.epoch == self.plan.epoch - 1):
             self.ready.discard(r.peer_id)  # it missed a step: must reload
             return ProgressReply(None, resync=True, global_epoch=self.epoch)

@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import queue
 import sys
 import threading
 import time
@@ -111,16 +112,18 @@ def run(config: TrainConfig) -> dict:
             MembershipConfig(compression=t.compression, peer_ttl_s=max(3.0, t.round_timeout_s)),
             target_batch_size=t.target_batch_size, name=name)
         supervisor = ReplicaSupervisor(config, files, coordinator, init_state_ref)
+        pending: queue.Queue = queue.Queue()
         if local is not None:
+            if config.cluster.trace:
+                _match_initial_nodes(config, local)
+                replay = _start_replay(config, pending)
             for slot in local.live_slots():
                 supervisor.start(slot)
-            if config.cluster.trace:
-                replay = _start_replay(config, local, supervisor)
         else:
             spot = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("spot")]
             for i, node in enumerate(spot):
                 supervisor.start(i, {"spot": 1})
-        summary = _supervise(config, coordinator, supervisor, local, out)
+        summary = _supervise(config, coordinator, supervisor, local, out, pending)
         ray.kill(coordinator)
         return summary
     finally:
@@ -133,28 +136,49 @@ def run(config: TrainConfig) -> dict:
             ray.shutdown()
 
 
-def _start_replay(config: TrainConfig, local, supervisor):
+def _start_replay(config: TrainConfig, pending: queue.Queue):
+    """Replay the trace in a thread; its events are queued for the main thread, which
+    owns the cluster (Ray starts raylets only from the main thread)."""
     from moshray.autoscaler.trace import TraceReplayer, load_trace, schedule
 
     events = schedule(load_trace(config.cluster.trace), config.cluster.time_scale,
                       config.cluster.max_nodes)
-
-    def add(slot: int) -> None:
-        if slot not in local.live_slots():
-            local.add_node(slot)
-            supervisor.start(slot)
-
-    def remove(slot: int) -> None:
-        if slot in local.live_slots():
-            supervisor.lost(slot)
-            local.remove_node(slot)
-
-    replay = TraceReplayer(events, add, remove)
+    replay = TraceReplayer(events, lambda slot: pending.put(("add", slot)),
+                           lambda slot: pending.put(("remove", slot)), skip_initial=True)
     replay.start()
     return replay
 
 
-def _supervise(config: TrainConfig, coordinator, supervisor, local, out) -> dict:
+def _apply_node_events(pending: queue.Queue, local, supervisor) -> None:
+    while True:
+        try:
+            kind, slot = pending.get_nowait()
+        except queue.Empty:
+            return
+        if kind == "add" and slot not in local.live_slots():
+            local.add_node(slot)
+            supervisor.start(slot)
+        elif kind == "remove" and slot in local.live_slots():
+            supervisor.lost(slot)
+            local.remove_node(slot)
+
+
+def _match_initial_nodes(config: TrainConfig, local) -> None:
+    """Start exactly the slots the trace has live at its start."""
+    from moshray.autoscaler.trace import initial_slots, load_trace, schedule
+
+    events = schedule(load_trace(config.cluster.trace), config.cluster.time_scale,
+                      config.cluster.max_nodes)
+    wanted = set(initial_slots(events))
+    for slot in local.live_slots():
+        if slot not in wanted:
+            local.remove_node(slot)
+    for slot in sorted(wanted - set(local.live_slots())):
+        local.add_node(slot)
+
+
+def _supervise(config: TrainConfig, coordinator, supervisor, local, out,
+               pending: queue.Queue) -> dict:
     import ray
 
     t = config.training
@@ -166,6 +190,8 @@ def _supervise(config: TrainConfig, coordinator, supervisor, local, out) -> dict
     stats: dict = {}
     while True:
         time.sleep(POLL_S)
+        if local is not None:
+            _apply_node_events(pending, local, supervisor)
         stats = ray.get(coordinator.stats.remote(), timeout=30)
         history = stats["history"]
         elapsed = time.monotonic() - started

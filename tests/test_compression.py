@@ -1,0 +1,192 @@
+"""Tests for moshray.cluster.compression: round-trip error bounds, payload sizes, non-finite input."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from moshray.cluster.compression import (
+    BLOCK,
+    WIRE_DTYPE,
+    Compression,
+    Encoded,
+    decode,
+    encode,
+    max_abs_error_bound,
+)
+from moshray.cluster.messages import RejectReason
+from moshray.cluster.partition import check_contribution
+
+CODECS = list(Compression)
+
+
+def _normal(n: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(n) * scale).astype(np.float32)
+
+
+def _with_outlier(n: int, value: float = 1000.0) -> np.ndarray:
+    x = _normal(n, seed=1)
+    x[n // 3] = value
+    return x
+
+
+DATA = {
+    "normal": _normal(10_000),
+    "normal-small-scale": _normal(10_000, seed=2, scale=1e-3),
+    "normal-large-scale": _normal(10_000, seed=3, scale=300.0),
+    "offset": _normal(5_000, seed=4) + np.float32(250.0),
+    "outlier": _with_outlier(3 * BLOCK),
+    "negative-outlier": _with_outlier(2 * BLOCK + 5, -5000.0),
+    "constant": np.full(5_000, 3.1, np.float32),
+    "constant-zero": np.zeros(BLOCK + 3, np.float32),
+    "constant-negative": np.full(7, -0.7, np.float32),
+    "empty": np.zeros(0, np.float32),
+    "one": np.array([2.5], np.float32),
+    "block-minus-1": _normal(BLOCK - 1, seed=5),
+    "block": _normal(BLOCK, seed=6),
+    "block-plus-1": _normal(BLOCK + 1, seed=7),
+    "ragged-tail": _normal(3 * BLOCK + 17, seed=8),
+    "tail-outlier": np.concatenate([_normal(BLOCK + 2, seed=9), np.float32([80.0])]),
+}
+
+
+def _max_err(x: np.ndarray, y: np.ndarray) -> float:
+    if x.size == 0:
+        return 0.0
+    return float(np.abs(y.astype(np.float64) - x.astype(np.float64)).max())
+
+
+@pytest.mark.parametrize("name", DATA)
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.value)
+def test_round_trip_within_bound(codec: Compression, name: str) -> None:
+    x = DATA[name]
+    before = x.copy()
+    enc = encode(x, codec)
+    y = decode(enc)
+    assert y.dtype == np.float32 and y.shape == x.shape
+    assert enc.numel == x.size
+    bound = max_abs_error_bound(x, codec)
+    assert _max_err(x, y) <= bound, (_max_err(x, y), bound)
+    np.testing.assert_array_equal(x, before)  # the input is never modified
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.value)
+def test_round_trip_accepts_codec_names(codec: Compression) -> None:
+    x = DATA["normal"]
+    by_name = encode(x, codec.value)
+    assert by_name.codec is codec
+    np.testing.assert_array_equal(decode(by_name), decode(encode(x, codec)))
+
+
+def test_none_is_exact() -> None:
+    for x in DATA.values():
+        np.testing.assert_array_equal(decode(encode(x, "none")), x)
+        assert max_abs_error_bound(x, "none") == 0.0
+
+
+@pytest.mark.parametrize("codec", [Compression.UINT8, Compression.BLOCKWISE8], ids=lambda c: c.value)
+@pytest.mark.parametrize("name", ["constant", "constant-zero", "constant-negative", "one"])
+def test_eight_bit_codecs_are_exact_on_constants(codec: Compression, name: str) -> None:
+    x = DATA[name]
+    np.testing.assert_array_equal(decode(encode(x, codec)), x)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.value)
+def test_empty_vector(codec: Compression) -> None:
+    enc = encode(np.zeros(0, np.float32), codec)
+    assert enc.numel == 0 and enc.nbytes == 0
+    out = decode(enc)
+    assert out.shape == (0,) and out.dtype == np.float32
+    assert max_abs_error_bound(np.zeros(0, np.float32), codec) == 0.0
+
+
+def test_fp16_error_is_relative() -> None:
+    x = DATA["normal-large-scale"]
+    y = decode(encode(x, "fp16"))
+    rel = np.abs(y.astype(np.float64) - x) / np.maximum(np.abs(x.astype(np.float64)), 6.1e-5)
+    assert rel.max() <= 2.0**-11
+
+
+@pytest.mark.parametrize("codec", [Compression.UINT8, Compression.BLOCKWISE8], ids=lambda c: c.value)
+def test_eight_bit_bound_holds_at_a_quantisation_midpoint(codec: Compression) -> None:
+    """A value next to the midpoint between two levels: the documented worst case.
+
+    lo = -0.28538051, hi = 0.2736237, x = 0.25937462 (step 0.0021921741, x rounds to
+    level 248). Half a step plus float32 rounding of ``q * scale + lo`` must stay within
+    ``max_abs_error_bound``.
+    """
+    x = np.array([3197246821, 1049368680, 1048890560], np.uint32).view(np.float32)
+    err = _max_err(x, decode(encode(x, codec)))
+    assert err <= max_abs_error_bound(x, codec), (err, max_abs_error_bound(x, codec))
+
+
+def test_blockwise_isolates_a_huge_outlier() -> None:
+    x = _normal(16 * BLOCK, seed=11)
+    x[5] = 1e4  # in block 0
+    err_u8 = np.abs(decode(encode(x, "uint8")).astype(np.float64) - x)
+    err_bw = np.abs(decode(encode(x, "blockwise8")).astype(np.float64) - x)
+    # Outside the outlier's block, blockwise error is set by the normal data only.
+    assert err_bw[BLOCK:].max() < 0.01 * err_u8[BLOCK:].max()
+    assert err_bw.mean() < 0.1 * err_u8.mean()
+    assert err_bw.max() <= max_abs_error_bound(x, "blockwise8")
+    assert err_u8.max() <= max_abs_error_bound(x, "uint8")
+    assert max_abs_error_bound(x, "blockwise8") <= max_abs_error_bound(x, "uint8")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", [0, 1234, BLOCK + 1])
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.value)
+def test_non_finite_input_decodes_non_finite(codec: Compression, where: int, bad: float) -> None:
+    x = _normal(2 * BLOCK, seed=12)
+    x[where] = bad
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = decode(encode(x, codec))
+    assert not np.isfinite(y).all()
+    # ... so the receiver's validation rejects the contribution.
+    problem = check_contribution(y, x.size, np.dtype(np.float32), 1.0)
+    assert problem is not None and problem[0] is RejectReason.NON_FINITE
+
+
+def test_fp16_overflow_becomes_inf() -> None:
+    x = np.array([1.0, 70000.0, -1e6], np.float32)
+    y = decode(encode(x, "fp16"))
+    assert y[0] == 1.0 and y[1] == np.inf and y[2] == -np.inf
+
+
+@pytest.mark.parametrize("numel", [1, BLOCK - 1, BLOCK, 100_000, 10 * BLOCK + 1])
+def test_encoded_nbytes(numel: int) -> None:
+    x = _normal(numel, seed=13)
+    blocks = math.ceil(numel / BLOCK)
+    sizes = {c: encode(x, c).nbytes for c in CODECS}
+    assert sizes[Compression.NONE] == 4 * numel
+    assert sizes[Compression.FP16] == 2 * numel
+    assert sizes[Compression.UINT8] == numel + 8  # one (offset, scale) float32 pair
+    assert sizes[Compression.BLOCKWISE8] == numel + 8 * blocks
+    if numel >= BLOCK:
+        assert sizes[Compression.BLOCKWISE8] <= 1.01 * numel
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.value)
+def test_wire_dtypes_and_meta_layout(codec: Compression) -> None:
+    x = _normal(2 * BLOCK + 3, seed=14)
+    enc = encode(x, codec)
+    assert isinstance(enc, Encoded)
+    assert enc.data.dtype == WIRE_DTYPE[codec]
+    assert enc.data.shape == (x.size,)
+    assert enc.meta.dtype == np.float32 and enc.meta.ndim == 2 and enc.meta.shape[1] == 2
+    expected_blocks = {
+        Compression.NONE: 0,
+        Compression.FP16: 0,
+        Compression.UINT8: 1,
+        Compression.BLOCKWISE8: 3,
+    }[codec]
+    assert enc.meta.shape[0] == expected_blocks
+
+
+def test_unknown_codec_raises() -> None:
+    with pytest.raises(ValueError):
+        encode(np.zeros(3, np.float32), "int4")
+    with pytest.raises(ValueError):
+        max_abs_error_bound(np.zeros(3, np.float32), "int4")

@@ -1,0 +1,238 @@
+"""Tests for moshray.cluster.partition: part sizes, slices, validation, weighted mean."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+
+from moshray.cluster.messages import RejectReason
+from moshray.cluster.partition import WeightedMean, check_contribution, part_sizes, part_slices
+
+NAN, INF = float("nan"), float("inf")
+
+SHARES = [
+    [1.0],
+    [1.0, 1.0, 1.0],
+    [1.0, 2.0, 3.0, 4.0],
+    [0.1, 0.2, 0.7],
+    [1e-9, 1.0],
+    [3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0],
+    list(np.random.default_rng(0).uniform(0.01, 10.0, 16)),
+    [1.0, 0.0, 2.0],
+]
+NUMELS = [0, 1, 7, 1000, 2**20 + 3, 10**9 + 7]
+
+
+@pytest.mark.parametrize("numel", NUMELS)
+@pytest.mark.parametrize("shares", SHARES, ids=lambda s: f"{len(s)}shares")
+def test_part_sizes_sum_and_proportional(numel: int, shares: list[float]) -> None:
+    sizes = part_sizes(numel, shares)
+    assert isinstance(sizes, tuple) and len(sizes) == len(shares)
+    assert all(isinstance(s, int) and s >= 0 for s in sizes)
+    assert sum(sizes) == numel
+    total = sum(shares)
+    for size, share in zip(sizes, shares):
+        assert abs(size - numel * share / total) < 1.0
+
+
+def test_part_sizes_largest_remainder_is_deterministic() -> None:
+    assert part_sizes(10, [1, 1, 1]) == (4, 3, 3)  # ties go to the lowest index
+    assert part_sizes(100, [1, 2]) == (33, 67)
+    assert part_sizes(5, [1, 1, 1, 1, 1, 1, 1]) == (1, 1, 1, 1, 1, 0, 0)
+    assert part_sizes(10, [1, 1, 1]) == part_sizes(10, (1.0, 1.0, 1.0))
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, -INF, NAN, INF])
+def test_part_sizes_non_positive_or_non_finite_share_gets_nothing(bad: float) -> None:
+    sizes = part_sizes(1000, [1.0, bad, 3.0])
+    assert sizes == (250, 0, 750)
+
+
+@pytest.mark.parametrize(
+    "shares", [[0.0, 0.0, 0.0], [-1.0, NAN, 0.0], [-INF, -2.0, INF]], ids=str
+)
+@pytest.mark.parametrize("numel", [0, 2, 10, 1001])
+def test_part_sizes_without_positive_share_splits_evenly(shares: list[float], numel: int) -> None:
+    sizes = part_sizes(numel, shares)
+    assert sum(sizes) == numel
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == tuple(sorted(sizes, reverse=True))  # extra elements go to low indices
+
+
+def test_part_sizes_errors() -> None:
+    with pytest.raises(ValueError):
+        part_sizes(10, [])
+    with pytest.raises(ValueError):
+        part_sizes(-1, [1.0])
+
+
+def test_part_sizes_huge_finite_shares() -> None:
+    """Finite positive shares must split proportionally however large they are."""
+    assert part_sizes(10, [1e308]) == (10,)
+    assert part_sizes(10, [1e308, 1e308]) == (5, 5)
+
+
+@pytest.mark.parametrize(
+    "sizes", [(), (0,), (5,), (3, 0, 4), (1, 1, 1, 1), (2**20, 7, 0, 3)], ids=str
+)
+def test_part_slices_are_contiguous_and_cover(sizes: tuple[int, ...]) -> None:
+    slices = part_slices(sizes)
+    assert len(slices) == len(sizes)
+    start = 0
+    for sl, size in zip(slices, sizes):
+        assert sl.start == start and sl.stop == start + size and sl.step is None
+        start = sl.stop
+    x = np.arange(sum(sizes))
+    joined = np.concatenate([x[sl] for sl in slices]) if slices else np.zeros(0, x.dtype)
+    np.testing.assert_array_equal(joined, x)
+
+
+def test_part_slices_of_part_sizes_cover_the_vector() -> None:
+    x = np.arange(12345, dtype=np.float32)
+    slices = part_slices(part_sizes(x.size, [1.0, 0.5, 2.0, 0.0]))
+    assert x[slices[3]].size == 0
+    np.testing.assert_array_equal(np.concatenate([x[s] for s in slices]), x)
+
+
+F32 = np.dtype(np.float32)
+
+
+def _good(n: int = 5, dtype=np.float32) -> np.ndarray:
+    return np.linspace(-1, 1, n).astype(dtype)
+
+
+@pytest.mark.parametrize("weight", [0.0, 1.0, 123.5])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_check_contribution_accepts_good_input(weight: float, dtype) -> None:
+    assert check_contribution(_good(5, dtype), 5, np.dtype(dtype), weight) is None
+    assert check_contribution(np.zeros(0, np.float32), 0, F32, weight) is None
+
+
+@pytest.mark.parametrize(
+    "values,numel,dtype,weight,reason",
+    [
+        (_good(), 5, F32, -1.0, RejectReason.BAD_WEIGHT),
+        (_good(), 5, F32, NAN, RejectReason.BAD_WEIGHT),
+        (_good(), 5, F32, INF, RejectReason.BAD_WEIGHT),
+        (_good(), 5, F32, -INF, RejectReason.BAD_WEIGHT),
+        # the weight is checked first, even when everything else is wrong too
+        (np.full(3, np.nan), 5, F32, -1.0, RejectReason.BAD_WEIGHT),
+        (_good(5, np.float64), 5, F32, 1.0, RejectReason.DTYPE_MISMATCH),
+        (_good(5, np.float16), 5, F32, 1.0, RejectReason.DTYPE_MISMATCH),
+        (np.zeros(5, np.uint8), 5, F32, 1.0, RejectReason.DTYPE_MISMATCH),
+        # dtype before shape
+        (_good(4, np.float64), 5, F32, 1.0, RejectReason.DTYPE_MISMATCH),
+        (_good(4), 5, F32, 1.0, RejectReason.SHAPE_MISMATCH),
+        (_good(6), 5, F32, 1.0, RejectReason.SHAPE_MISMATCH),
+        (_good(6).reshape(2, 3), 6, F32, 1.0, RejectReason.SHAPE_MISMATCH),
+        (np.ones((), np.float32), 1, F32, 1.0, RejectReason.SHAPE_MISMATCH),
+        # shape before finiteness
+        (np.full(4, np.nan, np.float32), 5, F32, 1.0, RejectReason.SHAPE_MISMATCH),
+        (np.array([0, np.nan, 1], np.float32), 3, F32, 1.0, RejectReason.NON_FINITE),
+        (np.array([0, 1, np.inf], np.float32), 3, F32, 1.0, RejectReason.NON_FINITE),
+        (np.array([-np.inf, 1, 2], np.float32), 3, F32, 0.0, RejectReason.NON_FINITE),
+        (np.array([1, np.inf], np.float16), 2, np.dtype(np.float16), 1.0, RejectReason.NON_FINITE),
+    ],
+    ids=lambda v: v.value if isinstance(v, RejectReason) else None,
+)
+def test_check_contribution_rejects(values, numel, dtype, weight, reason) -> None:
+    result = check_contribution(values, numel, dtype, weight)
+    assert result is not None
+    got, detail = result
+    assert got is reason
+    assert isinstance(detail, str) and detail
+
+
+def _weighted(values: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    stack = np.stack([v.astype(np.float64) for v in values])
+    return np.average(stack, axis=0, weights=np.asarray(weights, np.float64))
+
+
+@pytest.mark.parametrize("numel", [1, 17, 4096, 2**20 + 12345, 2**21 + 1])
+def test_weighted_mean_matches_numpy(numel: int) -> None:
+    rng = np.random.default_rng(numel)
+    values = [rng.standard_normal(numel).astype(np.float32) * 5 + 1 for _ in range(4)]
+    weights = [0.5, 3.0, 1.25, 7.0]
+    copies = [v.copy() for v in values]
+    mean = WeightedMean(numel)
+    for v, w in zip(values, weights):
+        mean.add(v, w)
+    result, total = mean.result()
+    assert result.dtype == np.float32 and result.shape == (numel,)
+    assert total == pytest.approx(sum(weights))
+    assert mean.count == 4
+    np.testing.assert_allclose(result, _weighted(values, weights), rtol=1e-5, atol=1e-5)
+    for v, c in zip(values, copies):
+        np.testing.assert_array_equal(v, c)  # inputs are not modified
+
+
+def test_weighted_mean_is_order_independent() -> None:
+    rng = np.random.default_rng(3)
+    numel = 2**20 + 5
+    values = [rng.standard_normal(numel).astype(np.float32) for _ in range(3)]
+    weights = [1.0, 2.0, 4.0]
+    results = []
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        mean = WeightedMean(numel)
+        for i in order:
+            mean.add(values[i], weights[i])
+        results.append(mean.result()[0])
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(results[0], results[2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("numel", [8, 2**20 + 9])
+def test_weighted_mean_ignores_zero_weights_when_others_positive(numel: int) -> None:
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal(numel).astype(np.float32)
+    b = rng.standard_normal(numel).astype(np.float32)
+    junk = np.full(numel, 1e6, np.float32)
+    mean = WeightedMean(numel)
+    mean.add(junk, 0.0)  # zero weight first ...
+    mean.add(a, 1.0)
+    mean.add(junk, 0.0)  # ... between ...
+    mean.add(b, 3.0)
+    mean.add(junk, 0.0)  # ... and last
+    result, total = mean.result()
+    assert total == 4.0
+    assert mean.count == 5
+    np.testing.assert_allclose(result, _weighted([a, b], [1.0, 3.0]), rtol=1e-5, atol=1e-6)
+
+
+def test_weighted_mean_single_contribution_is_exact() -> None:
+    x = np.random.default_rng(9).standard_normal(1000).astype(np.float32)
+    mean = WeightedMean(x.size)
+    mean.add(x, 2.0)  # x * 2 / 2 is exact in binary floating point
+    result, total = mean.result()
+    np.testing.assert_array_equal(result, x)
+    assert total == 2.0
+
+
+@pytest.mark.parametrize("count", [1, 2, 5])
+def test_weighted_mean_all_zero_weights_is_plain_mean(count: int) -> None:
+    rng = np.random.default_rng(count)
+    values = [rng.standard_normal(100).astype(np.float32) for _ in range(count)]
+    copies = [v.copy() for v in values]
+    mean = WeightedMean(100)
+    for v in values:
+        mean.add(v, 0.0)
+    result, total = mean.result()
+    assert total == 0.0
+    np.testing.assert_allclose(result, np.mean(np.stack(values), axis=0), rtol=1e-6, atol=1e-6)
+    for v, c in zip(values, copies):
+        np.testing.assert_array_equal(v, c)  # the plain sum never accumulates into an input
+
+
+def test_weighted_mean_empty_raises() -> None:
+    with pytest.raises(ValueError):
+        WeightedMean(10).result()
+    with pytest.raises(ValueError):
+        WeightedMean(0).result()
+
+
+def test_weighted_mean_zero_length_vectors() -> None:
+    mean = WeightedMean(0)
+    mean.add(np.zeros(0, np.float32), 2.0)
+    result, total = mean.result()
+    assert result.shape == (0,) and total == 2.0

@@ -1,0 +1,90 @@
+"""The training job end to end, as a user runs it (subprocess, its own local cluster).
+
+Each run starts an embedded cluster on 127.0.0.1 and stops it before exiting; every run is
+bounded by --max-seconds / --max-steps and by a subprocess timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SMALL = [
+    "--set", "model.n_layers=2", "--set", "model.d_model=64", "--set", "model.d_ff=128",
+    "--set", "model.n_heads=2", "--set", "model.seq_len=64",
+    "--set", "training.batch_size=8", "--set", "training.target_batch_size=32",
+    "--set", "training.round_timeout_s=5",
+]
+
+
+def train(*args: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict | None]:
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moshray.jobs.train", *SMALL, "--json", *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )
+    lines = [line for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+    return proc, (json.loads(lines[-1]) if lines else None)
+
+
+def test_bad_config_exits_2_with_one_line():
+    env = dict(os.environ)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moshray.jobs.train", "--set", "training.lr=-1"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "training.lr" in lines[0]
+    proc = subprocess.run(
+        [sys.executable, "-m", "moshray.jobs.train",
+         "--set", "training.mode=sometimes"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert proc.returncode == 2 and "training.mode" in proc.stderr
+
+
+def test_trace_preempts_and_adds_nodes_while_training(tmp_path: Path):
+    # Per-node trace: three nodes; node2 is preempted at 12 s, node3 arrives at 20 s.
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,add,node0\n0,add,node1\n0,add,node2\n"
+                     "12000,remove,node2\n20000,add,node3\n")
+    proc, summary = train("--local-nodes", "3", "--max-nodes", "3", "--trace", str(trace),
+                          "--time-scale", "1", "--max-seconds", "55")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary is not None
+    assert summary["preemptions"] >= 1
+    assert summary["steps"] > 10
+    assert summary["replicas"] == 3  # two survivors and the replica that joined
+    assert summary["replicas_consistent"] is True
+    assert summary["final_loss"] < summary["initial_loss"]
+    # the step counter kept rising after the preemption: progress lines are increasing
+    steps = [int(line.split()[1]) for line in proc.stderr.splitlines() if line.startswith("step")]
+    assert steps == sorted(steps) and steps[-1] == summary["steps"]
+
+
+def test_resume_from_checkpoint_skips_corrupt_file(tmp_path: Path):
+    ckpt = tmp_path / "ckpt"
+    proc, first = train("--local-nodes", "2", "--checkpoint", str(ckpt),
+                        "--set", "checkpoint.every_steps=5", "--max-steps", "10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = sorted(ckpt.glob("ckpt-*.pt"))
+    assert saved, "no checkpoint written"
+    newest_valid = int(saved[-1].stem.split("-")[1])
+    assert newest_valid >= 10
+    (ckpt / "ckpt-999999999.pt").write_bytes(b"MOSHCKPT" + b"\0" * 64)  # torn write
+    proc, second = train("--local-nodes", "2", "--checkpoint", str(ckpt),
+                         "--max-steps", str(newest_valid + 5))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "corrupt" in proc.stderr and "ckpt-999999999.pt" in proc.stderr
+    assert f"resuming from checkpoint at step {newest_valid}" in proc.stderr
+    assert second["steps"] >= newest_valid + 5
+    assert second["replicas_consistent"] is True
+    # it continued from the checkpoint rather than from scratch: the loss starts lower
+    assert second["initial_loss"] < first["initial_loss"]

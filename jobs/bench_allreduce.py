@@ -205,6 +205,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="moshray bench allreduce")
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    from moshray.jobs.cli import run_module
+
+    sys.exit(run_module('moshray.jobs.bench_allreduce'))

@@ -1,43 +1,87 @@
-"""The `moshray` command: `moshray bench allreduce ...`, `moshray train ...`.
+"""The `moshray` command: `moshray bench allreduce ...`, `moshray train ...`, and friends.
 
-Subcommands are thin: each parses its arguments and hands over to the module that owns
-the job (``jobs/bench_allreduce.py``, ``jobs/train.py``). Exit codes: 0 success, 2 bad
-arguments or configuration (one line on stderr saying what to fix), 1 anything else.
+Subcommands are thin: each names the module that owns the job; that module provides
+``add_arguments(parser)`` and ``main(args) -> int``. Modules are imported only when their
+subcommand's parser is built, so one command's heavy imports do not slow the others.
+Exit codes: 0 success, 2 bad arguments or configuration (one line on stderr saying what to fix),
+1 anything else.
+
+To add a subcommand, add one row to :data:`COMMANDS`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from dataclasses import dataclass
 
-from . import bench_allreduce, train
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its words after ``moshray``, the owning module and a one-line help."""
+
+    words: tuple[str, ...]
+    module: str
+    help: str
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMANDS: tuple[Command, ...] = (
+    Command(("train",), "moshray.jobs.train", "run the elastic training job"),
+    Command(("bench", "allreduce"), "moshray.jobs.bench_allreduce",
+            "Moshpit All-Reduce over the object store vs torch.distributed gloo"),
+    Command(("bench", "moe"), "moshray.jobs.bench_moe",
+            "DMoE layer with remote experts vs the same experts in-process"),
+    Command(("bench", "goodput"), "moshray.jobs.bench_goodput",
+            "goodput under a spot trace: moshray vs Ray Train vs the ideal"),
+    Command(("bench", "recovery"), "moshray.jobs.bench_recovery",
+            "recovery times: notice, hard kill, join, expert re-spawn"),
+    Command(("watch",), "moshray.autoscaler.watch",
+            "run the spot-notice watcher of this node"),
+)
+
+GROUP_HELP = {"bench": "benchmarks (figures side by side with a baseline)"}
+
+
+def _module_available(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def build_parser(argv_hint: list[str] | None = None) -> argparse.ArgumentParser:
+    """The full parser. Only the module of the subcommand named in ``argv_hint`` is imported."""
     parser = argparse.ArgumentParser(
-        prog="moshray",
-        description="Preemption-tolerant training on spot GPUs with Ray.",
+        prog="moshray", description="Preemption-tolerant training on spot GPUs with Ray."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-
-    bench = sub.add_parser("bench", help="benchmarks (figures side by side with a baseline)")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    allreduce = bench_sub.add_parser(
-        "allreduce", help="Moshpit All-Reduce over the object store vs torch.distributed gloo"
-    )
-    bench_allreduce.add_arguments(allreduce)
-    allreduce.set_defaults(handler=bench_allreduce.main)
-
-    train_parser = sub.add_parser("train", help="run the elastic training job")
-    train.add_arguments(train_parser)
-    train_parser.set_defaults(handler=train.main)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    hint = tuple(argv_hint or ())
+    for command in COMMANDS:
+        if not _module_available(command.module):
+            continue
+        parent = sub
+        if len(command.words) > 1:
+            group = command.words[0]
+            if group not in groups:
+                group_parser = sub.add_parser(group, help=GROUP_HELP.get(group))
+                groups[group] = group_parser.add_subparsers(dest=group, required=True)
+            parent = groups[group]
+        child = parent.add_parser(command.words[-1], help=command.help)
+        child.set_defaults(module=command.module)
+        if hint[: len(command.words)] == command.words:
+            importlib.import_module(command.module).add_arguments(child)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return int(args.handler(args) or 0)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    return int(importlib.import_module(args.module).main(args) or 0)
+
+
+def run_module(module: str) -> int:
+    """Entry point for ``python -m <module>``: the same arguments as its ``moshray`` command."""
+    command = next(c for c in COMMANDS if c.module == module)
+    return main(list(command.words) + sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -275,6 +275,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m moshray.jobs.train")
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    from moshray.jobs.cli import run_module
+
+    sys.exit(run_module('moshray.jobs.train'))

@@ -9,6 +9,9 @@ made after ``mark_draining`` returns.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import threading
 import time
 from collections.abc import Callable
 
@@ -106,9 +109,36 @@ class CoordinatorCore:
         return self.membership.plan(now, peers)
 
 
+def _serialized(cls):
+    """Wrap every public method of ``cls`` in one lock.
+
+    The actor runs with ``max_concurrency`` > 1 so that a slow caller never queues the others,
+    but the core's state is plain Python data: one lock makes each call atomic. No method
+    blocks on a peer, so holding the lock is always short.
+    """
+    lock = threading.RLock()
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def locked(self, *args, **kwargs):
+            with lock:
+                return fn(self, *args, **kwargs)
+
+        return locked
+
+    for name, fn in inspect.getmembers(cls, inspect.isfunction):
+        if not name.startswith("_"):
+            setattr(cls, name, wrap(fn))
+    return cls
+
+
 @ray.remote
+@_serialized
 class Coordinator(CoordinatorCore):
-    """Ray actor shell around ``CoordinatorCore``; create it with ``get_or_create``."""
+    """Ray actor shell around ``CoordinatorCore``; create it with ``get_or_create``.
+
+    Calls are serialized by one lock (see ``_serialized``).
+    """
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

@@ -21,6 +21,7 @@ from . import placement
 from .membership import Membership, MembershipConfig
 from .messages import PeerInfo, RoundPlan
 from .progress import ProgressReply, ProgressReport, ProgressTracker, StepRecord
+from .registry import ExpertRegistry, HeartbeatStatus, HostRecord
 
 
 class CoordinatorCore:
@@ -37,6 +38,7 @@ class CoordinatorCore:
         self.started = clock()
         self.progress = ProgressTracker(self.membership, target_batch_size)
         self.preemptions = 0
+        self.experts = ExpertRegistry(clock=clock)  # DMoE expert hosts (replaces the DHT)
 
     def register(self, peer_id: str, handle, node_id: str = "", capacity: float = 1.0) -> int:
         self.membership.register(PeerInfo(peer_id, handle, node_id, capacity), self.clock())
@@ -107,6 +109,24 @@ class CoordinatorCore:
         now = self.clock()
         self.membership.expire(now)
         return self.membership.plan(now, peers)
+
+    # -- DMoE expert registry (see registry.py) -----------------------------------------------
+
+    def register_experts(self, host_id: str, uids: tuple[str, ...], handle, node_id: str = "",
+                         instance: str = "") -> int:
+        return self.experts.register(host_id, uids, handle, node_id, instance)
+
+    def heartbeat_experts(self, host_id: str, instance: str = "") -> HeartbeatStatus:
+        return self.experts.heartbeat(host_id, instance)
+
+    def unregister_experts(self, host_id: str, instance: str = "") -> bool:
+        return self.experts.unregister(host_id, instance)
+
+    def lookup_experts(self, prefix: str = "") -> tuple[HostRecord, ...]:
+        return self.experts.lookup(prefix)
+
+    def expert_locations(self) -> dict[str, tuple[str, str]]:
+        return self.experts.locations()
 
 
 def _serialized(cls):

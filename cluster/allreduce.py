@@ -55,10 +55,12 @@ class GroupMailbox:
     own_part: int | None = None  # set when this peer's round starts (None: receiver)
     reduced: bool = False  # own part published: later contributions are late
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    version: int = 0  # bumped by every notify: waiters compare it with what they last saw
     fetches: dict[tuple[str, int], asyncio.Task] = field(default_factory=dict)
     result_fetches: dict[int, asyncio.Task] = field(default_factory=dict)
 
     def notify(self) -> None:
+        self.version += 1
         self.changed.set()
 
     def fetch_part(self, sender: str, part: int) -> asyncio.Task:
@@ -77,17 +79,24 @@ class GroupMailbox:
             self.result_fetches[part] = task
         return task
 
-    async def wait_changed(self, deadline: float, clock: Callable[[], float]) -> bool:
-        """Wait for new arrivals until ``deadline``; False when the deadline passed."""
-        remaining = deadline - clock()
-        if remaining <= 0:
-            return False
-        self.changed.clear()
-        try:
-            await asyncio.wait_for(self.changed.wait(), remaining)
-            return True
-        except asyncio.TimeoutError:
-            return False
+    async def wait_changed(self, seen: int, deadline: float, clock: Callable[[], float]) -> bool:
+        """Wait until something arrived after the caller saw ``version == seen``.
+
+        Returns True at once if anything arrived since (even while the caller was busy
+        awaiting a fetch, so no wake-up is lost), False when ``deadline`` passes first.
+        """
+        while self.version == seen:
+            remaining = deadline - clock()
+            if remaining <= 0:
+                return False
+            # Safe to clear: notify runs on this event loop, so nothing can arrive between
+            # the version check above and the wait below.
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return self.version != seen
+        return True
 
 
 async def _fetch(ref) -> comp.Encoded:
@@ -281,13 +290,23 @@ class GroupRound:
         exclude: str | None = None,
     ) -> tuple[np.ndarray, float, tuple[str, ...]]:
         """Weighted mean of part ``part`` over our own value and the contributions that
-        arrive before ``deadline`` (streaming, in arrival order)."""
+        arrive before ``deadline``.
+
+        The owner adds contributions as they are fetched (streaming). A re-reduction of a
+        dead owner's part (``exclude`` set) runs on every survivor at once: it adds the
+        values in the group's member order, so survivors holding the same contributions
+        compute bitwise identical results.
+        """
         expected = comp.WIRE_DTYPE[self.codec]
         mean = WeightedMean(size)
         contributors: list[str] = []
+        held: dict[str, tuple[np.ndarray, float]] = {}  # re-reduction: added at the end
         problem = check_contribution(local, size, np.dtype(np.float32), weight)
         if problem is None:
-            mean.add(local, weight)
+            if exclude is None:
+                mean.add(local, weight)
+            else:
+                held[self.me] = (local, weight)
             contributors.append(self.me)
         else:
             self._reject(self.me, part, *problem)
@@ -295,6 +314,7 @@ class GroupRound:
         others = [m for m in self.group.members if m not in (self.me, exclude)]
         done: set[str] = set()
         while True:
+            seen = self.box.version  # arrivals during the awaits below wake the wait at once
             for sender in others:
                 if sender in done or sender not in self.box.contributions:
                     continue
@@ -322,16 +342,19 @@ class GroupRound:
                 if problem is not None:
                     self._reject(sender, part, *problem)
                     continue
-                await asyncio.to_thread(mean.add, values, c.weight)
+                if exclude is None:
+                    await asyncio.to_thread(mean.add, values, c.weight)
+                else:
+                    held[sender] = (values, c.weight)
                 contributors.append(sender)
             waiting = [s for s in others if s not in done and s not in self.box.dead]
             if not waiting:
                 break
-            if not await self.box.wait_changed(deadline, self.clock):
-                if all(s in done or s in self.box.dead for s in others):
-                    break
-                if self.clock() >= deadline:
-                    break
+            if not await self.box.wait_changed(seen, deadline, self.clock):
+                break  # deadline: whoever has not contributed yet drops out of this part
+        for member in self.group.members:
+            if member in held:
+                await asyncio.to_thread(mean.add, *held[member])
         if mean.count == 0:  # nothing valid, not even our own value: keep it as is
             return np.array(local, dtype=np.float32), 0.0, ()
         values, total = await asyncio.to_thread(mean.result)
@@ -366,11 +389,10 @@ class GroupRound:
         while part not in self.box.results:
             if owner in self.box.dead:
                 return None
-            if not await self.box.wait_changed(deadline, self.clock) and part not in self.box.results:
-                if self.clock() >= deadline:
-                    log.warning("epoch %d round %d: no result for part %d from %s by the "
-                                "deadline", self.plan.epoch, self.round_index, part, owner)
-                    return None
+            if not await self.box.wait_changed(self.box.version, deadline, self.clock):
+                log.warning("epoch %d round %d: no result for part %d from %s by the "
+                            "deadline", self.plan.epoch, self.round_index, part, owner)
+                return None
         result = self.box.results[part]
         if result.numel != self.numel:
             log.warning("result of part %d from %s is for a tensor of %d values, not %d; "

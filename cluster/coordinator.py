@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import ray
 
-from . import placement
+from . import metrics, placement
 from .membership import Membership, MembershipConfig
 from .messages import PeerInfo, RoundPlan
 from .progress import ProgressReply, ProgressReport, ProgressTracker, StepRecord
@@ -136,12 +136,13 @@ def _serialized(cls):
     but the core's state is plain Python data: one lock makes each call atomic. No method
     blocks on a peer, so holding the lock is always short.
     """
-    lock = threading.RLock()
 
     def wrap(fn):
         @functools.wraps(fn)
         def locked(self, *args, **kwargs):
-            with lock:
+            # One lock per instance, made on first use (dict.setdefault is atomic), so the
+            # class itself holds nothing unpicklable.
+            with self.__dict__.setdefault("_call_lock", threading.RLock()):
                 return fn(self, *args, **kwargs)
 
         return locked
@@ -163,11 +164,64 @@ class Coordinator(CoordinatorCore):
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    # -- metrics (see cluster/metrics.py) ---------------------------------------------------
+
+    def __init__(self, *args, metrics_port: int | None = None,
+                 metrics_host: str = metrics.LOOPBACK, prices: metrics.Prices | None = None,
+                 **kwargs):
+        """``metrics_port`` None: events are counted but not served; 0: the OS picks."""
+        super().__init__(*args, **kwargs)
+        self._drain_marks: tuple[tuple[float, int], ...] = ()
+        self.metrics = metrics.MetricsExporter(prices or metrics.Prices(), self.metrics_state)
+        if metrics_port is not None:
+            self.metrics.serve(metrics_host, metrics_port)
+
+    def record(self, events: tuple) -> int:
+        """Count metrics events (fire-and-forget); bad ones are logged and skipped."""
+        self._resolve_rebalances()
+        return self.metrics.apply_all(events)
+
+    def metrics_address(self) -> str | None:
+        """``host:port`` where ``/metrics`` is served (None if not served)."""
+        if self.metrics.address is None:
+            return None
+        host, port = self.metrics.address
+        if host in ("", "0.0.0.0", "::"):
+            host = ray.util.get_node_ip_address()
+        return f"{host}:{port}"
+
+    def metrics_state(self) -> metrics.TrainingState:
+        """The run as the exporter sees it at scrape time (also resolves rebalance delays)."""
+        self._resolve_rebalances()
+        s = self.stats()
+        return metrics.training_state(
+            s["history"], now_s=self.clock() - self.started, live=s["live"],
+            draining=s["draining"], epoch=s["epoch"], preemptions=s["preemptions"],
+            live_experts=len(self.experts.locations()))
+
+    def mark_draining(self, node_id: str, deadline_s: float) -> tuple[str, ...]:
+        hit = super().mark_draining(node_id, deadline_s)
+        if hit:  # the notice -> rebalanced-plan delay is measured at the next step
+            self._drain_marks += ((self.clock(), self.membership.epoch),)
+        return hit
+
+    def _resolve_rebalances(self) -> None:
+        if self._drain_marks:
+            steps = [(h.epoch, h.at_s) for h in self.progress.history]
+            delays, self._drain_marks = metrics.rebalance_delays(self._drain_marks, steps)
+            self.metrics.apply_all(metrics.RebalanceEvent(d) for d in delays)
+
 
 def get_or_create(
-    config: MembershipConfig | None = None, target_batch_size: int = 256, name: str | None = None
+    config: MembershipConfig | None = None, target_batch_size: int = 256, name: str | None = None,
+    metrics_port: int | None = None, metrics_host: str = metrics.LOOPBACK,
+    prices: metrics.Prices | None = None,
 ) -> ray.actor.ActorHandle:
-    """The cluster's Coordinator: created detached on the head node on first call."""
+    """The cluster's Coordinator: created detached on the head node on first call.
+
+    With ``metrics_port`` (0: any free port) it serves Prometheus metrics on
+    ``metrics_host``; ``metrics_address.remote()`` tells where. Ignored if it exists already.
+    """
     return Coordinator.options(
         name=name or placement.COORDINATOR_NAME,
         namespace=placement.NAMESPACE,
@@ -175,4 +229,5 @@ def get_or_create(
         get_if_exists=True,
         max_concurrency=64,
         **placement.on_head(),
-    ).remote(config or MembershipConfig(), target_batch_size=target_batch_size)
+    ).remote(config or MembershipConfig(), target_batch_size=target_batch_size,
+             metrics_port=metrics_port, metrics_host=metrics_host, prices=prices)

@@ -119,11 +119,16 @@ class LocalCluster:
                 resources={SPOT_RESOURCE: 1000, f"slot-{slot}": 1},
             )
             self.nodes[slot] = node
-            log.info("spot node %d up (%s)", slot, node.unique_id)
+            log.info("spot node %d up (%s)", slot, node.node_id)
             return slot
 
     def node_id(self, slot: int) -> str:
-        return self.nodes[slot].unique_id
+        """Ray's hex node id of ``slot``'s raylet."""
+        return self.nodes[slot].node_id
+
+    @property
+    def head_node_id(self) -> str:
+        return self.cluster.head_node.node_id
 
     def remove_node(self, slot: int, hard: bool = False) -> None:
         """Stop the raylet of ``slot``; ``hard`` kills its processes without grace."""

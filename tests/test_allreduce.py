@@ -116,7 +116,6 @@ def test_load_balanced_shares_change_part_sizes(cluster):
         kill_all(peers)
 
 
-@pytest.mark.xfail(strict=False, reason="known issue: under load a part sometimes holds a value other than the weighted average of its contributors (seen in full-suite runs, not in isolation); under investigation, see the closing note of issue 2")
 @pytest.mark.parametrize("codec", ["fp16", "uint8", "blockwise8"])
 def test_compression_error_within_documented_bound(cluster, codec):
     peers = spawn(4, f"c-{codec}-")
@@ -162,7 +161,6 @@ def test_peer_killed_mid_round(cluster):
         kill_all(peers)
 
 
-@pytest.mark.xfail(strict=False, reason="known issue: under load a part sometimes holds a value other than the weighted average of its contributors (seen in full-suite runs, not in isolation); under investigation, see the closing note of issue 2")
 def test_node_removed_mid_round(cluster):
     slot = cluster.add_node()
     try:
@@ -191,7 +189,6 @@ def test_node_removed_mid_round(cluster):
         kill_all(peers)
 
 
-@pytest.mark.xfail(strict=False, reason="known issue: under load a part sometimes holds a value other than the weighted average of its contributors (seen in full-suite runs, not in isolation); under investigation, see the closing note of issue 2")
 def test_bad_contributions_rejected_with_reason(cluster):
     peers = spawn(6, "bad-")
     try:
@@ -224,10 +221,9 @@ def test_bad_contributions_rejected_with_reason(cluster):
         kill_all(peers)
 
 
-@pytest.mark.xfail(strict=False, reason="known issue: under load a part sometimes holds a value other than the weighted average of its contributors (seen in full-suite runs, not in isolation); under investigation, see the closing note of issue 2")
 def test_coordinator_on_head_plans_without_draining_nodes(cluster):
     coord = coordinator_mod.get_or_create(MembershipConfig(max_group=2))
-    head = cluster.cluster.head_node.unique_id
+    head = cluster.head_node_id
     assert ray.get(coord.node_id.remote()) == head
     peers = spawn(4, "coord-")
     try:

@@ -1,0 +1,513 @@
+"""Prometheus metrics: the typed events peers report and the exporter that counts them.
+
+Replicas, experts, preemption watchers and NodeProviders describe what happened as small
+frozen dataclasses (``RoundEvent``, ``NoticeEvent``, ...) and send tuples of them to the
+Coordinator's ``record`` (fire-and-forget). The Coordinator owns one ``MetricsExporter``,
+which applies events to counters and histograms in its own ``CollectorRegistry`` (never the
+process-global one, so several exporters can live in one process) and serves ``/metrics``
+over HTTP. State the Coordinator already holds (peers, global step, samples, loss) is not
+reported as events: a ``state`` callable passed to the exporter returns a ``TrainingState``
+at scrape time.
+
+Names follow Prometheus conventions: ``moshray_`` prefix, base units (seconds, bytes),
+``_total`` for counters. Costs are in dollars. Every event validates its fields on
+construction and raises ``ValueError`` with a one-line message naming the bad field.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .messages import AllReduceReport
+
+log = logging.getLogger(__name__)
+
+PREFIX = "moshray_"
+EXPERT_OUTCOMES = ("ok", "timeout", "failed", "rejected")
+MARKETS = ("spot", "on_demand")
+LOOPBACK = "127.0.0.1"
+
+ROUND_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+REBALANCE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+JOIN_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+EXPERT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def _seconds(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+
+
+def _count(name: str, value: int) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
+def _label(name: str, value: str) -> None:
+    if not (isinstance(value, str) and value):
+        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+
+
+def _market(value: str) -> None:
+    if value not in MARKETS:
+        raise ValueError(f"market must be one of {MARKETS}, got {value!r}")
+
+
+# -- events --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoundEvent:
+    """One peer's view of one all-reduce call (sent by each replica after each step).
+
+    ``rejected`` holds (reason, count) pairs, reason being a ``RejectReason`` value;
+    ``failed`` is true when the round did not average everyone (a rejection, an owner that
+    died, or a contributor present in only some parts).
+    """
+
+    duration_s: float
+    bytes_moved: int
+    rejected: tuple[tuple[str, int], ...] = ()
+    failed: bool = False
+
+    def __post_init__(self) -> None:
+        _seconds("duration_s", self.duration_s)
+        _count("bytes_moved", self.bytes_moved)
+        for pair in self.rejected:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise ValueError(f"rejected must hold (reason, count) pairs, got {pair!r}")
+            _label("rejection reason", pair[0])
+            _count("rejection count", pair[1])
+
+    @classmethod
+    def from_report(cls, report: AllReduceReport) -> "RoundEvent":
+        """The event for one ``Averager.all_reduce`` report (bytes moved = bytes sent)."""
+        counts: dict[str, int] = {}
+        for r in report.rejections:
+            reason = getattr(r.reason, "value", str(r.reason))
+            counts[reason] = counts.get(reason, 0) + 1
+        return cls(
+            duration_s=max(0.0, float(report.seconds)),
+            bytes_moved=int(report.bytes_sent),
+            rejected=tuple(sorted(counts.items())),
+            failed=not report.complete,
+        )
+
+
+@dataclass(frozen=True)
+class NoticeEvent:
+    """A preemption notice arrived for a node in ``pool`` of ``cloud`` (aws, gcp, simulated)."""
+
+    cloud: str
+    pool: str
+
+    def __post_init__(self) -> None:
+        _label("cloud", self.cloud)
+        _label("pool", self.pool)
+
+
+@dataclass(frozen=True)
+class NodeLostEvent:
+    """A worker node is gone; ``with_notice`` is false for a kill nobody announced."""
+
+    with_notice: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.with_notice, bool):
+            raise ValueError(f"with_notice must be a bool, got {self.with_notice!r}")
+
+
+@dataclass(frozen=True)
+class RebalanceEvent:
+    """Seconds from a preemption notice to the first plan that excludes the node."""
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        _seconds("seconds", self.seconds)
+
+
+@dataclass(frozen=True)
+class JoinEvent:
+    """Seconds from a replica's start (registration) to its first averaged contribution."""
+
+    seconds_to_first_contribution: float
+
+    def __post_init__(self) -> None:
+        _seconds("seconds_to_first_contribution", self.seconds_to_first_contribution)
+
+
+@dataclass(frozen=True)
+class ExpertCallEvent:
+    """One call from a mixture layer to one expert: outcome in ``EXPERT_OUTCOMES``."""
+
+    outcome: str
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if self.outcome not in EXPERT_OUTCOMES:
+            raise ValueError(f"outcome must be one of {EXPERT_OUTCOMES}, got {self.outcome!r}")
+        _seconds("latency_s", self.latency_s)
+
+
+@dataclass(frozen=True)
+class LaunchEvent:
+    """A NodeProvider launch attempt in ``pool`` on ``market`` (spot or on_demand)."""
+
+    pool: str
+    ok: bool
+    market: str = "spot"
+
+    def __post_init__(self) -> None:
+        _label("pool", self.pool)
+        _market(self.market)
+        if not isinstance(self.ok, bool):
+            raise ValueError(f"ok must be a bool, got {self.ok!r}")
+
+
+@dataclass(frozen=True)
+class CapacityEvent:
+    """How many worker nodes run now on each market (a gauge, last value wins)."""
+
+    spot_nodes: int
+    on_demand_nodes: int
+
+    def __post_init__(self) -> None:
+        _count("spot_nodes", self.spot_nodes)
+        _count("on_demand_nodes", self.on_demand_nodes)
+
+
+Event = Union[RoundEvent, NoticeEvent, NodeLostEvent, RebalanceEvent, JoinEvent,
+              ExpertCallEvent, LaunchEvent, CapacityEvent]
+
+
+# -- configuration and state ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prices:
+    """$/hour of one worker node on each market; cost estimates multiply node counts by them.
+
+    The defaults are an AWS g4dn.xlarge in us-east-1 (on-demand list price, a typical spot
+    price); set your own.
+    """
+
+    spot_per_hour: float = 0.16
+    on_demand_per_hour: float = 0.526
+
+    def __post_init__(self) -> None:
+        for name in ("spot_per_hour", "on_demand_per_hour"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"prices.{name} must be a finite number >= 0, got {value!r}")
+
+    def cost_per_hour(self, spot_nodes: int, on_demand_nodes: int) -> float:
+        return spot_nodes * self.spot_per_hour + on_demand_nodes * self.on_demand_per_hour
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What the Coordinator knows about the run at one instant (read at scrape time)."""
+
+    live_peers: int = 0
+    draining_peers: int = 0
+    global_step: int = 0
+    samples_total: int = 0
+    samples_per_s: float = 0.0
+    loss: float | None = None
+    preemptions: int = 0
+    live_experts: int = 0
+
+
+def training_state(
+    history: Sequence[tuple],
+    *,
+    now_s: float,
+    live: int,
+    draining: int,
+    epoch: int,
+    preemptions: int = 0,
+    live_experts: int = 0,
+    window_s: float = 60.0,
+) -> TrainingState:
+    """Pure: a ``TrainingState`` from the Coordinator's step history.
+
+    ``history`` rows are ``(epoch, at_s, samples, loss, peers)`` as in
+    ``CoordinatorCore.stats()``, with ``at_s`` and ``now_s`` on the same clock (seconds since
+    the Coordinator started). Samples per second is the samples of the steps committed in the
+    last ``window_s`` seconds (or since the start, if shorter) divided by that span.
+    """
+    samples_total = sum(int(row[2]) for row in history)
+    span = min(window_s, now_s) if now_s > 0 else 0.0
+    recent = 0
+    for row in reversed(history):
+        if row[1] < now_s - span:
+            break
+        recent += int(row[2])
+    loss = next((row[3] for row in reversed(history) if row[3] is not None), None)
+    return TrainingState(
+        live_peers=live,
+        draining_peers=draining,
+        global_step=epoch,
+        samples_total=samples_total,
+        samples_per_s=recent / span if span > 0 else 0.0,
+        loss=loss,
+        preemptions=preemptions,
+        live_experts=live_experts,
+    )
+
+
+def rebalance_delays(
+    marks: Sequence[tuple[float, int]], steps: Sequence[tuple[int, float]]
+) -> tuple[tuple[float, ...], tuple[tuple[float, int], ...]]:
+    """Pure: seconds from each drain mark to the first step planned after it.
+
+    ``marks`` are ``(marked_at, epoch_at_mark)``; ``steps`` are ``(epoch, at)`` of committed
+    steps, on the same clock. A plan made after ``mark_draining`` excludes the draining
+    peers, so the first step with a higher epoch is the rebalanced one. Returns the delays
+    of the marks that are resolved and the marks still waiting.
+    """
+    delays, waiting = [], []
+    for at, epoch in marks:
+        first = next((s_at for s_epoch, s_at in steps if s_epoch > epoch), None)
+        if first is None:
+            waiting.append((at, epoch))
+        else:
+            delays.append(max(0.0, first - at))
+    return tuple(delays), tuple(waiting)
+
+
+# -- the exporter --------------------------------------------------------------------------
+
+
+class _DerivedCollector(Collector):
+    """Gauges and counters computed at scrape time from the exporter's state callable."""
+
+    def __init__(self, exporter: "MetricsExporter"):
+        self.exporter = exporter
+
+    def describe(self):  # no describe-time samples: do not call ``state`` on registration
+        return []
+
+    def collect(self):
+        ex = self.exporter
+        try:
+            state = ex.state() if ex.state is not None else TrainingState()
+        except Exception as exc:  # a scrape must not fail because the Coordinator is busy
+            log.warning("metrics: training state unavailable (%s); exporting zeros", exc)
+            state = TrainingState()
+        spot, on_demand = ex.nodes()
+        peers = GaugeMetricFamily(PREFIX + "peers", "Averaging peers by state.",
+                                  labels=["state"])
+        peers.add_metric(["live"], state.live_peers)
+        peers.add_metric(["draining"], state.draining_peers)
+        yield peers
+        yield GaugeMetricFamily(PREFIX + "global_step", "Global steps (epochs) committed.",
+                                value=state.global_step)
+        yield CounterMetricFamily(PREFIX + "samples_processed",
+                                  "Training samples in committed global steps.",
+                                  value=state.samples_total)
+        yield GaugeMetricFamily(PREFIX + "samples_per_second",
+                                "Samples per second over the last minute.",
+                                value=state.samples_per_s)
+        yield GaugeMetricFamily(PREFIX + "training_loss",
+                                "Mean training loss of the last committed step.",
+                                value=state.loss if state.loss is not None else math.nan)
+        yield CounterMetricFamily(PREFIX + "preemptions",
+                                  "Replicas lost to preemption, as the job counted them.",
+                                  value=state.preemptions)
+        yield GaugeMetricFamily(PREFIX + "live_experts", "Experts registered and live.",
+                                value=state.live_experts)
+        nodes = GaugeMetricFamily(PREFIX + "nodes", "Worker nodes by market.",
+                                  labels=["market"])
+        nodes.add_metric(["spot"], spot)
+        nodes.add_metric(["on_demand"], on_demand)
+        yield nodes
+        price = GaugeMetricFamily(PREFIX + "node_price_dollars_per_hour",
+                                  "Configured price of one worker node.", labels=["market"])
+        price.add_metric(["spot"], ex.prices.spot_per_hour)
+        price.add_metric(["on_demand"], ex.prices.on_demand_per_hour)
+        yield price
+        per_hour = ex.prices.cost_per_hour(spot, on_demand)
+        yield GaugeMetricFamily(PREFIX + "estimated_cost_dollars_per_hour",
+                                "Worker nodes times their configured prices.", value=per_hour)
+        per_sample = per_hour / 3600.0 / state.samples_per_s if state.samples_per_s > 0 \
+            else math.nan
+        yield GaugeMetricFamily(PREFIX + "estimated_cost_dollars_per_sample",
+                                "Estimated cost per hour divided by samples per hour.",
+                                value=per_sample)
+
+
+class MetricsExporter:
+    """Applies events to metrics in a private registry and serves them over HTTP.
+
+    ``state`` (optional) is called first in every scrape, from the HTTP thread, and returns a
+    ``TrainingState``; if it raises, the scrape still succeeds with zeros for those gauges. ``apply`` is thread-safe.
+    ``serve`` starts a daemon HTTP thread; ``close`` stops it. Nothing here talks to Ray.
+    """
+
+    def __init__(self, prices: Prices = Prices(),
+                 state: Callable[[], TrainingState] | None = None):
+        self.prices = prices
+        self.state = state
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._lock = threading.Lock()
+        self._nodes = (0, 0)
+        self._server = None
+        self._thread = None
+        self.address: tuple[str, int] | None = None
+        r = self.registry
+        # First in the registry, so ``state`` runs first in every scrape: events it applies
+        # (the Coordinator resolves rebalance delays there) show up in the same scrape.
+        r.register(_DerivedCollector(self))
+        self.round_seconds = Histogram(
+            PREFIX + "allreduce_round_duration_seconds",
+            "Duration of one all-reduce call as one peer saw it.",
+            buckets=ROUND_BUCKETS, registry=r)
+        self.round_bytes = Counter(
+            PREFIX + "allreduce_sent_bytes", "Bytes peers put into the object store for "
+            "all-reduce (contributions and reduced parts).", registry=r)
+        self.failed_rounds = Counter(
+            PREFIX + "allreduce_failed_rounds",
+            "All-reduce calls that did not average every participant.", registry=r)
+        self.rejected = Counter(
+            PREFIX + "allreduce_rejected_contributions",
+            "Contributions left out of an average, by reason.", ["reason"], registry=r)
+        self.notices = Counter(
+            PREFIX + "preemption_notices", "Preemption notices received.",
+            ["cloud", "pool"], registry=r)
+        self.nodes_lost = Counter(
+            PREFIX + "nodes_lost", "Worker nodes lost, with or without a notice.",
+            ["notice"], registry=r)
+        self.rebalance_seconds = Histogram(
+            PREFIX + "rebalance_seconds",
+            "Seconds from a preemption notice to the first plan without the node.",
+            buckets=REBALANCE_BUCKETS, registry=r)
+        self.join_seconds = Histogram(
+            PREFIX + "join_to_first_contribution_seconds",
+            "Seconds from a replica's start to its first averaged contribution.",
+            buckets=JOIN_BUCKETS, registry=r)
+        self.expert_calls = Counter(
+            PREFIX + "expert_calls", "Calls to experts, by outcome.", ["outcome"], registry=r)
+        self.expert_latency = Histogram(
+            PREFIX + "expert_call_latency_seconds", "Latency of one call to one expert.",
+            buckets=EXPERT_BUCKETS, registry=r)
+        self.launches = Counter(
+            PREFIX + "launches", "Node launch attempts, by pool and market.",
+            ["pool", "market"], registry=r)
+        self.launch_failures = Counter(
+            PREFIX + "launch_failures", "Node launch attempts that failed, by pool and market.",
+            ["pool", "market"], registry=r)
+        for outcome in EXPERT_OUTCOMES:  # export zeros so rate() works from the start
+            self.expert_calls.labels(outcome)
+        for notice in ("true", "false"):
+            self.nodes_lost.labels(notice)
+        self._apply = {
+            RoundEvent: self._round,
+            NoticeEvent: lambda e: self.notices.labels(e.cloud, e.pool).inc(),
+            NodeLostEvent: lambda e: self.nodes_lost.labels(
+                "true" if e.with_notice else "false").inc(),
+            RebalanceEvent: lambda e: self.rebalance_seconds.observe(e.seconds),
+            JoinEvent: lambda e: self.join_seconds.observe(e.seconds_to_first_contribution),
+            ExpertCallEvent: self._expert_call,
+            LaunchEvent: self._launch,
+            CapacityEvent: self._capacity,
+        }
+
+    # events
+
+    def apply(self, event: Event) -> None:
+        """Count one event; raises TypeError for anything that is not an ``Event``."""
+        handler = self._apply.get(type(event))
+        if handler is None:
+            raise TypeError(f"not a metrics event: {type(event).__name__}")
+        handler(event)
+
+    def apply_all(self, events: Iterable[object]) -> int:
+        """Apply each event; a bad one is logged and skipped. Returns how many were applied."""
+        applied = 0
+        for event in events:
+            try:
+                self.apply(event)
+                applied += 1
+            except (TypeError, ValueError) as exc:
+                log.warning("metrics: dropped %r (%s)", event, exc)
+        return applied
+
+    def _round(self, e: RoundEvent) -> None:
+        self.round_seconds.observe(e.duration_s)
+        self.round_bytes.inc(e.bytes_moved)
+        if e.failed:
+            self.failed_rounds.inc()
+        for reason, count in e.rejected:
+            self.rejected.labels(reason).inc(count)
+
+    def _expert_call(self, e: ExpertCallEvent) -> None:
+        self.expert_calls.labels(e.outcome).inc()
+        self.expert_latency.observe(e.latency_s)
+
+    def _launch(self, e: LaunchEvent) -> None:
+        self.launches.labels(e.pool, e.market).inc()
+        if not e.ok:
+            self.launch_failures.labels(e.pool, e.market).inc()
+
+    def _capacity(self, e: CapacityEvent) -> None:
+        with self._lock:
+            self._nodes = (e.spot_nodes, e.on_demand_nodes)
+
+    def nodes(self) -> tuple[int, int]:
+        """(spot, on-demand) worker nodes, as last reported."""
+        with self._lock:
+            return self._nodes
+
+    # exposition
+
+    def render(self) -> str:
+        """The registry in Prometheus text exposition format."""
+        return generate_latest(self.registry).decode()
+
+    def metric_names(self) -> frozenset[str]:
+        """Every sample name this exporter can export (with _bucket/_count/_sum/_total)."""
+        names = set()
+        for family in self.registry.collect():
+            names.add(family.name)
+            for sample in family.samples:
+                names.add(sample.name)
+            if family.type == "histogram":
+                names.update(family.name + s for s in ("_bucket", "_count", "_sum"))
+            if family.type == "counter":
+                names.add(family.name + "_total")
+        return frozenset(names)
+
+    def serve(self, host: str = LOOPBACK, port: int = 0) -> tuple[str, int]:
+        """Serve ``/metrics`` on ``host:port`` (port 0: the OS picks); returns the bound pair.
+
+        Raises OSError if the port is taken; calling it twice raises RuntimeError.
+        """
+        from prometheus_client import start_http_server
+
+        if self._server is not None:
+            raise RuntimeError(f"metrics exporter already serving on {self.address}")
+        if not (isinstance(port, int) and 0 <= port <= 65535):
+            raise ValueError(f"metrics port must be an integer in 0..65535, got {port!r}")
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.address = (host, self._server.server_port)
+        return self.address
+
+    def close(self) -> None:
+        """Stop serving (idempotent)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+            self.address = None
+

@@ -1,0 +1,582 @@
+"""What the spot NodeProviders for Ray's autoscaler share; the clouds differ only in transport.
+
+A subclass (``aws_provider.AWSSpotNodeProvider``, ``gcp_provider.GCPSpotNodeProvider``)
+implements six small hooks that talk to its cloud (list, fetch, launch in one pool, terminate,
+tag, default pool); this base turns them into Ray's ``NodeProvider`` contract and carries out
+the :class:`~moshray.autoscaler.pools.PoolSelector`'s decisions:
+
+* ``create_node`` asks the selector for a plan, launches in the first pool, records the
+  outcome (launched / capacity error) in the pool history and asks again for what is left,
+  until every node is launched or no pool may be tried. Workers go through the configured
+  spot pools (and the on-demand fallback within budget); the head is launched on-demand in
+  the pool its ``node_config`` names. Every launch attempt carries an idempotency token
+  (EC2 ClientToken / GCE requestId) derived from one id per ``create_node`` call, so a
+  retried request cannot launch twice.
+* ``non_terminated_nodes`` lists the cluster's instances (by the ``moshray-cluster`` tag),
+  and notices preemptions: a spot node that the cloud ended (the cloud says so, or a node seen
+  running vanished) while this provider did not terminate it is a ``PREEMPTED`` event of its
+  pool, so the selector steers away from that pool.
+
+Assumptions written down (as in Ray's autoscaler v2 provider interface): listings are
+eventually consistent, so nodes launched here are served from a local record until the
+listing shows them (``visibility_grace_s``); requests are idempotent; errors are collected in
+:attr:`SpotNodeProviderBase.errors` and logged rather than raised into the autoscaler loop,
+except where Ray's contract wants an exception: a ``create_node`` that launched nothing
+raises ``NodeLaunchException`` (Ray shows it as a failed launch), and a first listing that
+fails raises (there is no earlier listing to fall back on).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.autoscaler.node_launch_exception import NodeLaunchException
+from ray.autoscaler.node_provider import NodeProvider
+from ray.autoscaler.tags import (
+    NODE_KIND_HEAD,
+    NODE_KIND_WORKER,
+    TAG_RAY_CLUSTER_NAME,
+    TAG_RAY_NODE_KIND,
+)
+
+from moshray.autoscaler.pools import (
+    EventKind,
+    Market,
+    Observations,
+    OnDemandBudget,
+    Pool,
+    PoolEvent,
+    PoolSelector,
+    RunningNode,
+    SelectorConfig,
+    decode_pool,
+)
+from moshray.autoscaler.tags import CLUSTER_TAG, MARKET_TAG, POOL_TAG, ROLE_TAG
+
+log = logging.getLogger(__name__)
+
+# node_config key (ours, removed before the cloud call): this node type's own pool list.
+NODE_POOLS_KEY = "moshray_pools"
+_SELECTOR_KEYS = ("capacity_cooldown_s", "max_cooldown_s", "preemption_window_s",
+                  "spot_stable_s")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """The placement part of a provider config, validated once at start-up.
+
+    YAML (under ``provider:``)::
+
+        pools: [{instance_type|machine_type: ..., zone: ..., market?: spot, subnet_id?: ...}]
+        on_demand: {max_nodes?: 2, max_usd_per_hour?: 3.0, prices?: {g5.xlarge: 1.006}}
+        capacity_cooldown_s: 300      # and max_cooldown_s, preemption_window_s, spot_stable_s
+        return_to_spot: false         # release on-demand workers once spot is stable again
+        visibility_grace_s: 120       # serve own launches until the listing shows them
+    """
+
+    pools: tuple[Pool, ...] = ()
+    budget: OnDemandBudget = field(default_factory=OnDemandBudget)
+    selector: SelectorConfig = field(default_factory=SelectorConfig)
+    return_to_spot: bool = False
+    visibility_grace_s: float = 120.0
+
+    @classmethod
+    def from_provider_config(cls, cloud: str, cfg: Mapping[str, Any]) -> PlacementConfig:
+        raw_pools = cfg.get("pools") or ()
+        if not isinstance(raw_pools, (list, tuple)):
+            raise ValueError(f"provider.pools must be a list, got {raw_pools!r}")
+        pools = tuple(Pool.from_config(cloud, entry) for entry in raw_pools)
+        selector = SelectorConfig(**{k: cfg[k] for k in _SELECTOR_KEYS if k in cfg})
+        budget = OnDemandBudget.from_config(cfg.get("on_demand"))
+        if pools:
+            PoolSelector(pools, budget, selector)  # validates duplicates, prices, ...
+        return_to_spot = cfg.get("return_to_spot", False)
+        if not isinstance(return_to_spot, bool):
+            raise ValueError(f"provider.return_to_spot must be true or false, got {return_to_spot!r}")
+        grace = cfg.get("visibility_grace_s", 120.0)
+        if not isinstance(grace, (int, float)) or grace < 0:
+            raise ValueError(f"provider.visibility_grace_s must be a number >= 0, got {grace!r}")
+        return cls(pools, budget, selector, return_to_spot, float(grace))
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """One instance as this provider sees it (cloud-neutral)."""
+
+    node_id: str
+    live: bool  # pending or running (Ray's "non-terminated")
+    running: bool
+    tags: Mapping[str, str]  # Ray's tags plus the moshray-* tags
+    internal_ip: str | None = None
+    external_ip: str | None = None
+    launched_at: float = 0.0
+    # The cloud itself ended the instance (AWS state reason "Server.*", a stopped GCE spot VM).
+    reclaimed: bool = False
+    state_reason: str = ""
+    zone: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)  # cloud-specific (e.g. fingerprints)
+
+    @property
+    def pool(self) -> str | None:
+        return self.tags.get(POOL_TAG)
+
+    @property
+    def market(self) -> str | None:
+        return self.tags.get(MARKET_TAG)
+
+    @property
+    def role(self) -> str | None:
+        return self.tags.get(ROLE_TAG)
+
+
+class LaunchError(Exception):
+    """A launch attempt in one pool failed. ``capacity=True``: the pool (its capacity, spot
+    price or quota) refused, so another pool may work; otherwise the request itself is bad and
+    no pool will take it. ``created`` holds nodes that did start before the failure."""
+
+    def __init__(self, code: str, message: str, capacity: bool,
+                 created: tuple[NodeRecord, ...] = ()) -> None:
+        super().__init__(code, message, capacity, created)
+        self.code = code
+        self.message = message
+        self.capacity = capacity
+        self.created = created
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+@dataclass(frozen=True)
+class ProviderError:
+    """One error the provider collected instead of raising it."""
+
+    at: float
+    operation: str  # "launch" | "list" | "terminate" | "set_tags" | "fetch" | "release"
+    code: str
+    message: str
+    pool: str | None = None
+
+
+class PoolHistory:
+    """Thread-safe store of recent pool events (older than ``horizon_s`` are dropped)."""
+
+    def __init__(self, horizon_s: float) -> None:
+        self._horizon = horizon_s
+        self._events: list[PoolEvent] = []
+        self._lock = threading.Lock()
+
+    def record(self, pool: str, kind: EventKind, at: float, detail: str = "") -> PoolEvent:
+        event = PoolEvent(pool, EventKind(kind), at, detail)
+        with self._lock:
+            self._events.append(event)
+            cutoff = at - self._horizon
+            self._events = [e for e in self._events if e.at >= cutoff]
+        return event
+
+    def snapshot(self) -> tuple[PoolEvent, ...]:
+        with self._lock:
+            return tuple(self._events)
+
+
+def _matches(tags: Mapping[str, str], tag_filters: Mapping[str, str]) -> bool:
+    return all(tags.get(k) == v for k, v in tag_filters.items())
+
+
+class SpotNodeProviderBase(NodeProvider):
+    """Ray ``NodeProvider`` for spot pools; subclasses implement the ``_cloud_*`` hooks.
+
+    ``clock`` (seconds) is injectable for tests; Ray constructs providers with two
+    positional arguments only, so production uses ``time.time``.
+    """
+
+    cloud: str = ""
+    max_terminate_nodes = 1000
+
+    def __init__(self, provider_config: dict[str, Any], cluster_name: str, *,
+                 clock: Callable[[], float] = time.time) -> None:
+        super().__init__(provider_config, cluster_name)
+        self.placement = PlacementConfig.from_provider_config(self.cloud, provider_config)
+        self.history = PoolHistory(self.placement.selector.horizon_s)
+        self.errors: collections.deque[ProviderError] = collections.deque(maxlen=500)
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._launch_lock = threading.Lock()
+        self._nodes: dict[str, NodeRecord] = {}  # live nodes: last listing + own launches
+        self._unlisted: dict[str, float] = {}  # own launches the listing has not shown yet
+        self._seen_live: set[str] = set()  # nodes a listing showed live at least once
+        self._terminated_by_us: set[str] = set()
+        self._counted_preempted: set[str] = set()
+        self._listed_once = False
+        self._selectors: dict[tuple[Pool, ...], PoolSelector] = {}
+
+    # ------------------------------------------------------------------ cloud hooks
+    def _cloud_list(self) -> list[NodeRecord]:
+        """All instances carrying this cluster's CLUSTER_TAG, in any state the cloud still
+        reports (terminated ones included, so preemptions can be seen). Raises on API error."""
+        raise NotImplementedError
+
+    def _cloud_fetch(self, node_id: str) -> NodeRecord | None:
+        """One instance, or None if the cloud does not know it. Raises on API error."""
+        raise NotImplementedError
+
+    def _cloud_launch(self, pool: Pool, node_config: dict[str, Any], tags: dict[str, str],
+                      count: int, token: str) -> list[NodeRecord]:
+        """Launch exactly ``count`` nodes in ``pool`` with ``tags``; ``token`` is unique per
+        attempt and the same on a retry of that attempt. Raises :class:`LaunchError`."""
+        raise NotImplementedError
+
+    def _cloud_terminate(self, records: list[NodeRecord]) -> None:
+        raise NotImplementedError
+
+    def _cloud_set_tags(self, record: NodeRecord, tags: dict[str, str]) -> None:
+        """Set ``tags`` (the node's full new tag set) on the instance. Raises on API error."""
+        raise NotImplementedError
+
+    def _default_pool(self, node_config: Mapping[str, Any]) -> Pool:
+        """The pool ``node_config`` itself names (its instance type and zone); the head is
+        launched there, and workers too when no pools are configured."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _record_error(self, operation: str, code: str, message: str,
+                      pool: str | None = None) -> ProviderError:
+        err = ProviderError(self._clock(), operation, code, message, pool)
+        self.errors.append(err)
+        log.warning("%s provider: %s failed%s: %s: %s", self.cloud, operation,
+                    f" in pool {pool}" if pool else "", code, message)
+        return err
+
+    def _refresh(self) -> list[NodeRecord]:
+        """List the cloud, update the local records and count preemptions."""
+        records = self._cloud_list()
+        now = self._clock()
+        grace = self.placement.visibility_grace_s
+        with self._lock:
+            self._listed_once = True
+            listed = {r.node_id: r for r in records}
+            for rec in records:
+                if rec.live:
+                    self._seen_live.add(rec.node_id)
+                    self._unlisted.pop(rec.node_id, None)
+                elif self._is_preemption(rec):
+                    self._count_preemption(rec, now, rec.state_reason or "reclaimed")
+            # A node once listed live that is gone from the listing, not terminated by us.
+            for node_id, rec in list(self._nodes.items()):
+                if node_id in listed or node_id in self._unlisted:
+                    continue
+                if node_id in self._seen_live and self._is_preemption(rec, vanished=True):
+                    self._count_preemption(rec, now, "vanished")
+            nodes = {r.node_id: r for r in records if r.live}
+            for node_id, launched in list(self._unlisted.items()):
+                if node_id in listed or now - launched > grace:
+                    self._unlisted.pop(node_id)  # listed (maybe already ended) or lost
+                elif node_id in self._nodes:
+                    nodes[node_id] = self._nodes[node_id]
+            self._nodes = nodes
+        return records
+
+    def _is_preemption(self, rec: NodeRecord, vanished: bool = False) -> bool:
+        return (
+            rec.node_id not in self._terminated_by_us
+            and rec.node_id not in self._counted_preempted
+            and rec.market == Market.SPOT.value
+            and rec.pool is not None
+            and (vanished or rec.reclaimed)
+        )
+
+    def _count_preemption(self, rec: NodeRecord, now: float, detail: str) -> None:
+        self._counted_preempted.add(rec.node_id)
+        self.history.record(rec.pool, EventKind.PREEMPTED, now, detail)
+        log.info("%s provider: node %s of pool %s was preempted (%s)", self.cloud,
+                 rec.node_id, rec.pool, detail)
+
+    def _record(self, node_id: str) -> NodeRecord | None:
+        with self._lock:
+            rec = self._nodes.get(node_id)
+        if rec is not None:
+            return rec
+        try:
+            rec = self._cloud_fetch(node_id)
+        except Exception as exc:  # noqa: BLE001 - collected, the caller gets None
+            self._record_error("fetch", type(exc).__name__, str(exc))
+            return None
+        if rec is not None and rec.live:
+            with self._lock:
+                self._nodes.setdefault(node_id, rec)
+        return rec
+
+    def _selector_for(self, node_config: Mapping[str, Any], kind: str) -> PoolSelector:
+        if kind == NODE_KIND_HEAD:
+            pools: tuple[Pool, ...] = (self._default_pool(node_config).with_market(Market.ON_DEMAND),)
+            budget = OnDemandBudget(max_nodes=None)  # the head is on-demand by design
+        else:
+            own = node_config.get(NODE_POOLS_KEY)
+            if own:
+                pools = tuple(Pool.from_config(self.cloud, e) for e in own)
+            elif self.placement.pools:
+                pools = self.placement.pools
+            else:
+                pools = (self._default_pool(node_config),)
+            budget = self.placement.budget
+        key = (kind,) + pools  # type: ignore[operator]
+        with self._lock:
+            if key not in self._selectors:
+                self._selectors[key] = PoolSelector(pools, budget, self.placement.selector)
+            return self._selectors[key]
+
+    def _on_demand_in_use(self) -> tuple[str, ...]:
+        """Instance types of the live on-demand workers (one entry per node)."""
+        with self._lock:
+            records = list(self._nodes.values())
+        return tuple(
+            decode_pool(r.pool).instance_type
+            for r in records
+            if r.market == Market.ON_DEMAND.value and r.role == NODE_KIND_WORKER
+            and r.pool
+        )
+
+    def observations(self) -> Observations:
+        """The selector's input now: pool history and on-demand workers in use."""
+        return Observations(now=self._clock(), events=self.history.snapshot(),
+                            on_demand_in_use=self._on_demand_in_use())
+
+    def _instance_tags(self, tags: Mapping[str, str], pool: Pool, kind: str) -> dict[str, str]:
+        out = dict(tags)
+        out.update({
+            TAG_RAY_CLUSTER_NAME: self.cluster_name,
+            CLUSTER_TAG: self.cluster_name,
+            ROLE_TAG: NODE_KIND_HEAD if kind == NODE_KIND_HEAD else NODE_KIND_WORKER,
+            POOL_TAG: pool.key,
+            MARKET_TAG: pool.market.value,
+        })
+        return out
+
+    # ------------------------------------------------------------------ NodeProvider API
+    def non_terminated_nodes(self, tag_filters: dict[str, str]) -> list[str]:
+        """Live nodes of this cluster matching ``tag_filters``. A failed listing is collected
+        and answered from the last good one (raised only if there never was one)."""
+        try:
+            self._refresh()
+        except Exception as exc:  # noqa: BLE001 - see docstring
+            self._record_error("list", type(exc).__name__, str(exc))
+            if not self._listed_once:
+                raise
+        with self._lock:
+            return [nid for nid, rec in self._nodes.items() if _matches(rec.tags, tag_filters)]
+
+    def is_running(self, node_id: str) -> bool:
+        rec = self._record(node_id)
+        return rec is not None and rec.running
+
+    def is_terminated(self, node_id: str) -> bool:
+        rec = self._record(node_id)
+        return rec is None or not rec.live
+
+    def node_tags(self, node_id: str) -> dict[str, str]:
+        rec = self._record(node_id)
+        if rec is None:
+            raise KeyError(f"unknown node {node_id!r}")
+        return dict(rec.tags)
+
+    def internal_ip(self, node_id: str) -> str | None:
+        rec = self._record(node_id)
+        if rec is not None and rec.internal_ip is None:
+            rec = self._refetch(node_id) or rec
+        return None if rec is None else rec.internal_ip
+
+    def external_ip(self, node_id: str) -> str | None:
+        rec = self._record(node_id)
+        if rec is not None and rec.external_ip is None:
+            rec = self._refetch(node_id) or rec
+        return None if rec is None else rec.external_ip
+
+    def _refetch(self, node_id: str) -> NodeRecord | None:
+        try:
+            rec = self._cloud_fetch(node_id)
+        except Exception as exc:  # noqa: BLE001 - collected
+            self._record_error("fetch", type(exc).__name__, str(exc))
+            return None
+        if rec is not None and rec.live:
+            with self._lock:
+                self._nodes[node_id] = rec
+        return rec
+
+    def set_node_tags(self, node_id: str, tags: dict[str, str]) -> None:
+        """Merge ``tags`` into the node's tags (locally at once; a cloud error is collected)."""
+        rec = self._record(node_id)
+        if rec is None:
+            self._record_error("set_tags", "UnknownNode", f"node {node_id} not found")
+            return
+        merged = {**rec.tags, **tags}
+        new = dataclasses.replace(rec, tags=merged)
+        with self._lock:
+            if node_id in self._nodes:
+                self._nodes[node_id] = new
+        try:
+            self._cloud_set_tags(rec, merged)
+        except Exception as exc:  # noqa: BLE001 - collected
+            self._record_error("set_tags", type(exc).__name__, str(exc), rec.pool)
+
+    def create_node(self, node_config: dict[str, Any], tags: dict[str, str],
+                    count: int) -> dict[str, dict[str, str]]:
+        """Launch ``count`` nodes across pools (see module docstring). Returns
+        ``{node_id: tags}`` of the nodes launched; raises ``NodeLaunchException`` only if none
+        could be launched."""
+        kind = tags.get(TAG_RAY_NODE_KIND, NODE_KIND_WORKER)
+        with self._launch_lock:  # one launch at a time: the budget is checked then spent
+            selector = self._selector_for(node_config, kind)
+            if kind != NODE_KIND_HEAD and self.placement.budget.max_nodes != 0:
+                try:
+                    self._refresh()  # on-demand usage as of now
+                except Exception as exc:  # noqa: BLE001 - decide on the last good listing
+                    self._record_error("list", type(exc).__name__, str(exc))
+            created, errors = self._launch_loop(selector, node_config, tags, kind, count)
+        if not created and errors:
+            last = errors[-1]
+            summary = "; ".join(
+                f"{e.pool or '-'}: {e.code}: {e.message}" for e in errors
+            )
+            raise NodeLaunchException(
+                category=last.code[:20],
+                description=f"no pool could launch {count} {kind} node(s): {summary}",
+                src_exc_info=None,
+            )
+        if len(created) < count:
+            log.warning("%s provider: launched %d of %d %s nodes", self.cloud, len(created),
+                        count, kind)
+        return {rec.node_id: dict(rec.tags) for rec in created}
+
+    def _launch_loop(self, selector: PoolSelector, node_config: dict[str, Any],
+                     tags: dict[str, str], kind: str,
+                     count: int) -> tuple[list[NodeRecord], list[ProviderError]]:
+        """Decide, act, observe, repeat. Each failed attempt cools its pool down, so the loop
+        ends after at most one attempt per pool plus one per node."""
+        launch_id = uuid.uuid4().hex[:24]
+        created: list[NodeRecord] = []
+        errors: list[ProviderError] = []
+        remaining = count
+        for attempt in range(len(selector.pools) + count):
+            if remaining <= 0:
+                break
+            plan = selector.decide(self.observations(), remaining)
+            cand = plan.first
+            if cand is None:
+                why = ", ".join(f"{s.pool.key}={s.reason.value}" for s in plan.skipped)
+                errors.append(self._record_error("launch", "NoPoolAvailable", why))
+                break
+            n = min(remaining, cand.max_count)
+            token = f"moshray-{launch_id}-{attempt}"
+            instance_tags = self._instance_tags(tags, cand.pool, kind)
+            try:
+                records = list(self._cloud_launch(cand.pool, node_config, instance_tags, n,
+                                                  token))
+                failure: LaunchError | None = None
+            except LaunchError as exc:
+                records, failure = list(exc.created), exc
+            now = self._clock()
+            if records:
+                self.history.record(cand.pool.key, EventKind.LAUNCHED, now)
+                with self._lock:
+                    for rec in records:
+                        self._nodes[rec.node_id] = rec
+                        self._unlisted[rec.node_id] = now
+                created += records
+                remaining -= len(records)
+                log.info("%s provider: launched %d %s node(s) in pool %s", self.cloud,
+                         len(records), kind, cand.pool.key)
+            if failure is None and not records:
+                failure = LaunchError("NothingLaunched", "the cloud returned no instances",
+                                      capacity=True)
+            if failure is not None:
+                errors.append(self._record_error("launch", failure.code, failure.message,
+                                                 cand.pool.key))
+                if not failure.capacity:
+                    break  # a bad request fails in every pool: stop, report
+                self.history.record(cand.pool.key, EventKind.CAPACITY_ERROR, now, failure.code)
+        return created, errors
+
+    def terminate_node(self, node_id: str) -> None:
+        self.terminate_nodes([node_id])
+
+    def terminate_nodes(self, node_ids: list[str]) -> None:
+        """Terminate (errors collected, not raised). Nodes terminated here are never counted
+        as preemptions."""
+        records = []
+        with self._lock:
+            for node_id in node_ids:
+                self._terminated_by_us.add(node_id)
+                rec = self._nodes.pop(node_id, None)
+                self._unlisted.pop(node_id, None)
+                records.append(rec)
+        missing = [nid for nid, rec in zip(node_ids, records) if rec is None]
+        for node_id in missing:  # not in the cache (e.g. provider restarted): look it up
+            rec = self._record(node_id)
+            with self._lock:
+                self._nodes.pop(node_id, None)
+            if rec is not None:
+                records[node_ids.index(node_id)] = rec
+        known = [rec for rec in records if rec is not None]
+        for start in range(0, len(known), self.max_terminate_nodes):
+            batch = known[start:start + self.max_terminate_nodes]
+            try:
+                self._cloud_terminate(batch)
+            except Exception as exc:  # noqa: BLE001 - collected
+                self._record_error("terminate", type(exc).__name__,
+                                   f"{[r.node_id for r in batch]}: {exc}")
+
+    def post_process(self) -> None:
+        """End of each autoscaler update: with ``return_to_spot``, give back one on-demand
+        worker when the selector says spot is stable again (its replacement goes to spot)."""
+        if not self.placement.return_to_spot or not self.placement.pools:
+            return
+        self.release_on_demand()
+
+    def release_on_demand(self) -> tuple[str, ...]:
+        """Carry out :meth:`PoolSelector.on_demand_to_release`; returns the released ids."""
+        selector = self._selector_for({}, NODE_KIND_WORKER) if self.placement.pools else None
+        if selector is None:
+            return ()
+        with self._lock:
+            nodes = [RunningNode(r.node_id, r.pool, r.launched_at) for r in self._nodes.values()
+                     if r.market == Market.ON_DEMAND.value and r.role == NODE_KIND_WORKER
+                     and r.pool]
+            pools = {r.node_id: r.pool for r in self._nodes.values()}
+        release = selector.on_demand_to_release(self.observations(), nodes)
+        for node_id in release:
+            log.info("%s provider: spot is stable again; releasing on-demand node %s",
+                     self.cloud, node_id)
+            self.history.record(pools[node_id], EventKind.RELEASED, self._clock())
+            self.terminate_nodes([node_id])
+        return release
+
+    @staticmethod
+    def bootstrap_config(cluster_config: dict[str, Any]) -> dict[str, Any]:
+        return cluster_config
+
+
+def require(cfg: Mapping[str, Any], key: str, kind: type, where: str = "provider") -> Any:
+    """``cfg[key]`` checked for type, with a one-line error saying what to fix."""
+    if key not in cfg:
+        raise ValueError(f"{where}.{key} is required")
+    value = cfg[key]
+    if not isinstance(value, kind):
+        raise ValueError(f"{where}.{key} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def optional(cfg: Mapping[str, Any], key: str, kind: type | tuple[type, ...], default: Any,
+             where: str = "provider") -> Any:
+    value = cfg.get(key, default)
+    if value is not None and not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise ValueError(f"{where}.{key} must be a {names}, got {value!r}")
+    return value
+

@@ -1,0 +1,245 @@
+"""A real Prometheus server scrapes moshray's exporter and Ray's nodes, with the shipped config.
+
+The Debian package ``prometheus`` provides the server (``.ci/run`` installs it; this module
+tries to install it when missing and skips, saying why, only if that fails). The server runs
+on 127.0.0.1 on a free port with ``infra/prometheus/prometheus.yml`` rendered for this
+machine (the Coordinator's exporter address, the path of Ray's service-discovery file, a 1 s
+scrape interval), and the test reads what it collected through the HTTP query API.
+
+Ray's service-discovery file is written by Ray's dashboard. When the session cluster runs
+without a dashboard, the test runs Ray's own writer (the class the dashboard runs) once, in
+a subprocess, into a temporary directory: same code, same file format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from moshray.cluster import metrics as m
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "infra" / "prometheus" / "prometheus.yml"
+SD_FILE = "prom_metrics_service_discovery.json"  # ray_constants.PROMETHEUS_SERVICE_DISCOVERY_FILE
+
+
+def _load_renderer():
+    spec = importlib.util.spec_from_file_location(
+        "moshray_prometheus_render", ROOT / "infra" / "prometheus" / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+render = _load_renderer().render
+
+
+def prometheus_binary() -> str:
+    """Path of the prometheus binary, installing Debian's package if it is missing."""
+    found = shutil.which("prometheus")
+    if found:
+        return found
+    apt = shutil.which("apt-get")
+    if apt is None:
+        pytest.skip("prometheus is not installed and apt-get is not available to install it")
+    sudo = [] if os.geteuid() == 0 else (["sudo", "-n"] if shutil.which("sudo") else None)
+    if sudo is None:
+        pytest.skip("prometheus is not installed; installing it needs root or sudo")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for cmd in ([apt, "install", "-y", "-qq", "--no-install-recommends", "prometheus"],
+                [apt, "update", "-qq"],
+                [apt, "install", "-y", "-qq", "--no-install-recommends", "prometheus"]):
+        subprocess.run(sudo + cmd, env=env, capture_output=True, timeout=600)
+        found = shutil.which("prometheus") or (
+            "/usr/bin/prometheus" if os.path.exists("/usr/bin/prometheus") else None)
+        if found:
+            return found
+    pytest.skip("prometheus is not installed and `apt-get install prometheus` failed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, timeout: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read().decode())
+
+
+def query(base: str, promql: str) -> list[dict]:
+    """Prometheus instant query; returns the result vector (raises on an API error)."""
+    body = http_json(f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": promql}))
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def wait_for(base: str, promql: str, timeout_s: float = 90, ok=bool) -> list[dict]:
+    """Poll ``promql`` until ``ok(result)``; fails with the last result after the timeout."""
+    deadline = time.monotonic() + timeout_s
+    result: list[dict] = []
+    while time.monotonic() < deadline:
+        result = query(base, promql)
+        if ok(result):
+            return result
+        time.sleep(1)
+    pytest.fail(f"Prometheus: {promql!r} still {result} after {timeout_s} s")
+
+
+@contextlib.contextmanager
+def prometheus_server(config_text: str, workdir: Path):
+    """A Prometheus server on 127.0.0.1 (free port) with ``config_text``; yields its URL."""
+    binary = prometheus_binary()
+    config = workdir / "prometheus.yml"
+    config.write_text(config_text)
+    check = subprocess.run([binary, "--version"], capture_output=True, timeout=30)
+    assert check.returncode == 0
+    for attempt in range(3):  # the free port may be taken by another process meanwhile
+        port = free_port()
+        log = open(workdir / f"prometheus-{attempt}.log", "wb")
+        proc = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as resp:
+                        if resp.status == 200:
+                            break
+                except OSError:
+                    time.sleep(0.5)
+            if proc.poll() is not None:
+                continue  # exited (port taken?): try another port
+            yield base
+            return
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=15)
+            log.close()
+    logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in workdir.glob("prometheus-*.log"))
+    pytest.fail(f"prometheus did not start:\n{logs}")
+
+
+def ray_service_discovery_file(local_cluster, workdir: Path) -> Path:
+    """Ray's SD file of the session cluster (run Ray's writer once if no dashboard wrote it)."""
+    session = Path(local_cluster.cluster.head_node.get_session_dir_path())
+    if (session / SD_FILE).exists():
+        return session / SD_FILE
+    out = workdir / "ray-sd"
+    out.mkdir()
+    code = ("import sys\n"
+            "from ray._private.metrics_agent import PrometheusServiceDiscoveryWriter as W\n"
+            "W(sys.argv[1], sys.argv[2], sys.argv[2]).write()\n")
+    proc = subprocess.run([sys.executable, "-c", code, local_cluster.address, str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out / SD_FILE
+
+
+def test_renderer_keeps_the_shipped_structure():
+    import yaml
+
+    shipped = yaml.safe_load(SHIPPED.read_text())
+    jobs = {j["job_name"]: j for j in shipped["scrape_configs"]}
+    assert jobs["moshray"]["static_configs"][0]["targets"] == [f"localhost:{9450}"]
+    assert jobs["ray"]["file_sd_configs"][0]["files"] == [f"/tmp/ray/{SD_FILE}"]
+    out = yaml.safe_load(render(SHIPPED.read_text(), ["127.0.0.1:1234"], ["/x/sd.json"], "2s"))
+    jobs = {j["job_name"]: j for j in out["scrape_configs"]}
+    assert jobs["moshray"]["static_configs"] == [{"targets": ["127.0.0.1:1234"]}]
+    assert jobs["ray"]["file_sd_configs"][0]["files"] == ["/x/sd.json"]
+    assert out["global"]["scrape_interval"] == "2s"
+    with pytest.raises(ValueError, match="host:port"):
+        render(SHIPPED.read_text(), ["no-port"])
+    with pytest.raises(ValueError, match="no scrape job named 'ray'"):
+        render("scrape_configs:\n  - job_name: moshray\n")
+
+
+def test_shipped_config_passes_promtool(tmp_path: Path):
+    prometheus_binary()
+    promtool = shutil.which("promtool") or "/usr/bin/promtool"
+    if not os.path.exists(promtool):
+        pytest.skip("promtool is not installed (Debian ships it with prometheus)")
+    for text in (SHIPPED.read_text(),
+                 render(SHIPPED.read_text(), ["127.0.0.1:9"], [str(tmp_path / SD_FILE)], "1s")):
+        config = tmp_path / "p.yml"
+        config.write_text(text)
+        proc = subprocess.run([promtool, "check", "config", str(config)],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_prometheus_scrapes_moshray_and_ray(local_cluster, tmp_path: Path):
+    import ray
+
+    from moshray.cluster import coordinator as coord
+    from moshray.cluster.progress import ProgressReport
+
+    c = coord.get_or_create(target_batch_size=16, name=f"prom-test-{time.time_ns()}",
+                            metrics_port=0)
+    try:
+        address = ray.get(c.metrics_address.remote(), timeout=60)
+        # a short job: two peers commit global steps, report rounds and a preemption
+        for i in range(2):
+            ray.get(c.register.remote(f"p{i}", None, f"node-{i}"), timeout=30)
+            assert ray.get(c.mark_ready.remote(f"p{i}", 0), timeout=30)
+        for epoch in range(3):
+            for i in range(2):
+                ray.get(c.report.remote(ProgressReport(f"p{i}", epoch, 8, loss=3.0 - epoch)),
+                        timeout=30)
+            ray.get(c.record.remote((m.RoundEvent(0.05 * (epoch + 1), 1 << 20),
+                                     m.RoundEvent(0.07, 1 << 20, (("late", 1),), True))),
+                    timeout=30)
+        ray.get(c.record.remote((m.NoticeEvent("simulated", "local"),
+                                 m.NodeLostEvent(with_notice=True),
+                                 m.CapacityEvent(spot_nodes=len(local_cluster.live_slots()),
+                                                 on_demand_nodes=0))), timeout=30)
+
+        sd_file = ray_service_discovery_file(local_cluster, tmp_path)
+        ray_targets = json.loads(sd_file.read_text())[0]["targets"]
+        assert ray_targets, "Ray's service-discovery file lists no node"
+        config = render(SHIPPED.read_text(), [address], [str(sd_file)], "1s")
+        with prometheus_server(config, tmp_path) as base:
+            up = wait_for(base, 'up{job="moshray"} == 1')
+            assert up[0]["metric"]["instance"] == address
+            step = wait_for(base, "moshray_global_step >= 2")
+            assert float(step[0]["value"][1]) >= 2
+            rounds = wait_for(base, "moshray_allreduce_round_duration_seconds_count")
+            assert float(rounds[0]["value"][1]) == 6
+            late = query(base, 'moshray_allreduce_rejected_contributions_total{reason="late"}')
+            assert float(late[0]["value"][1]) == 3
+            assert float(query(base, "moshray_training_loss")[0]["value"][1]) == \
+                pytest.approx(1.0)
+            lost = query(base, 'moshray_nodes_lost_total{notice="true"}')
+            assert float(lost[0]["value"][1]) == 1
+            spot = query(base, 'moshray_nodes{market="spot"}')
+            assert float(spot[0]["value"][1]) == len(local_cluster.live_slots())
+            # Ray's own metrics, scraped from the nodes listed in the discovery file
+            ray_up = wait_for(base, 'up{job="ray"} == 1')
+            assert {r["metric"]["instance"] for r in ray_up} <= set(ray_targets)
+            names = wait_for(base, 'count by (__name__) ({job="ray", __name__=~"ray_.+"})')
+            assert any(r["metric"]["__name__"].startswith("ray_") for r in names)
+    finally:
+        ray.kill(c)

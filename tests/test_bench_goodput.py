@@ -1,0 +1,204 @@
+"""`moshray bench goodput`: the figures' math on plain data, bad input, and one short real run.
+
+The real run is a subprocess (``python -m moshray.jobs.bench_goodput``) that starts its own
+local clusters one after the other (so it never clashes with the session fixture cluster),
+replays a tiny per-node trace (one removal, one addition) and trains a tiny model under
+moshray and Ray Train. Its checks are about consistency, never about speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moshray.autoscaler.trace import NodeEvent, live_node_seconds
+from moshray.jobs import bench_goodput as bg
+from moshray.jobs.bench_goodput import Progress
+
+
+def steps(*rows):
+    return [Progress(t, step, samples, loss) for t, step, samples, loss in rows]
+
+
+# --------------------------------------------------------------------------- pure math
+
+
+def test_useful_curve_without_rollback_is_the_running_sum():
+    records = steps((1.0, 1, 32, 5.0), (2.0, 2, 32, 4.0), (3.5, 3, 48, 3.0))
+    assert bg.useful_curve(records) == ((0.0, 0), (1.0, 32), (2.0, 64), (3.5, 112))
+
+
+def test_rollback_to_a_checkpoint_drops_the_lost_steps():
+    # steps 1..5, crash, a new group resumes from the checkpoint after step 4 at t=10
+    records = steps(*[(float(i), i, 32, None) for i in range(1, 6)],
+                    (11.0, 5, 16, None), (12.0, 6, 16, None))
+    result = bg.summarize("x", records, duration_s=20.0, gap_s=2.0, rewinds=[(0.5, 0), (10.0, 4)])
+    assert [c for _, c in result.curve] == [0, 0, 32, 64, 96, 128, 160, 128, 144, 160]
+    assert result.samples == 160  # 4 * 32 kept + 2 * 16 redone/new
+    assert result.samples_processed == 5 * 32 + 2 * 16
+    assert result.steps == 6
+    # new highs at 1..5 s (160 at 5 s); 160 again at 12 s is not a new high, so the system
+    # stalls from 5 s to the end of the window (15 s); the 1 s before the first step is < 2 s
+    assert result.stall_s == pytest.approx(15.0)
+
+
+def test_a_repeated_step_number_implies_a_rollback():
+    records = steps((1.0, 1, 10, None), (2.0, 2, 10, None), (3.0, 2, 10, None))
+    assert bg.useful_curve(records)[-1] == (3.0, 20)
+
+
+def test_rewind_at_the_end_of_the_window_counts_the_loss():
+    records = steps((1.0, 1, 10, None), (2.0, 2, 10, None))
+    result = bg.summarize("x", records, 5.0, 2.0, rewinds=[(0.0, 0), (3.0, 0)])
+    assert result.samples == 0 and result.steps == 0
+    assert result.samples_processed == 20
+
+
+def test_events_after_the_window_are_ignored():
+    records = steps((1.0, 1, 10, 2.0), (9.0, 2, 10, 1.0))
+    result = bg.summarize("x", records, 5.0, 10.0)
+    assert result.samples == 10 and result.final_loss == 2.0
+    assert result.goodput == pytest.approx(2.0)
+
+
+def test_stall_counts_only_gaps_at_least_the_threshold():
+    curve = [(0.0, 0), (3.0, 10), (3.5, 20), (4.0, 30), (9.0, 40)]
+    assert bg.stall_seconds(curve, 10.0, gap_s=2.0) == pytest.approx(3.0 + 5.0)
+    assert bg.stall_seconds([(0.0, 0)], 10.0, gap_s=2.0) == pytest.approx(10.0)
+    with pytest.raises(ValueError):
+        bg.stall_seconds(curve, 10.0, gap_s=0)
+
+
+def test_final_loss_is_the_mean_of_the_last_steps():
+    records = steps(*[(float(i), i, 1, float(i)) for i in range(1, 21)])
+    assert bg.final_loss(records, 100.0, last=10) == pytest.approx(sum(range(11, 21)) / 10)
+    assert bg.final_loss(steps((1.0, 1, 1, None)), 10.0) is None
+
+
+def schedule_events():
+    # two nodes from the start, slot 1 removed at 10 s, slot 1 back at 15 s, slot 2 at 20 s
+    return (NodeEvent(0.0, "add", 0), NodeEvent(0.0, "add", 1), NodeEvent(10.0, "remove", 1),
+            NodeEvent(15.0, "add", 1), NodeEvent(20.0, "add", 2))
+
+
+def test_count_seconds_and_ideal_match_live_node_seconds():
+    events = schedule_events()
+    seconds = bg.count_seconds(events, 30.0)
+    assert seconds == {2: 15.0, 1: 5.0, 3: 10.0}
+    rates = bg.linear_rates(10.0, seconds)
+    ideal = bg.ideal_samples(rates, seconds)
+    assert ideal == pytest.approx(10.0 * live_node_seconds(events, 30.0))
+    curve = bg.ideal_curve(events, rates, 30.0)
+    assert curve[0] == (0.0, 0.0) and curve[-1] == (30.0, pytest.approx(ideal))
+    assert bg.live_timeline(events, 30.0) == ((0.0, 2), (10.0, 1), (15.0, 2), (20.0, 3),
+                                             (30.0, 3))
+    with pytest.raises(bg.BenchError, match=r"\[3\]"):
+        bg.ideal_samples({1: 5.0, 2: 9.0}, seconds)
+
+
+def test_steady_rate_uses_full_steps_after_the_first():
+    records = steps((1.0, 1, 8, None), (5.0, 2, 32, None), (6.0, 3, 32, None),
+                    (7.0, 4, 32, None))
+    assert bg.steady_rate(records, [1, 2, 2, 2], 2) == pytest.approx(64 / 2.0)
+    assert bg.steady_rate(records) == pytest.approx(96 / 6.0)
+    with pytest.raises(bg.BenchError):
+        bg.steady_rate(records[:1])
+
+
+def test_ratio_is_none_when_the_baseline_did_nothing():
+    assert bg.ratio(10, 4) == 2.5 and bg.ratio(10, 0) is None
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def run_cli(*args: str) -> int:
+    from moshray.jobs.cli import main
+
+    return main(["bench", "goodput", *args])
+
+
+def test_missing_trace_exits_2_with_one_line(tmp_path, capsys):
+    assert run_cli("--trace", str(tmp_path / "nope.csv"), "--out", str(tmp_path)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--trace" in err[0] and "nope.csv" in err[0]
+
+
+def test_malformed_trace_exits_2_naming_the_line(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("0,add,n0\n5,explode,n0\n")
+    assert run_cli("--trace", str(trace), "--out", str(tmp_path)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "t.csv:2" in err[0] and "explode" in err[0]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--duration", "0"], "--duration"),
+    (["--max-nodes", "0"], "--max-nodes"),
+    (["--calib-nodes", "5", "--max-nodes", "2"], "--calib-nodes"),
+    (["--set", "model.n_layers"], "KEY=VALUE"),
+    (["--set", "training.lr=-1"], "training.lr"),
+    (["--set", "model.d_modle=64"], "model.d_modle"),
+])
+def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, needle):
+    trace = tmp_path / "t.csv"
+    trace.write_text("0,2\n10,1\n")
+    assert run_cli("--trace", str(trace), "--out", str(tmp_path / "out"), *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
+
+
+# --------------------------------------------------------------------------- a real run
+
+TINY = ["--set", "model.n_layers=1", "--set", "model.d_model=32", "--set", "model.d_ff=64",
+        "--set", "model.n_heads=2", "--set", "model.seq_len=32",
+        "--set", "training.batch_size=8", "--set", "training.target_batch_size=16",
+        "--set", "training.round_timeout_s=5"]
+
+
+@pytest.mark.timeout(1500)
+def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
+    # Two nodes; node1 is preempted at 50 s and node2 arrives at 60 s; 75 s per system.
+    # The removal comes late because Ray Train alone needs ~25-50 s to start its first
+    # worker group on a loaded 2-core machine, and every system must have made progress.
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,add,node0\n0,add,node1\n50000,remove,node1\n60000,add,node2\n")
+    out = tmp_path / "out"
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moshray.jobs.bench_goodput", "--trace", str(trace),
+         "--time-scale", "1", "--max-nodes", "2", "--duration", "75", "--calib-nodes", "2",
+         "--calib-steps", "10", "--calib-timeout", "150", "--checkpoint-every", "10",
+         "--startup-timeout", "240", "--finish-timeout", "180", "--out", str(out), *TINY,
+         "--json"],
+        capture_output=True, text=True, timeout=1400, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == json.loads((out / "goodput.json").read_text())
+
+    for system in ("moshray", "raytrain", "ideal"):
+        assert result[f"{system}_samples"] > 0, system
+        assert result[f"{system}_goodput"] == pytest.approx(result[f"{system}_samples"] / 75)
+    assert result["moshray_vs_ideal"] == pytest.approx(
+        result["moshray_samples"] / result["ideal_samples"])
+    assert result["moshray_vs_raytrain"] == pytest.approx(
+        result["moshray_samples"] / result["raytrain_samples"])
+    # the ideal is the measured per-node rate times the trace's live node-seconds
+    assert result["live_node_seconds"] == pytest.approx(2 * 50 + 1 * 10 + 2 * 15)
+    assert result["ideal_samples"] == pytest.approx(
+        result["per_node_samples_per_s"]["2"] * result["live_node_seconds"])
+    for system in ("moshray", "raytrain"):
+        assert result[f"{system}_final_loss"] is not None
+        assert 0 <= result[f"{system}_stall_s"] <= 75
+        assert result[f"{system}_eval_loss"] is not None
+    assert result["raytrain_samples_processed"] >= result["raytrain_samples"]
+    assert result["raytrain_error"] is None
+    assert result["moshray_preemptions"] >= 1
+    plot = Path(result["plot"])
+    assert plot.parent == out and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,170 @@
+"""A Ray cluster started with the real `ray start` CLI, all on 127.0.0.1 (tests only).
+
+Every node is one ``ray start --block`` process: it stays in the foreground and stops the
+Ray processes it started when it is terminated, so the test ends exactly what it started
+(never ``ray stop``, which would stop every Ray process on the machine). All ports are
+chosen free on 127.0.0.1 so clusters of other runs on the same machine do not collide.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def ray_env(token: str | None = None) -> dict:
+    """Environment for Ray processes and CLIs of a test cluster.
+
+    Ray's token authentication is set explicitly (on with ``token``, else off) so the
+    result does not depend on whether ``~/.ray/auth_token`` exists on this machine.
+    """
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    # `ray start --address` refuses to join when RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; every
+    # node is pinned to loopback by --node-ip-address 127.0.0.1 instead.
+    for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+        env.pop(key, None)
+    if token:
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    else:
+        env["RAY_AUTH_MODE"] = "disabled"
+    return env
+
+
+def _node_ports() -> list[str]:
+    return [
+        "--node-manager-port", str(free_port()),
+        "--object-manager-port", str(free_port()),
+        "--metrics-export-port", str(free_port()),
+        "--dashboard-agent-listen-port", str(free_port()),
+        "--dashboard-agent-grpc-port", str(free_port()),
+        "--runtime-env-agent-port", str(free_port()),
+    ]
+
+
+@dataclass
+class RayStartCluster:
+    """A head (with the dashboard / job server) plus ``workers`` spot nodes.
+
+    ``gcs_address`` is for ``ray.init`` / ``RAY_ADDRESS``; ``dashboard_url`` is the job
+    API for ``ray job submit --address``. ``start`` waits (bounded) until every node is
+    alive; ``stop`` terminates the ``ray start --block`` processes and waits for them.
+    """
+
+    workers: int = 2
+    cpus_per_worker: int = 2
+    object_store_bytes: int = 150 * 1024 * 1024
+    token: str | None = field(default_factory=lambda: secrets.token_hex(32))  # None: auth off
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.gcs_port = free_port()
+        self.dashboard_port = free_port()
+        self.gcs_address = f"{LOOPBACK}:{self.gcs_port}"
+        self.dashboard_url = f"http://{LOOPBACK}:{self.dashboard_port}"
+        self.logdir = Path(tempfile.mkdtemp(prefix="raystart-"))
+        self.env = ray_env(self.token)
+
+    def _get(self, path: str, timeout: float = 5):
+        request = urllib.request.Request(f"{self.dashboard_url}{path}")
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        return urllib.request.urlopen(request, timeout=timeout)
+
+    def _start(self, name: str, args: list[str]) -> None:
+        log = open(self.logdir / f"{name}.log", "w")
+        self.procs.append(subprocess.Popen(
+            ["ray", "start", "--block", "--node-ip-address", LOOPBACK, "--disable-usage-stats",
+             *args], stdout=log, stderr=subprocess.STDOUT, env=self.env,
+            start_new_session=True))
+
+    def start(self, timeout: float = 180) -> "RayStartCluster":
+        self._start("head", [
+            "--head", "--port", str(self.gcs_port), "--num-cpus", "1",
+            "--include-dashboard", "true", "--dashboard-host", LOOPBACK,
+            "--dashboard-port", str(self.dashboard_port),
+            "--ray-client-server-port", str(free_port()),
+            "--object-store-memory", str(self.object_store_bytes), *_node_ports()])
+        self._wait_dashboard(timeout)
+        for i in range(self.workers):
+            # One node at a time: `ray start` gives a raylet a fixed 30 s to register, which
+            # a loaded 2-core machine can miss when several start at once; one retry.
+            for attempt in range(2):
+                self._start(f"worker{i}-{attempt}", [
+                    "--address", self.gcs_address, "--num-cpus", str(self.cpus_per_worker),
+                    "--resources", f'{{"spot": 1000, "slot-{i}": 1}}',
+                    "--object-store-memory", str(self.object_store_bytes), *_node_ports()])
+                try:
+                    self._wait_nodes(i + 2, timeout)
+                    break
+                except RuntimeError:
+                    if attempt == 1:
+                        raise
+                    self.procs.pop()
+        return self
+
+    def _wait_dashboard(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                with self._get("/api/version"):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"dashboard not up after {timeout} s; see {self.logdir}")
+
+    def _wait_nodes(self, n: int, timeout: float) -> None:
+        import json
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                with self._get("/nodes?view=summary") as r:
+                    nodes = json.load(r)["data"]["summary"]
+                alive = [x for x in nodes if x["raylet"].get("state") == "ALIVE"]
+                if len(alive) >= n:
+                    return
+            except (OSError, KeyError, ValueError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"{n} nodes not alive after {timeout} s; see {self.logdir}")
+
+    def _check_alive(self) -> None:
+        for p in self.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"`ray start` exited with {p.returncode}; see {self.logdir}")
+
+    def stop(self, timeout: float = 60) -> None:
+        for p in reversed(self.procs):  # workers first, the head last
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+
+    def __enter__(self) -> "RayStartCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -14,6 +14,7 @@ import inspect
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import ray
 
@@ -22,6 +23,16 @@ from .membership import Membership, MembershipConfig
 from .messages import PeerInfo, RoundPlan
 from .progress import ProgressReply, ProgressReport, ProgressTracker, StepRecord
 from .registry import ExpertRegistry, HeartbeatStatus, HostRecord
+
+
+@dataclass
+class NoticeRecord:
+    """A preemption notice as the Coordinator saw it (see ``CoordinatorCore.note_notice``)."""
+
+    noticed_at: float  # Coordinator clock: when the node received the notice
+    epoch: int  # plans up to this epoch were made before the node was excluded
+    peers: tuple[str, ...]  # the node's peers marked draining
+    rebalance_s: float | None = None  # notice -> first plan without the node (None: no plan yet)
 
 
 class CoordinatorCore:
@@ -38,6 +49,7 @@ class CoordinatorCore:
         self.started = clock()
         self.progress = ProgressTracker(self.membership, target_batch_size)
         self.preemptions = 0
+        self.notices: dict[str, NoticeRecord] = {}  # node id -> its first preemption notice
         self.experts = ExpertRegistry(clock=clock)  # DMoE expert hosts (replaces the DHT)
 
     def register(self, peer_id: str, handle, node_id: str = "", capacity: float = 1.0) -> int:
@@ -57,7 +69,9 @@ class CoordinatorCore:
         now = self.clock()
         for gone in self.membership.expire(now):
             self.progress.forget(gone)
-        return self.progress.report(r, now)
+        reply = self.progress.report(r, now)
+        self._note_rebalanced(now)
+        return reply
 
     def mark_ready(self, peer_id: str, state_epoch: int) -> bool:
         return self.progress.mark_ready(peer_id, state_epoch)
@@ -92,6 +106,7 @@ class CoordinatorCore:
             "ready": len(self.progress.ready),
             "draining": len(self.membership.draining()),
             "preemptions": self.preemptions,
+            **self._notice_summary(),
             "history": [(h.epoch, h.at_s - self.started, h.samples, h.loss, h.peers)
                         for h in history],
         }
@@ -99,6 +114,42 @@ class CoordinatorCore:
     def mark_draining(self, node_id: str, deadline_s: float) -> tuple[str, ...]:
         """Exclude ``node_id``'s peers from the next plans; ``deadline_s`` is seconds left."""
         return self.membership.mark_draining(node_id, self.clock() + deadline_s)
+
+    # -- preemption notices (autoscaler/watch.py) ----------------------------------------------
+
+    def note_notice(self, node_id: str, deadline_s: float, notice_age_s: float = 0.0
+                    ) -> tuple[str, ...]:
+        """A preemption notice for ``node_id``: ``mark_draining`` plus the rebalance clock.
+
+        ``deadline_s`` is seconds left; ``notice_age_s`` how long ago the node received the
+        notice (both measured on that node, so no two machines' clocks are compared). The
+        node counts as rebalanced at the first plan published after this call (every such
+        plan excludes its peers); a node without peers is rebalanced at once. A second
+        notice for the same node re-marks it draining but keeps the first record.
+        """
+        peers = self.mark_draining(node_id, deadline_s)
+        if node_id not in self.notices:
+            now = self.clock()
+            noticed_at = now - max(0.0, notice_age_s)
+            self.notices[node_id] = NoticeRecord(noticed_at, self.membership.epoch, peers,
+                                                 None if peers else now - noticed_at)
+        return peers
+
+    def notice_stats(self) -> dict[str, dict]:
+        """Per noticed node: ``{"peers": [...], "epoch": e, "rebalance_s": s or None}``."""
+        return {node: {"peers": list(r.peers), "epoch": r.epoch, "rebalance_s": r.rebalance_s}
+                for node, r in self.notices.items()}
+
+    def _note_rebalanced(self, now: float) -> None:
+        """Close the rebalance clock of every notice older than the latest plan."""
+        for r in self.notices.values():
+            if r.rebalance_s is None and self.membership.epoch > r.epoch:
+                r.rebalance_s = max(0.0, now - r.noticed_at)
+
+    def _notice_summary(self) -> dict:
+        done = [r.rebalance_s for r in self.notices.values() if r.rebalance_s is not None]
+        return {"notices": len(self.notices), "rebalance_s": done,
+                "rebalance_pending": len(self.notices) - len(done)}
 
     def live_peers(self) -> tuple[str, ...]:
         now = self.clock()
@@ -108,7 +159,9 @@ class CoordinatorCore:
     def plan_round(self, peers: tuple[str, ...] | None = None) -> RoundPlan | None:
         now = self.clock()
         self.membership.expire(now)
-        return self.membership.plan(now, peers)
+        plan = self.membership.plan(now, peers)
+        self._note_rebalanced(now)
+        return plan
 
     # -- DMoE expert registry (see registry.py) -----------------------------------------------
 

@@ -17,8 +17,9 @@ names the columns below):
 
 * count format, ``seconds_since_start,available_instances``: a step function;
   two rows with the same time mark a change (the last row at a time wins).
-* per-node event format, ``timestamp_ms,action,node_id``: ``action`` is ``add``
-  or ``remove``; time in milliseconds since trace start.
+* per-node event format, ``timestamp_ms,action,node_id``: ``action`` is ``add``,
+  ``remove`` (a preemption with notice) or ``kill`` (a hard loss: no notice, the node's
+  processes die at once); time in milliseconds since trace start.
 
 Anything else raises :class:`TraceError` naming the file, the line and what was
 expected.
@@ -36,7 +37,7 @@ from typing import Callable, Iterable, Literal
 
 log = logging.getLogger(__name__)
 
-NodeKind = Literal["add", "remove"]
+NodeKind = Literal["add", "remove", "kill"]  # remove: with notice; kill: without
 
 # Header rows we accept (lower-cased, stripped). Anything else non-numeric in the
 # first data row is rejected rather than guessed at.
@@ -51,7 +52,7 @@ _EVENT_HEADERS = {
     ("time_ms", "action", "node"),
 }
 _COUNT_EXPECTED = "`seconds_since_start,available_instances` (number >= 0, integer >= 0)"
-_EVENT_EXPECTED = "`timestamp_ms,add|remove,node_id` (number >= 0, action, non-empty name)"
+_EVENT_EXPECTED = "`timestamp_ms,add|remove|kill,node_id` (number >= 0, action, non-empty name)"
 
 
 class TraceError(ValueError):
@@ -263,15 +264,15 @@ def _parse_events(path: Path, body: list[tuple[int, str, list[str]]]) -> Trace:
         ms, action, node = _parse_time(fields[0]), fields[1].lower(), fields[2]
         if ms is None:
             raise _fail(path, lineno, f"bad time in {_show(raw)}; expected {_EVENT_EXPECTED}")
-        if action not in ("add", "remove"):
-            raise _fail(path, lineno, f"unknown action {fields[1]!r}; expected `add` or `remove`")
+        if action not in ("add", "remove", "kill"):
+            raise _fail(path, lineno, f"unknown action {fields[1]!r}; expected `add`, `remove` or `kill`")
         if not node:
             raise _fail(path, lineno, f"empty node name in {_show(raw)}; expected {_EVENT_EXPECTED}")
         if ms < last_ms:
             raise _fail(path, lineno, f"time {ms:g} ms goes backwards (previous {last_ms:g} ms); expected non-decreasing times")
         if action == "add" and node in live:
             raise _fail(path, lineno, f"node {node!r} added while already live; expected a remove first")
-        if action == "remove" and node not in live:
+        if action != "add" and node not in live:
             raise _fail(path, lineno, f"node {node!r} removed while not live; expected an add first")
         last_ms = ms
         t = ms / 1000.0
@@ -451,12 +452,12 @@ def schedule(
                 break
             added = [ev.node for ev in batch if ev.kind == "add"]
             for ev in batch:
-                if ev.kind == "remove":
+                if ev.kind != "add":  # remove (with notice) or kill (without)
                     live_nodes.remove(ev.node)
                     s = slots.slot_of(ev.node)
                     if s is not None:
                         slots.remove(s)
-                        out.append(NodeEvent(at, "remove", s))
+                        out.append(NodeEvent(at, ev.kind, s))
                 else:
                     live_nodes.append(ev.node)
             want = target(len(live_nodes))
@@ -542,13 +543,16 @@ class TraceReplayer:
         *,
         skip_initial: bool = False,
         max_sleep_s: float = 0.25,
+        kill_node: Callable[[int], None] | None = None,
     ) -> None:
         """``skip_initial``: do not apply the ``at_s == 0`` adds (the caller already
         started those nodes, see :func:`initial_slots`). ``max_sleep_s`` bounds one
-        sleep so a stop request is noticed within that time."""
+        sleep so a stop request is noticed within that time. ``kill_node`` carries out
+        ``kill`` events (hard losses); without it they go to ``remove_node``."""
         self.events: tuple[NodeEvent, ...] = tuple(sorted(events, key=lambda e: e.at_s))
         self._add = add_node
         self._remove = remove_node
+        self._kill = kill_node or remove_node
         self._clock = clock
         self._sleep = sleep
         self._skip_initial = skip_initial
@@ -592,7 +596,7 @@ class TraceReplayer:
                 self._sleep(min(wait, self._max_sleep_s))
             now = self._clock() - t0
             self._history.append((now, ev))
-            fn = self._add if ev.kind == "add" else self._remove
+            fn = {"add": self._add, "remove": self._remove, "kill": self._kill}[ev.kind]
             try:
                 fn(ev.slot)
             except Exception as e:  # noqa: BLE001 - recorded, the replay must go on

@@ -345,3 +345,24 @@ def test_replayer_thread_stop_join() -> None:
     assert added == [0]
     with pytest.raises(RuntimeError):
         r.start()
+
+
+def test_kill_is_a_hard_loss_through_its_own_callable(tmp_path: Path) -> None:
+    p = tmp_path / "nodes.csv"
+    p.write_text("0,add,a\n0,add,b\n0,add,c\n1000,kill,b\n2000,remove,c\n3000,add,d\n")
+    tr = load_trace(p)
+    assert tr.points == ((0.0, 3), (1.0, 2), (2.0, 1), (3.0, 2))
+    ev = schedule(tr, time_scale=1.0, max_nodes=3)
+    assert ev[3:] == (NodeEvent(1.0, "kill", 1), NodeEvent(2.0, "remove", 2),
+                      NodeEvent(3.0, "add", 1))
+    clock = FakeClock()
+    calls: list[tuple[str, int]] = []
+    TraceReplayer(ev, add_node=lambda s: calls.append(("add", s)),
+                  remove_node=lambda s: calls.append(("remove", s)),
+                  kill_node=lambda s: calls.append(("kill", s)),
+                  clock=clock, sleep=clock.sleep, skip_initial=True).run()
+    assert calls == [("kill", 1), ("remove", 2), ("add", 1)]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0,add,a\n10,kill,z\n")
+    with pytest.raises(TraceError, match="removed while not live"):
+        load_trace(bad)

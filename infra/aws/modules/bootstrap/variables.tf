@@ -1,0 +1,83 @@
+variable "cluster_name" {
+  description = "Cluster name: the value of the moshray-cluster tag and Ray's cluster_name."
+  type        = string
+}
+
+variable "region" {
+  description = "AWS region of the cluster."
+  type        = string
+}
+
+variable "pools" {
+  description = "Spot pools the NodeProvider tries, in order: instance type, zone and the subnet in that zone."
+  type = list(object({
+    instance_type = string
+    zone          = string
+    subnet_id     = string
+  }))
+
+  validation {
+    condition     = length(var.pools) > 0
+    error_message = "pools must name at least one instance type and zone."
+  }
+}
+
+variable "worker_launch_template_id" {
+  description = "ID of the spot worker launch template the NodeProvider launches from."
+  type        = string
+}
+
+variable "head_private_ip" {
+  description = "Private IPv4 address of the head node (workers join Ray there)."
+  type        = string
+}
+
+variable "token_secret_id" {
+  description = "ARN or name of the Secrets Manager secret holding the Ray auth token."
+  type        = string
+}
+
+variable "min_workers" {
+  description = "Spot workers Ray's autoscaler keeps at least."
+  type        = number
+}
+
+variable "max_workers" {
+  description = "Spot workers Ray's autoscaler launches at most."
+  type        = number
+}
+
+variable "worker_resources" {
+  description = "Ray resources of one worker (CPU, GPU) as the autoscaler plans with them."
+  type        = map(number)
+}
+
+variable "on_demand_max_nodes" {
+  description = "On-demand workers the NodeProvider may use when no spot pool has capacity (0: never)."
+  type        = number
+}
+
+variable "idle_timeout_minutes" {
+  description = "Minutes an idle worker is kept before the autoscaler removes it."
+  type        = number
+}
+
+variable "moshray_pip_spec" {
+  description = "What `pip install` installs on every node (a version pin, a wheel URL, ...)."
+  type        = string
+}
+
+variable "prometheus_config" {
+  description = "Text of the Prometheus scrape config installed on the head (infra/prometheus/prometheus.yml)."
+  type        = string
+}
+
+variable "ray_port" {
+  description = "Port of the head's Ray GCS."
+  type        = number
+}
+
+variable "dashboard_port" {
+  description = "Port of the Ray dashboard and job API on the head."
+  type        = number
+}

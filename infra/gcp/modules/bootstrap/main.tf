@@ -1,0 +1,147 @@
+# What the GCE VMs run and carry, rendered from plain values.
+#
+# This module creates no resource and needs no provider: it turns the cluster's facts (names,
+# pools, the worker VM definition, the head's address, the token's secret) into the labels,
+# the Ray autoscaler config and the two startup scripts. Keeping it provider-free lets
+# tests/test_infra.py render it with Terraform itself, offline, and check the result
+# against the Python package (label names, provider module path, CLI commands).
+
+terraform {
+  required_version = ">= 1.11"
+}
+
+locals {
+  # Label keys shared with the NodeProvider and the watcher: they must equal
+  # autoscaler/tags.py (CLUSTER_TAG, ROLE_TAG, POOL_TAG, MARKET_TAG).
+  label_keys = {
+    cluster = "moshray-cluster"
+    role    = "moshray-role"
+    pool    = "moshray-pool"
+    market  = "moshray-market"
+  }
+  # autoscaler/tags.py GCP_PROVIDER: the `provider: type: external` module of Ray's autoscaler.
+  provider_module = "moshray.autoscaler.gcp_provider.GCPSpotNodeProvider"
+  # cluster/placement.py SPOT_RESOURCE: replicas and experts are placed only on nodes with it.
+  spot_resource = "spot"
+  # GCPSpotNodeProvider names its VMs "ray-<cluster>-<role>-<id>" (IAM conditions match it).
+  vm_name_prefix = "ray-${var.cluster_name}-"
+
+  common_labels = { (local.label_keys.cluster) = var.cluster_name }
+  head_labels = merge(local.common_labels, {
+    (local.label_keys.role)   = "head"
+    (local.label_keys.market) = "on-demand"
+  })
+  worker_labels = merge(local.common_labels, {
+    (local.label_keys.role)   = "worker"
+    (local.label_keys.market) = "spot"
+  })
+
+  head_node_type   = "ray.head.default"
+  worker_node_type = "ray.worker.spot"
+  worker_ray_resources = {
+    (local.spot_resource) = 1000
+  }
+
+  worker_metadata = {
+    "startup-script"         = local.worker_startup_script
+    "enable-oslogin"         = "TRUE"
+    "block-project-ssh-keys" = "TRUE"
+    "install-nvidia-driver"  = "True"
+  }
+
+  # The worker VM as a GCE Instance resource (REST JSON): what the NodeProvider inserts, the
+  # pool filling in machine type, zone and the SPOT scheduling. Same VM as the instance
+  # template of the root module.
+  worker_node_config = {
+    disks = [{
+      boot       = true
+      autoDelete = true
+      initializeParams = {
+        sourceImage = var.worker_image
+        diskSizeGb  = tostring(var.worker_disk_gb)
+        diskType    = "zones/{zone}/diskTypes/pd-balanced"
+      }
+    }]
+    networkInterfaces = [{
+      subnetwork    = var.subnetwork
+      accessConfigs = [{ name = "External NAT", type = "ONE_TO_ONE_NAT" }]
+    }]
+    guestAccelerators = [for a in var.worker_accelerators : {
+      acceleratorType  = "zones/{zone}/acceleratorTypes/${a.type}"
+      acceleratorCount = a.count
+    }]
+    serviceAccounts = [{
+      email  = var.worker_service_account
+      scopes = ["https://www.googleapis.com/auth/cloud-platform"]
+    }]
+    tags     = { items = var.network_tags }
+    metadata = { items = [for k, v in local.worker_metadata : { key = k, value = v }] }
+    shieldedInstanceConfig = {
+      enableSecureBoot          = false
+      enableVtpm                = true
+      enableIntegrityMonitoring = true
+    }
+  }
+
+  # Ray's autoscaler config (the head's `ray start --autoscaling-config`). Workers start Ray
+  # themselves from their startup script, so no node updater (SSH) is used.
+  autoscaler_config = {
+    cluster_name         = var.cluster_name
+    max_workers          = var.max_workers
+    upscaling_speed      = 1.0
+    idle_timeout_minutes = var.idle_timeout_minutes
+    provider = {
+      type                  = "external"
+      module                = local.provider_module
+      project_id            = var.project_id
+      availability_zone     = var.pools[0].zone
+      termination_action    = var.termination_action
+      use_internal_ips      = true
+      disable_node_updaters = true
+      pools = [for p in var.pools : {
+        machine_type = p.machine_type
+        zone         = p.zone
+      }]
+      on_demand = { max_nodes = var.on_demand_max_nodes }
+    }
+    auth = { ssh_user = "ubuntu" }
+    available_node_types = {
+      (local.head_node_type) = {
+        resources   = {}
+        node_config = {}
+        max_workers = 0
+      }
+      (local.worker_node_type) = {
+        min_workers = var.min_workers
+        max_workers = var.max_workers
+        resources   = merge(var.worker_resources, local.worker_ray_resources)
+        node_config = local.worker_node_config
+      }
+    }
+    head_node_type            = local.head_node_type
+    file_mounts               = {}
+    initialization_commands   = []
+    setup_commands            = []
+    head_setup_commands       = []
+    worker_setup_commands     = []
+    head_start_ray_commands   = []
+    worker_start_ray_commands = []
+  }
+
+  env = {
+    moshray_pip_spec = var.moshray_pip_spec
+    token_secret     = var.token_secret
+    head_address     = "${var.head_private_ip}:${var.ray_port}"
+  }
+
+  worker_startup_script = templatefile("${path.module}/templates/worker.sh.tftpl", merge(local.env, {
+    ray_resources_json = jsonencode(local.worker_ray_resources)
+  }))
+  head_startup_script = templatefile("${path.module}/templates/head.sh.tftpl", merge(local.env, {
+    head_private_ip   = var.head_private_ip
+    ray_port          = var.ray_port
+    dashboard_port    = var.dashboard_port
+    autoscaler_config = yamlencode(local.autoscaler_config)
+    prometheus_config = var.prometheus_config
+  }))
+}

@@ -1,0 +1,115 @@
+variable "cluster_name" {
+  description = "Cluster name: the value of the moshray-cluster label and Ray's cluster_name."
+  type        = string
+}
+
+variable "project_id" {
+  description = "GCP project of the cluster."
+  type        = string
+}
+
+variable "pools" {
+  description = "Spot pools the NodeProvider tries, in order: machine type and zone."
+  type = list(object({
+    machine_type = string
+    zone         = string
+  }))
+
+  validation {
+    condition     = length(var.pools) > 0
+    error_message = "pools must name at least one machine type and zone."
+  }
+}
+
+variable "termination_action" {
+  description = "What GCE does to a preempted Spot VM: DELETE or STOP."
+  type        = string
+}
+
+variable "head_private_ip" {
+  description = "Internal IPv4 address of the head node (workers join Ray there)."
+  type        = string
+}
+
+variable "token_secret" {
+  description = "Secret Manager secret holding the Ray auth token, as projects/PROJECT/secrets/NAME."
+  type        = string
+}
+
+variable "subnetwork" {
+  description = "Self link of the subnetwork of the workers."
+  type        = string
+}
+
+variable "network_tags" {
+  description = "Network tags of worker VMs (the firewall rules match them)."
+  type        = list(string)
+}
+
+variable "worker_service_account" {
+  description = "Email of the workers' service account."
+  type        = string
+}
+
+variable "worker_image" {
+  description = "Boot image of worker VMs."
+  type        = string
+}
+
+variable "worker_disk_gb" {
+  description = "Boot disk of a worker VM in GB."
+  type        = number
+}
+
+variable "worker_accelerators" {
+  description = "GPUs attached to each worker VM (none for machine types with built-in GPUs such as g2)."
+  type = list(object({
+    type  = string
+    count = number
+  }))
+}
+
+variable "min_workers" {
+  description = "Spot workers Ray's autoscaler keeps at least."
+  type        = number
+}
+
+variable "max_workers" {
+  description = "Spot workers Ray's autoscaler launches at most."
+  type        = number
+}
+
+variable "worker_resources" {
+  description = "Ray resources of one worker (CPU, GPU) as the autoscaler plans with them."
+  type        = map(number)
+}
+
+variable "on_demand_max_nodes" {
+  description = "On-demand workers the NodeProvider may use when no spot pool has capacity (0: never)."
+  type        = number
+}
+
+variable "idle_timeout_minutes" {
+  description = "Minutes an idle worker is kept before the autoscaler removes it."
+  type        = number
+}
+
+variable "moshray_pip_spec" {
+  description = "What `pip install` installs on every node (a version pin, a wheel URL, ...)."
+  type        = string
+}
+
+variable "prometheus_config" {
+  description = "Text of the Prometheus scrape config installed on the head (infra/prometheus/prometheus.yml)."
+  type        = string
+}
+
+variable "ray_port" {
+  description = "Port of the head's Ray GCS."
+  type        = number
+}
+
+variable "dashboard_port" {
+  description = "Port of the Ray dashboard and job API on the head."
+  type        = number
+}

@@ -159,6 +159,15 @@ def ray_service_discovery_file(local_cluster, workdir: Path) -> Path:
     return out / SD_FILE
 
 
+def dashboard_expressions(dashboard: dict) -> list[tuple[str, str]]:
+    """(where, expr) of every panel query of the Grafana dashboard, and its annotations."""
+    found = [(f"panel {p['title']!r} {t['refId']}", t["expr"])
+             for p in dashboard["panels"] for t in p.get("targets", [])]
+    found += [(f"annotation {a['name']!r}", a["expr"])
+              for a in dashboard["annotations"]["list"] if "expr" in a]
+    return found
+
+
 def test_renderer_keeps_the_shipped_structure():
     import yaml
 
@@ -241,5 +250,19 @@ def test_prometheus_scrapes_moshray_and_ray(local_cluster, tmp_path: Path):
             assert {r["metric"]["instance"] for r in ray_up} <= set(ray_targets)
             names = wait_for(base, 'count by (__name__) ({job="ray", __name__=~"ray_.+"})')
             assert any(r["metric"]["__name__"].startswith("ray_") for r in names)
+            # more rounds while Prometheus watches, so that rate() panels have data
+            ray.get(c.record.remote((m.RoundEvent(0.3, 1 << 20),)), timeout=30)
+            wait_for(base, "rate(moshray_allreduce_round_duration_seconds_count[1m]) > 0")
+            # every query of the Grafana dashboard evaluates on this server
+            dashboard = json.loads((ROOT / "infra" / "grafana" / "moshray.json").read_text())
+            with_data = set()
+            for where, expr in dashboard_expressions(dashboard):
+                result = query(base, expr.replace("$__rate_interval", "1m"))
+                if result:
+                    with_data.add(where)
+            for title in ("Throughput", "Training loss", "Peers and nodes", "Round duration",
+                          "Bytes sent", "Rejections and failed rounds", "Notices and lost nodes",
+                          "Cost"):
+                assert f"panel {title!r} A" in with_data, f"{title}: no data"
     finally:
         ray.kill(c)

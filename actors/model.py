@@ -23,6 +23,7 @@ __all__ = [
     "ByteTransformerLM",
     "ModelConfig",
     "build_model",
+    "moe_layer_name",
     "pick_device",
 ]
 
@@ -48,8 +49,16 @@ class ModelConfig:
     n_heads: int = 4
     d_ff: int = 1024
     dropout: float = 0.0
+    # Decentralized Mixture-of-Experts (off by default): the blocks listed in moe_layers get a
+    # RemoteMixtureOfExperts (grid moe_grid, top moe_k experts of width d_ff) instead of
+    # their MLP; moe_aux_weight scales the load-balancing term added by loss().
+    moe_layers: tuple[int, ...] = ()
+    moe_grid: tuple[int, ...] = (4, 4)
+    moe_k: int = 4
+    moe_aux_weight: float = 0.01
 
     def __post_init__(self) -> None:
+        self._check_moe()
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
             value = getattr(self, name)
             # bool is an int subclass; True as a layer count is a bug, not a 1.
@@ -67,6 +76,30 @@ class ModelConfig:
             or not 0.0 <= dropout < 1.0
         ):
             raise ValueError(f"ModelConfig.dropout: must be a number in [0, 1), got {dropout!r}")
+
+    def _check_moe(self) -> None:
+        # TOML and JSON give lists; keep the frozen config hashable with tuples.
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        object.__setattr__(self, "moe_grid", tuple(self.moe_grid))
+        if len(set(self.moe_layers)) != len(self.moe_layers) or any(
+            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.n_layers
+            for i in self.moe_layers
+        ):
+            raise ValueError(f"ModelConfig.moe_layers: must be distinct block indices in "
+                             f"[0, n_layers={self.n_layers}), got {self.moe_layers!r}")
+        if not self.moe_grid or any(
+            not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in self.moe_grid
+        ):
+            raise ValueError(f"ModelConfig.moe_grid: must be positive integers, "
+                             f"got {self.moe_grid!r}")
+        experts = math.prod(self.moe_grid)
+        if not isinstance(self.moe_k, int) or isinstance(self.moe_k, bool) or \
+                not 1 <= self.moe_k <= experts:
+            raise ValueError(f"ModelConfig.moe_k: must be an integer in [1, {experts}] "
+                             f"(the grid's expert count), got {self.moe_k!r}")
+        w = self.moe_aux_weight
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0.0 <= w < math.inf:
+            raise ValueError(f"ModelConfig.moe_aux_weight: must be a number >= 0, got {w!r}")
 
     def to_dict(self) -> dict[str, int | float]:
         """Plain dict of the fields (for checkpoints and for shipping to actors)."""
@@ -140,6 +173,11 @@ class Block(nn.Module):
         return x
 
 
+def moe_layer_name(block: int) -> str:
+    """Expert uid prefix of block ``block``'s DMoE layer: experts are ``moe<block>.<i>.<j>``."""
+    return f"moe{block}"
+
+
 class ByteTransformerLM(nn.Module):
     """GPT-style causal LM over bytes.
 
@@ -148,9 +186,14 @@ class ByteTransformerLM(nn.Module):
     Initialisation draws from torch's global RNG, so it is deterministic given
     ``torch.manual_seed``; use :func:`build_model` to get that without touching
     the caller's RNG state.
+
+    With ``config.moe_layers``, pass ``experts`` (an ``ExpertBackend`` from
+    ``moshray.actors.moe``: ``RayExpertBackend`` or ``LocalExpertBackend``); those blocks'
+    MLPs become ``RemoteMixtureOfExperts`` whose parameters here are only the gating
+    network (the experts train themselves where they live). Without it, ``ValueError``.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, experts=None) -> None:
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
@@ -160,6 +203,15 @@ class ByteTransformerLM(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: one (vocab, d_model) matrix
+        if config.moe_layers:
+            if experts is None:
+                raise ValueError("ModelConfig.moe_layers needs an expert backend: pass experts="
+                                 "(moshray.actors.moe.RayExpertBackend or LocalExpertBackend)")
+            from .moe import MoEConfig, RemoteMixtureOfExperts
+
+            for i in config.moe_layers:
+                moe = MoEConfig(moe_layer_name(i), config.moe_grid, config.d_model, k=config.moe_k)
+                self.blocks[i].mlp = RemoteMixtureOfExperts(moe, experts)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -176,7 +228,8 @@ class ByteTransformerLM(nn.Module):
         resid_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for block in self.blocks:
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=resid_std)
-            nn.init.normal_(block.mlp.down.weight, mean=0.0, std=resid_std)
+            if isinstance(block.mlp, MLP):  # a DMoE layer's experts initialise themselves
+                nn.init.normal_(block.mlp.down.weight, mean=0.0, std=resid_std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``(batch, seq, vocab_size)`` for token ids ``idx`` ``(batch, seq)``.
@@ -197,16 +250,23 @@ class ByteTransformerLM(nn.Module):
         return self.head(x)  # (batch, seq, vocab_size)
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (scalar); ``targets`` has the shape of ``idx``."""
+        """Mean next-token cross-entropy (scalar); ``targets`` has the shape of ``idx``.
+
+        With DMoE layers, plus ``moe_aux_weight`` times their mean load-balancing term.
+        """
         logits = self(idx)  # (batch, seq, vocab_size)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        aux = [b.mlp.aux_loss for b in self.blocks if getattr(b.mlp, "aux_loss", None) is not None]
+        if aux and self.config.moe_aux_weight:
+            loss = loss + self.config.moe_aux_weight * torch.stack(aux).mean()
+        return loss
 
     def num_parameters(self) -> int:
         """Number of distinct parameters (the tied head/embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
 
 
-def build_model(config: ModelConfig, seed: int) -> ByteTransformerLM:
+def build_model(config: ModelConfig, seed: int, experts=None) -> ByteTransformerLM:
     """Build a :class:`ByteTransformerLM` whose initial weights depend only on ``seed``.
 
     Two calls with the same ``config`` and ``seed`` give bitwise-identical
@@ -216,4 +276,4 @@ def build_model(config: ModelConfig, seed: int) -> ByteTransformerLM:
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return ByteTransformerLM(config)
+        return ByteTransformerLM(config, experts)

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,35 @@ def checksum(model: torch.nn.Module) -> str:
     for p in model.parameters():
         h.update(p.detach().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+@dataclass
+class Lineage:
+    """Which global steps the state this replica holds has gone through.
+
+    Travels with the state (donor copies, checkpoints). Steps must be applied in order,
+    once each: a step skipped is counted in ``gaps`` (lost), one applied again in
+    ``repeats``; both stay 0 in a correct run.
+    """
+
+    last: int = 0
+    gaps: int = 0
+    repeats: int = 0
+
+    def apply(self, epoch: int) -> None:
+        if epoch <= self.last:
+            self.repeats += 1
+        else:
+            self.gaps += epoch - self.last - 1
+        self.last = max(self.last, epoch)
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        return (self.last, self.gaps, self.repeats)
+
+    @classmethod
+    def from_tuple(cls, t, epoch: int) -> "Lineage":
+        """From ``as_tuple``; a state without one (older checkpoint) starts clean at ``epoch``."""
+        return cls(*t) if t else cls(last=epoch)
 
 
 @ray.remote
@@ -79,6 +109,7 @@ class ReplicaActor:
         self.coordinator = coordinator
         self.averager = Averager(peer_id)
         self.epoch = 0
+        self.lineage = Lineage()
         self.samples = 0
         self.micro = 0
         self.loss_sum = 0.0
@@ -103,6 +134,7 @@ class ReplicaActor:
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
+            "lineage": self.lineage.as_tuple(),
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "outer": self.outer.state_dict() if self.outer else None,
@@ -118,6 +150,7 @@ class ReplicaActor:
                 a.data.copy_(s)
             self.outer.load_state_dict(state["outer"])
         self.epoch = int(state["epoch"])
+        self.lineage = Lineage.from_tuple(state.get("lineage"), self.epoch)
         self.optimizer.zero_grad(set_to_none=True)
         self.samples, self.micro, self.loss_sum = 0, 0, 0.0
 
@@ -134,7 +167,12 @@ class ReplicaActor:
 
     def status(self) -> dict:
         return {"peer": self.peer_id, "epoch": self.epoch, "checksum": checksum(self.model),
-                "node": self.node_id, "rejected": self.own_rejections, "pid": os.getpid()}
+                "node": self.node_id, "rejected": self.own_rejections, "pid": os.getpid(),
+                "lost_steps": self.lineage.gaps, "repeated_steps": self.lineage.repeats}
+
+    def rejection_counts(self) -> dict[str, int]:
+        """Contributions this replica rejected so far, by reason (from its averager)."""
+        return dict(self.averager.rejection_counts)
 
     def inject_fault(self, fault: str | None) -> None:
         """Test hook: ``"nan"`` makes every following gradient NaN (until reset to None)."""
@@ -253,6 +291,7 @@ class ReplicaActor:
                         self.outer.zero_grad(set_to_none=True)
                         for anchor, p in zip(self.anchor, params):
                             p.copy_(anchor)
+            self.lineage.apply(plan.epoch)
             self.epoch = plan.epoch
             self.samples, self.micro, self.loss_sum = 0, 0, 0.0
         mine = [r for r in report.rejections if r.sender == self.peer_id]

@@ -41,6 +41,7 @@ class ReplicaSupervisor:
         self.init_state_ref = init_state_ref
         self.replicas: dict[int, tuple[str, object, object]] = {}  # slot -> (id, handle, run)
         self.generation = 0
+        self.hard_losses = 0  # replicas lost without a notice (their node died under them)
         self.lock = threading.Lock()
 
     def start(self, slot: int, resources: dict | None = None) -> None:
@@ -56,9 +57,11 @@ class ReplicaSupervisor:
                 self.init_state_ref)
             self.replicas[slot] = (peer_id, handle, handle.run.remote())
 
-    def lost(self, slot: int) -> None:
+    def lost(self, slot: int, hard: bool = False) -> None:
+        """``slot``'s replica is gone (``hard``: found dead, no notice came before)."""
         with self.lock:
             entry = self.replicas.pop(slot, None)
+            self.hard_losses += int(hard and entry is not None)
         if entry is not None:
             self.coordinator.leave.remote(entry[0])
             self.coordinator.note_preemption.remote()
@@ -68,11 +71,34 @@ class ReplicaSupervisor:
             return list(self.replicas.values())
 
 
-def _progress_line(h, started_samples: int, elapsed: float, live: int, preemptions: int) -> str:
+BAR_WIDTH = 20
+
+
+def run_fraction(epoch: int, elapsed: float, max_steps: int | None,
+                 max_seconds: float | None) -> float | None:
+    """How far the run is towards its bound (the nearer of steps and seconds), or None."""
+    parts = []
+    if max_steps:
+        parts.append(epoch / max_steps)
+    if max_seconds:
+        parts.append(elapsed / max_seconds)
+    return min(max(parts), 1.0) if parts else None
+
+
+def progress_line(h, total_samples: int, elapsed: float, live: int, preemptions: int,
+                  fraction: float | None = None) -> str:
+    """One console line for a committed global step; with a bar when the run is bounded.
+
+    ``h`` is a history row ``(epoch, at_s, samples, loss, peers)``.
+    """
     epoch, _, samples, loss, peers = h
     loss_s = f"{loss:.4f}" if loss is not None else "  -   "
-    rate = started_samples / elapsed if elapsed > 0 else 0.0
-    return (f"step {epoch:5d} | loss {loss_s} | {rate:8.1f} samples/s | peers {peers} "
+    rate = total_samples / elapsed if elapsed > 0 else 0.0
+    bar = ""
+    if fraction is not None:
+        done = int(round(fraction * BAR_WIDTH))
+        bar = f"[{'#' * done}{'.' * (BAR_WIDTH - done)}] {fraction * 100:3.0f}% | "
+    return (f"step {epoch:5d} | {bar}loss {loss_s} | {rate:8.1f} samples/s | peers {peers} "
             f"(live {live}) | preemptions {preemptions}")
 
 
@@ -144,7 +170,8 @@ def _start_replay(config: TrainConfig, pending: queue.Queue):
     events = schedule(load_trace(config.cluster.trace), config.cluster.time_scale,
                       config.cluster.max_nodes)
     replay = TraceReplayer(events, lambda slot: pending.put(("add", slot)),
-                           lambda slot: pending.put(("remove", slot)), skip_initial=True)
+                           lambda slot: pending.put(("remove", slot)), skip_initial=True,
+                           kill_node=lambda slot: pending.put(("kill", slot)))
     replay.start()
     return replay
 
@@ -161,6 +188,10 @@ def _apply_node_events(pending: queue.Queue, local, supervisor) -> None:
         elif kind == "remove" and slot in local.live_slots():
             supervisor.lost(slot)
             local.remove_node(slot)
+        elif kind == "kill" and slot in local.live_slots():
+            # No notice and no word to the Coordinator: the swarm finds out by itself
+            # (failed calls, round deadlines, Ray's node-death events seen below).
+            local.remove_node(slot, hard=True)
 
 
 def _match_initial_nodes(config: TrainConfig, local) -> None:
@@ -195,10 +226,11 @@ def _supervise(config: TrainConfig, coordinator, supervisor, local, out,
         stats = ray.get(coordinator.stats.remote(), timeout=30)
         history = stats["history"]
         elapsed = time.monotonic() - started
+        fraction = run_fraction(stats["epoch"], elapsed, t.max_steps, t.max_seconds)
         for h in history[printed:]:
             samples += h[2]
-            print(_progress_line(h, samples, elapsed, stats["live"], stats["preemptions"]),
-                  file=out, flush=True)
+            print(progress_line(h, samples, elapsed, stats["live"], stats["preemptions"],
+                                fraction), file=out, flush=True)
         printed = len(history)
         epoch = stats["epoch"]
         if config.checkpoint.uri and epoch - last_ckpt >= config.checkpoint.every_steps:
@@ -214,7 +246,7 @@ def _supervise(config: TrainConfig, coordinator, supervisor, local, out,
                     ray.get(run_ref)
                 except ray.exceptions.RayError as exc:
                     log.warning("replica %s lost: %s", peer_id, type(exc).__name__)
-                    supervisor.lost(slot)
+                    supervisor.lost(slot, hard=True)
     ray.get(coordinator.request_stop.remote())
     statuses = []
     for peer_id, handle, run_ref in supervisor.handles():
@@ -239,6 +271,11 @@ def _supervise(config: TrainConfig, coordinator, supervisor, local, out,
         "replicas": len(statuses),
         "replicas_consistent": len(finals) == 1 and all(s["epoch"] == top_epoch for s in statuses),
         "rejected_contributions": sum(s["rejected"] for s in statuses),
+        "notices": stats.get("notices", 0),
+        "hard_losses": supervisor.hard_losses,
+        # Committed global steps the final state skipped or went through twice (0 expected).
+        "lost_steps": max((s["lost_steps"] + s["repeated_steps"] for s in statuses), default=0),
+        "rebalance_s_max": max(stats.get("rebalance_s") or [0.0]),
     }
     print(f"done: {summary['steps']} steps, {summary['samples']} samples in "
           f"{wall:.1f} s ({summary['samples_per_s']:.1f} samples/s), "

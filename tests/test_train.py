@@ -88,3 +88,16 @@ def test_resume_from_checkpoint_skips_corrupt_file(tmp_path: Path):
     assert second["replicas_consistent"] is True
     # it continued from the checkpoint rather than from scratch: the loss starts lower
     assert second["initial_loss"] < first["initial_loss"]
+
+
+def test_progress_line_has_a_bar_when_the_run_is_bounded():
+    from moshray.jobs.train import progress_line, run_fraction
+
+    row = (25, 12.0, 64, 2.3456, 3)
+    assert run_fraction(25, 10.0, max_steps=100, max_seconds=None) == 0.25
+    assert run_fraction(25, 90.0, max_steps=100, max_seconds=100) == 0.9  # the nearer bound
+    assert run_fraction(25, 10.0, None, None) is None
+    line = progress_line(row, 6400, 10.0, live=3, preemptions=1, fraction=0.25)
+    assert "step    25" in line and "[#####...............]  25%" in line
+    assert "loss 2.3456" in line and "640.0 samples/s" in line and "preemptions 1" in line
+    assert "[" not in progress_line(row, 6400, 10.0, live=3, preemptions=1)

@@ -1,0 +1,143 @@
+"""Replicas training together on the shared multi-node cluster (no driver subprocess).
+
+Each test starts its own Coordinator and ReplicaActors through the training job's own
+``ReplicaSupervisor`` (the driver's code path), drives faults from outside — a NaN-injecting
+replica, a raylet killed with SIGKILL — and stops the swarm at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import pytest
+import ray
+
+from moshray.cluster import coordinator as coordinator_mod
+from moshray.cluster.membership import MembershipConfig
+from moshray.jobs.config import add_config_arguments, config_from_args
+from moshray.jobs.train import ReplicaSupervisor
+
+pytestmark = pytest.mark.cluster
+
+SMALL = [
+    "--set", "model.n_layers=1", "--set", "model.d_model=32", "--set", "model.d_ff=64",
+    "--set", "model.n_heads=2", "--set", "model.seq_len=32",
+    "--set", "training.batch_size=4", "--set", "training.target_batch_size=16",
+    "--set", "training.round_timeout_s=4",
+]
+_names = itertools.count()
+
+
+def small_config(*extra: str):
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    return config_from_args(parser.parse_args([*SMALL, *extra]))
+
+
+class Swarm:
+    """A Coordinator and one replica per slot, started as the training driver does."""
+
+    def __init__(self, config, slots):
+        from moshray.actors.data import resolve_data
+
+        t = config.training
+        self.config = config
+        self.coordinator = coordinator_mod.get_or_create(
+            MembershipConfig(peer_ttl_s=max(3.0, t.round_timeout_s)),
+            target_batch_size=t.target_batch_size, name=f"test-swarm-{next(_names)}")
+        files = resolve_data(None, "~/.cache/moshray/corpus")
+        self.supervisor = ReplicaSupervisor(config, files, self.coordinator, None)
+        for slot in slots:
+            self.supervisor.start(slot)
+
+    def stats(self) -> dict:
+        return ray.get(self.coordinator.stats.remote(), timeout=30)
+
+    def wait_epoch(self, epoch: int, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stats = self.stats()
+            if stats["epoch"] >= epoch:
+                return stats
+            time.sleep(0.2)
+        raise TimeoutError(f"epoch {epoch} not reached in {timeout} s: {self.stats()}")
+
+    def handle(self, slot: int):
+        return self.supervisor.replicas[slot][1]
+
+    def stop(self, timeout: float = 90) -> list[dict]:
+        """Stop every replica; the finished replicas' statuses (lost ones are skipped)."""
+        ray.get(self.coordinator.request_stop.remote(), timeout=30)
+        statuses = []
+        for _, _, run_ref in self.supervisor.handles():
+            try:
+                statuses.append(ray.get(run_ref, timeout=timeout))
+            except ray.exceptions.RayError:
+                pass
+        for _, handle, _ in self.supervisor.handles():
+            ray.kill(handle, no_restart=True)
+        ray.kill(self.coordinator, no_restart=True)
+        return statuses
+
+
+def consistent(statuses: list[dict]) -> bool:
+    top = max(s["epoch"] for s in statuses)
+    return all(s["epoch"] == top for s in statuses) and len({s["checksum"] for s in statuses}) == 1
+
+
+def test_nan_replica_is_rejected_and_counted_while_training_goes_on(local_cluster):
+    swarm = Swarm(small_config(), slots=[0, 1, 2])
+    try:
+        start = swarm.wait_epoch(2, timeout=180)["epoch"]
+        ray.get(swarm.handle(2).inject_fault.remote("nan"), timeout=30)
+        swarm.wait_epoch(start + 6, timeout=180)  # training goes on without the bad replica
+        bad = ray.get(swarm.handle(2).status.remote(), timeout=30)
+        good = ray.get(swarm.handle(0).status.remote(), timeout=30)
+        assert bad["rejected"] >= 1  # its non-finite contributions were rejected and counted
+        assert good["rejected"] == 0
+        counts = ray.get(swarm.handle(0).rejection_counts.remote(), timeout=30)
+        assert counts.get("non_finite", 0) >= 1  # ... by the peers that received them
+        ray.get(swarm.handle(2).inject_fault.remote(None), timeout=30)
+        now = swarm.stats()["epoch"]
+        swarm.wait_epoch(now + 3, timeout=180)
+    finally:
+        statuses = swarm.stop()
+    assert len(statuses) == 3
+    assert consistent(statuses)  # the bad replica resynced from a donor
+
+
+def test_local_sgd_with_outer_nesterov_keeps_replicas_identical(local_cluster):
+    config = small_config("--set", "training.mode=local_sgd",
+                          "--set", "training.outer_optimizer=nesterov")
+    swarm = Swarm(config, slots=[0, 1])
+    try:
+        swarm.wait_epoch(4, timeout=180)
+        history = swarm.stats()["history"]
+    finally:
+        statuses = swarm.stop()
+    assert len(statuses) == 2 and consistent(statuses)
+    assert all(h[4] == 2 for h in history[1:])  # both replicas took part in every average
+
+
+def test_hard_killed_node_training_resumes_within_a_round_deadline(local_cluster):
+    slot = local_cluster.add_node()
+    config = small_config()
+    swarm = Swarm(config, slots=[0, 1, slot])
+    killed = False
+    try:
+        swarm.wait_epoch(3, timeout=180)
+        local_cluster.remove_node(slot, hard=True)  # SIGKILL: no notice, no goodbye
+        killed = True
+        at_kill = swarm.stats()["epoch"]
+        # Progress resumes after at most one round deadline (plus scheduling slack).
+        swarm.wait_epoch(at_kill + 2, timeout=3 * config.training.round_timeout_s + 60)
+        stats = swarm.stats()
+        last = stats["history"][-1]
+        assert last[4] == 2  # the last step was taken by the two survivors
+    finally:
+        statuses = swarm.stop()
+        if not killed:
+            local_cluster.remove_node(slot)
+    assert len(statuses) == 2 and consistent(statuses)

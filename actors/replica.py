@@ -109,6 +109,9 @@ class ReplicaActor:
         self.coordinator = coordinator
         self.averager = Averager(peer_id)
         self.epoch = 0
+        # Parameters right after the last global step: equal on every replica at the same
+        # epoch in both modes (local SGD moves them on between averages, by design).
+        self.step_checksum = checksum(self.model)
         self.lineage = Lineage()
         self.samples = 0
         self.micro = 0
@@ -135,6 +138,7 @@ class ReplicaActor:
             "version": STATE_VERSION,
             "epoch": self.epoch,
             "lineage": self.lineage.as_tuple(),
+            "step_checksum": self.step_checksum,
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "outer": self.outer.state_dict() if self.outer else None,
@@ -151,6 +155,9 @@ class ReplicaActor:
             self.outer.load_state_dict(state["outer"])
         self.epoch = int(state["epoch"])
         self.lineage = Lineage.from_tuple(state.get("lineage"), self.epoch)
+        # Local SGD: a donor hands over its current (moved-on) parameters; the checksum
+        # that identifies the step is the donor's, taken right after that step.
+        self.step_checksum = state.get("step_checksum") or checksum(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         self.samples, self.micro, self.loss_sum = 0, 0, 0.0
 
@@ -166,7 +173,8 @@ class ReplicaActor:
         return await asyncio.to_thread(CheckpointStore(uri).save, state, state["epoch"])
 
     def status(self) -> dict:
-        return {"peer": self.peer_id, "epoch": self.epoch, "checksum": checksum(self.model),
+        return {"peer": self.peer_id, "epoch": self.epoch, "checksum": self.step_checksum,
+                "current_checksum": checksum(self.model),
                 "node": self.node_id, "rejected": self.own_rejections, "pid": os.getpid(),
                 "lost_steps": self.lineage.gaps, "repeated_steps": self.lineage.repeats}
 
@@ -241,7 +249,7 @@ class ReplicaActor:
                 reply = await self.coordinator.report.remote(ProgressReport(
                     self.peer_id, self.epoch, self.samples,
                     self.loss_sum / self.samples if self.samples else None,
-                    checksum(self.model), self.own_rejections))
+                    self.step_checksum, self.own_rejections))
                 if reply.stop:
                     break
                 if reply.resync:
@@ -292,6 +300,7 @@ class ReplicaActor:
                         for anchor, p in zip(self.anchor, params):
                             p.copy_(anchor)
             self.lineage.apply(plan.epoch)
+            self.step_checksum = checksum(self.model)
             self.epoch = plan.epoch
             self.samples, self.micro, self.loss_sum = 0, 0, 0.0
         mine = [r for r in report.rejections if r.sender == self.peer_id]

@@ -83,14 +83,18 @@ locals {
         }
       }
     }
-    head_node_type            = local.head_node_type
-    file_mounts               = {}
-    initialization_commands   = []
-    setup_commands            = []
-    head_setup_commands       = []
-    worker_setup_commands     = []
-    head_start_ray_commands   = []
-    worker_start_ray_commands = []
+    head_node_type                = local.head_node_type
+    file_mounts                   = {}
+    cluster_synced_files          = []
+    rsync_exclude                 = []
+    rsync_filter                  = []
+    file_mounts_sync_continuously = false
+    initialization_commands       = []
+    setup_commands                = []
+    head_setup_commands           = []
+    worker_setup_commands         = []
+    head_start_ray_commands       = []
+    worker_start_ray_commands     = []
   }
 
   env = {

@@ -106,6 +106,7 @@ class CoordinatorCore:
             "ready": len(self.progress.ready),
             "draining": len(self.membership.draining()),
             "preemptions": self.preemptions,
+            "now_s": now - self.started,  # the clock of history's at_s (for plots)
             **self._notice_summary(),
             "history": [(h.epoch, h.at_s - self.started, h.samples, h.loss, h.peers)
                         for h in history],
@@ -224,7 +225,7 @@ class Coordinator(CoordinatorCore):
                  **kwargs):
         """``metrics_port`` None: events are counted but not served; 0: the OS picks."""
         super().__init__(*args, **kwargs)
-        self._drain_marks: tuple[tuple[float, int], ...] = ()
+        self._rebalances_seen: set[str] = set()  # noticed nodes already in the histogram
         self.metrics = metrics.MetricsExporter(prices or metrics.Prices(), self.metrics_state)
         if metrics_port is not None:
             self.metrics.serve(metrics_host, metrics_port)
@@ -244,7 +245,7 @@ class Coordinator(CoordinatorCore):
         return f"{host}:{port}"
 
     def metrics_state(self) -> metrics.TrainingState:
-        """The run as the exporter sees it at scrape time (also resolves rebalance delays)."""
+        """The run as the exporter sees it at scrape time (also observes rebalance delays)."""
         self._resolve_rebalances()
         s = self.stats()
         return metrics.training_state(
@@ -252,17 +253,12 @@ class Coordinator(CoordinatorCore):
             draining=s["draining"], epoch=s["epoch"], preemptions=s["preemptions"],
             live_experts=len(self.experts.locations()))
 
-    def mark_draining(self, node_id: str, deadline_s: float) -> tuple[str, ...]:
-        hit = super().mark_draining(node_id, deadline_s)
-        if hit:  # the notice -> rebalanced-plan delay is measured at the next step
-            self._drain_marks += ((self.clock(), self.membership.epoch),)
-        return hit
-
     def _resolve_rebalances(self) -> None:
-        if self._drain_marks:
-            steps = [(h.epoch, h.at_s) for h in self.progress.history]
-            delays, self._drain_marks = metrics.rebalance_delays(self._drain_marks, steps)
-            self.metrics.apply_all(metrics.RebalanceEvent(d) for d in delays)
+        """Observe each notice's rebalance delay (``note_notice`` records) once."""
+        for node_id, r in self.notices.items():
+            if r.rebalance_s is not None and node_id not in self._rebalances_seen:
+                self._rebalances_seen.add(node_id)
+                self.metrics.apply(metrics.RebalanceEvent(r.rebalance_s))
 
 
 def get_or_create(

@@ -266,26 +266,6 @@ def training_state(
     )
 
 
-def rebalance_delays(
-    marks: Sequence[tuple[float, int]], steps: Sequence[tuple[int, float]]
-) -> tuple[tuple[float, ...], tuple[tuple[float, int], ...]]:
-    """Pure: seconds from each drain mark to the first step planned after it.
-
-    ``marks`` are ``(marked_at, epoch_at_mark)``; ``steps`` are ``(epoch, at)`` of committed
-    steps, on the same clock. A plan made after ``mark_draining`` excludes the draining
-    peers, so the first step with a higher epoch is the rebalanced one. Returns the delays
-    of the marks that are resolved and the marks still waiting.
-    """
-    delays, waiting = [], []
-    for at, epoch in marks:
-        first = next((s_at for s_epoch, s_at in steps if s_epoch > epoch), None)
-        if first is None:
-            waiting.append((at, epoch))
-        else:
-            delays.append(max(0.0, first - at))
-    return tuple(delays), tuple(waiting)
-
-
 # -- the exporter --------------------------------------------------------------------------
 
 
@@ -367,7 +347,7 @@ class MetricsExporter:
         self.address: tuple[str, int] | None = None
         r = self.registry
         # First in the registry, so ``state`` runs first in every scrape: events it applies
-        # (the Coordinator resolves rebalance delays there) show up in the same scrape.
+        # (the Coordinator observes rebalance delays there) show up in the same scrape.
         r.register(_DerivedCollector(self))
         self.round_seconds = Histogram(
             PREFIX + "allreduce_round_duration_seconds",

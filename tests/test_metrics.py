@@ -213,15 +213,6 @@ def test_training_state_rate_over_the_recent_window():
                             epoch=1).loss is None
 
 
-def test_rebalance_delay_is_time_to_the_next_planned_step():
-    marks = ((10.0, 4), (20.0, 6))
-    steps = [(4, 9.0), (5, 12.5), (6, 19.0)]
-    delays, waiting = m.rebalance_delays(marks, steps)
-    assert delays == (2.5,) and waiting == ((20.0, 6),)
-    delays, waiting = m.rebalance_delays(waiting, steps + [(7, 21.0)])
-    assert delays == (1.0,) and waiting == ()
-
-
 def test_serves_http_on_a_free_port_and_stops():
     ex = m.MetricsExporter()
     host, port = ex.serve("127.0.0.1", 0)
@@ -263,7 +254,8 @@ def test_coordinator_serves_metrics_from_its_state_and_events(local_cluster):
         for i in range(3):
             ray.get(c.register.remote(f"p{i}", None, f"node-{i}"), timeout=30)
             assert ray.get(c.mark_ready.remote(f"p{i}", 0), timeout=30)
-        assert ray.get(c.mark_draining.remote("node-2", 30.0), timeout=30) == ("p2",)
+        # a preemption notice for p2's node, received 0.5 s ago on that node
+        assert ray.get(c.note_notice.remote("node-2", 30.0, 0.5), timeout=30) == ("p2",)
         # two live peers reach the target batch: the Coordinator commits step 1 without p2
         ray.get(c.report.remote(ProgressReport("p0", 0, 16, loss=3.0)), timeout=30)
         reply = ray.get(c.report.remote(ProgressReport("p1", 0, 16, loss=2.0)), timeout=30)
@@ -294,10 +286,12 @@ def test_coordinator_serves_metrics_from_its_state_and_events(local_cluster):
                      "moshray_allreduce_rejected_contributions_total", reason="late") == 1
         assert value(f, "moshray_preemption_notices", "moshray_preemption_notices_total",
                      cloud="simulated", pool="local") == 1
-        # the drain mark was resolved by the step planned after it
+        # the notice was closed by the step planned after it: one delay of at least its age
         rebalance = "moshray_rebalance_seconds"
         assert value(f, rebalance, rebalance + "_count") == 1
-        assert 0 <= value(f, rebalance, rebalance + "_sum") < 60
+        assert 0.5 <= value(f, rebalance, rebalance + "_sum") < 60
+        f = families(scrape(address))  # observed once, not once per scrape
+        assert value(f, rebalance, rebalance + "_count") == 1
         assert value(f, "moshray_estimated_cost_dollars_per_hour") == pytest.approx(0.6)
         assert value(f, "moshray_estimated_cost_dollars_per_sample") > 0
         assert value(f, "moshray_live_experts") == 0

@@ -1,0 +1,268 @@
+"""Notice -> Coordinator excludes the node -> Ray drains it, on a real multi-node Ray cluster.
+
+The Coordinator's notice bookkeeping is also tested as plain data (first part), the watcher
+with the AWS source against a local IMDSv2 server and with the simulated source through
+``WatcherFleet`` (second part). Every test leaves the shared cluster as it found it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+
+import pytest
+
+from moshray.cluster.coordinator import CoordinatorCore
+from moshray.cluster.membership import MembershipConfig
+from moshray.cluster.progress import ProgressReport
+
+# -- the Coordinator's side, as plain data ---------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _core() -> tuple[CoordinatorCore, FakeClock]:
+    clock = FakeClock()
+    core = CoordinatorCore(MembershipConfig(peer_ttl_s=1e6), clock=clock, target_batch_size=4)
+    for peer, node in (("a", "n1"), ("b", "n2"), ("c", "n2"), ("d", "n3")):
+        core.register(peer, None, node)
+    return core, clock
+
+
+def test_note_notice_excludes_at_once_and_times_the_first_plan_without_the_node():
+    core, clock = _core()
+    assert core.plan_round().participants == ("a", "b", "c", "d")
+    clock.t += 5
+    assert core.note_notice("n2", deadline_s=120, notice_age_s=0.25) == ("b", "c")
+    stats = core.stats()
+    assert (stats["notices"], stats["rebalance_s"], stats["rebalance_pending"]) == (1, [], 1)
+    assert stats["draining"] == 2
+    clock.t += 1.5
+    plan = core.plan_round()
+    assert plan.participants == ("a", "d")
+    assert core.notice_stats() == {"n2": {"peers": ["b", "c"], "epoch": 1, "rebalance_s": 1.75}}
+    clock.t += 10
+    core.plan_round()  # later plans do not move the figure
+    core.note_notice("n2", deadline_s=100)  # a repeated notice keeps the first record
+    assert core.stats()["rebalance_s"] == [1.75]
+
+
+def test_rebalance_timed_on_plans_made_by_collaborative_steps():
+    core, clock = _core()
+    for peer in "abcd":
+        assert core.mark_ready(peer, 0)
+    core.note_notice("n3", deadline_s=30)
+    clock.t += 0.5
+    # The first step's plan is made inside report(), once the samples reach the target.
+    replies = [core.report(ProgressReport(peer, 0, 2)) for peer in "abcd"]
+    plan = next(r.plan for r in replies if r.plan is not None)
+    assert "d" not in plan.participants and plan.epoch == 1
+    assert core.notice_stats()["n3"]["rebalance_s"] == 0.5
+
+
+def test_notice_for_a_node_without_peers_is_rebalanced_at_once():
+    core, clock = _core()
+    assert core.note_notice("n9", deadline_s=30, notice_age_s=0.1) == ()
+    assert core.stats()["rebalance_s"] == [pytest.approx(0.1)]
+
+
+# -- on the shared cluster ---------------------------------------------------------------------
+
+
+ray = pytest.importorskip("ray")
+
+
+@ray.remote(num_cpus=0)
+class HandoffProbe:
+    """Stands in for a replica: records the notices its watcher hands it."""
+
+    def __init__(self) -> None:
+        self.notices = []
+
+    def on_notice(self, notice) -> str:
+        self.notices.append(notice)
+        return ray.get_runtime_context().get_node_id()
+
+    def received(self):
+        return list(self.notices)
+
+
+def _pinned(node_id: str):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+@pytest.fixture
+def coordinator(local_cluster):
+    from moshray.cluster import coordinator as coordinator_mod
+
+    name = f"test-watch-{uuid.uuid4().hex[:8]}"
+    handle = coordinator_mod.get_or_create(MembershipConfig(peer_ttl_s=600), name=name)
+    ray.get(handle.stats.remote(), timeout=60)
+    yield name, handle
+    ray.kill(handle, no_restart=True)
+
+
+def _replace_node(cluster, slot: int) -> None:
+    """Put a fresh spot node back in ``slot`` (a drained raylet cannot be un-drained)."""
+    if slot in cluster.live_slots():
+        cluster.remove_node(slot)
+    cluster.add_node(slot)
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    end = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_aws_notice_drains_node_and_rebalances(local_cluster, coordinator):
+    from metadata_servers import IMDSv2Server
+
+    from moshray.autoscaler.drain import draining_nodes
+    from moshray.autoscaler.lifecycle import NodeState
+    from moshray.autoscaler.watch import WatcherConfig, get_watcher, start_watcher, wait_rebalanced
+
+    name, coord = coordinator
+    slot = 3
+    node = local_cluster.node_id(slot)
+    other = local_cluster.node_id(0)
+    with IMDSv2Server() as imds:
+        try:
+            config = WatcherConfig(source="aws", metadata_url=imds.url, poll_s=0.2,
+                                   aws_interval_s=0.1, coordinator_name=name)
+            watcher = start_watcher(node, config)
+            assert ray.get(watcher.ready.remote(), timeout=60) == node
+            assert get_watcher(node) is not None
+            probe = HandoffProbe.options(scheduling_strategy=_pinned(node)).remote()
+            assert ray.get(probe.received.remote(), timeout=60) == []  # placed before the drain
+            assert ray.get(watcher.register.remote(probe, "probe"), timeout=30) == 1
+            ray.get([coord.register.remote("on-node", None, node),
+                     coord.register.remote("elsewhere", None, other)], timeout=30)
+            assert ray.get(coord.plan_round.remote(), timeout=30).participants == ("elsewhere", "on-node")
+            # The watcher is polling IMDS with a token and seeing 404s.
+            _wait(lambda: imds.seen("/latest/meta-data/spot/instance-action"), 30, "IMDS polls")
+            assert node not in draining_nodes()
+
+            deadline = math.floor(time.time()) + 90
+            imds.interrupt("terminate", at_unix_s=deadline)
+            outcome = ray.get(watcher.wait_outcome.remote(30), timeout=40)
+            assert outcome is not None, "no outcome within 30 s of the notice"
+            assert outcome.notice.node_id == node and outcome.notice.deadline_unix_s == deadline
+            assert outcome.coordinator_ok and outcome.peers == ("on-node",)
+            assert outcome.ray.accepted, outcome.ray.message
+            # The Coordinator excludes the node's peers from the next plan at once.
+            assert ray.get(coord.stats.remote(), timeout=30)["draining"] == 1
+            assert ray.get(coord.plan_round.remote(), timeout=30).participants == ("elsewhere",)
+            rebalance_s = wait_rebalanced(coord, node, timeout_s=10)
+            assert rebalance_s is not None and 0 <= rebalance_s < 30
+            # Ray reports the node as draining, with the notice's deadline.
+            assert draining_nodes()[node] == pytest.approx(deadline, abs=0.01)
+            # The hand-off reached the actor on that node.
+            got = _wait(lambda: ray.get(probe.received.remote(), timeout=30), 30, "hand-off")
+            assert got[0] == outcome.notice
+            life = ray.get(watcher.lifecycle.remote(), timeout=30)
+            assert [t.dst for t in life.history] == [NodeState.RUNNING, NodeState.NOTICED,
+                                                     NodeState.DRAINING]
+            assert 0 <= life.notice_to_draining_s < 30
+            status = ray.get(watcher.status.remote(), timeout=30)
+            assert (status["state"], status["notices"], status["errors"]) == ("draining", 1, [])
+            assert status["handoffs_acked"] == 1
+            # Ray schedules nothing new on the draining node: an actor pinned there is refused.
+            late = HandoffProbe.options(scheduling_strategy=_pinned(node)).remote()
+            with pytest.raises(ray.exceptions.ActorUnschedulableError):
+                ray.get(late.received.remote(), timeout=30)
+        finally:
+            _replace_node(local_cluster, slot)
+    assert slot in local_cluster.live_slots()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_fleet_simulated_notice_then_removal_and_a_hard_loss(local_cluster, coordinator):
+    from moshray.autoscaler.drain import draining_nodes
+    from moshray.autoscaler.lifecycle import NodeState
+    from moshray.autoscaler.watch import WatcherConfig, WatcherFleet, spot_nodes
+
+    name, coord = coordinator
+    fleet = WatcherFleet(WatcherConfig(source="simulated", poll_s=0.2, coordinator_name=name))
+    noticed_slot, killed_slot = 1, 2
+    try:
+        started = fleet.sync()
+        assert set(started) == set(spot_nodes()) and len(started) == len(local_cluster.live_slots())
+        assert fleet.sync() == ()  # one watcher per node, never two
+        node = fleet.node_id(noticed_slot)
+        assert node == local_cluster.node_id(noticed_slot)
+        ray.get([coord.register.remote(f"p{s}", None, fleet.node_id(s))
+                 for s in local_cluster.live_slots()], timeout=30)
+        probe = HandoffProbe.options(scheduling_strategy=_pinned(node)).remote()
+        assert ray.get(probe.received.remote(), timeout=60) == []
+        fleet.register(noticed_slot, probe, "probe")
+
+        removed = []
+        outcome = fleet.preempt(noticed_slot, notice_s=3.0,
+                                remove=lambda s: (removed.append((s, time.time(), draining_nodes())),
+                                                  local_cluster.remove_node(s)))
+        assert outcome.coordinator_ok and outcome.ray.accepted and outcome.peers == (f"p{noticed_slot}",)
+        slot, removed_at, draining_then = removed[0]
+        assert slot == noticed_slot and node in draining_then
+        assert removed_at >= outcome.notice.deadline_unix_s - 0.05  # removed at its deadline
+        plan = ray.get(coord.plan_round.remote(), timeout=30)
+        assert f"p{noticed_slot}" not in plan.participants and f"p{killed_slot}" in plan.participants
+
+        # A hard kill: no notice, the node is simply gone.
+        killed = fleet.node_id(killed_slot)
+        local_cluster.remove_node(killed_slot, hard=True)
+        assert fleet.node_gone(killed_slot) is NodeState.LOST
+
+        summary = fleet.summary(coord)
+        lives = fleet.lifecycles()
+        assert lives[node].state is NodeState.GONE and lives[node].left_with_notice
+        assert lives[killed].lost_without_notice
+        assert (summary.notices, summary.hard_losses, summary.gone_with_notice) == (1, 1, 1)
+        assert summary.rebalance_s_max is not None and 0 <= summary.rebalance_s_max < 30
+        assert summary.draining_s_max is not None and summary.draining_s_max < 30
+        assert len(fleet.watched()) == len(local_cluster.live_slots())
+        with pytest.raises(KeyError, match="slot 1"):
+            fleet.node_id(noticed_slot)
+    finally:
+        fleet.stop()
+        for slot in (noticed_slot, killed_slot):
+            if slot not in local_cluster.live_slots():
+                local_cluster.add_node(slot)
+    # Replacement nodes get their own watchers.
+    fleet2 = WatcherFleet(WatcherConfig(source="simulated", poll_s=0.2, coordinator_name=name))
+    try:
+        assert len(fleet2.sync(only=[noticed_slot])) == 1
+    finally:
+        fleet2.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_watcher_config_and_cli_reject_bad_input(local_cluster):
+    from moshray.autoscaler.watch import WatcherConfig, deliver_notice, start_watcher
+
+    with pytest.raises(ValueError, match="source must be one of"):
+        WatcherConfig(source="azure")
+    with pytest.raises(ValueError, match="poll_s must be positive"):
+        WatcherConfig(poll_s=0)
+    with pytest.raises(ValueError, match="56 hex"):
+        start_watcher("127.0.0.1:/tmp/ray/plasma_store")
+    with pytest.raises(LookupError, match="has no watcher"):
+        deliver_notice("ab" * 28, 10)

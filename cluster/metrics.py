@@ -9,6 +9,18 @@ over HTTP. State the Coordinator already holds (peers, global step, samples, los
 reported as events: a ``state`` callable passed to the exporter returns a ``TrainingState``
 at scrape time.
 
+Who sends what (``coordinator.record.remote((event, ...))``):
+
+- a replica, after each ``Averager.all_reduce``: ``RoundEvent.from_report(report)``; once,
+  after its first averaged step: ``JoinEvent(seconds since it started)``;
+- the training job / watcher: ``NoticeEvent(cloud, pool)`` per preemption notice,
+  ``NodeLostEvent(with_notice)`` per lost node, ``CapacityEvent(spot, on_demand)`` on change;
+- the mixture layer: ``ExpertCallEvent(outcome, latency_s)`` per expert call (batch them);
+- a NodeProvider: ``LaunchEvent(pool, ok, market)`` per launch attempt.
+
+The rebalance delay (notice -> first plan without the node) and live experts come from the
+Coordinator's own records.
+
 Names follow Prometheus conventions: ``moshray_`` prefix, base units (seconds, bytes),
 ``_total`` for counters. Costs are in dollars. Every event validates its fields on
 construction and raises ``ValueError`` with a one-line message naming the bad field.
@@ -331,7 +343,8 @@ class MetricsExporter:
     """Applies events to metrics in a private registry and serves them over HTTP.
 
     ``state`` (optional) is called first in every scrape, from the HTTP thread, and returns a
-    ``TrainingState``; if it raises, the scrape still succeeds with zeros for those gauges. ``apply`` is thread-safe.
+    ``TrainingState``; if it raises, the scrape still succeeds with zeros for those gauges.
+    ``apply`` is thread-safe.
     ``serve`` starts a daemon HTTP thread; ``close`` stops it. Nothing here talks to Ray.
     """
 

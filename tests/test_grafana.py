@@ -60,7 +60,8 @@ def dashboard() -> dict:
 
 
 def test_metric_name_extraction():
-    expr = ('histogram_quantile(0.95, sum by (le) (rate(moshray_a_seconds_bucket[$__rate_interval])))'
+    expr = ('histogram_quantile(0.95, sum by (le) '
+            '(rate(moshray_a_seconds_bucket[$__rate_interval])))'
             ' / on (job) group_left sum(rate(moshray_b_total{outcome="ok", x=~"y.+"}[5m])) * 1e6'
             ' > bool 0 or vector(0)')
     assert metric_names(expr) == {"moshray_a_seconds_bucket", "moshray_b_total"}

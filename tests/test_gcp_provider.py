@@ -120,6 +120,7 @@ def test_spot_request_body_labels_and_request_ids(fake):
         assert labels[POOL_TAG] == A.key and labels[MARKET_TAG] == "spot"
         assert labels[TAG_RAY_USER_NODE_TYPE] == "gpu_2espot"  # escaped '.'
         assert labels["team"] == "ml"
+        assert {"key": POOL_TAG, "value": A.key} in body["metadata"]["items"]
         assert body["name"] in created
     assert len({r.query["requestId"] for r in inserts}) == 2
 

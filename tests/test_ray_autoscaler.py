@@ -135,6 +135,7 @@ def test_aws_yaml_node_types_launch_against_moto(moto_ec2):
         assert described[node]["InstanceType"] == first_pool.instance_type
         assert tags[node][POOL_TAG] == first_pool.key
         assert described[node]["MetadataOptions"]["HttpTokens"] == "required"
+        assert described[node]["MetadataOptions"]["InstanceMetadataTags"] == "enabled"
     assert sorted(provider.non_terminated_nodes({TAG_RAY_NODE_KIND: "worker"})) == sorted(workers)
 
 

@@ -27,6 +27,40 @@ SYSTEM_CONFIG = {
 }
 
 
+NODE_REGISTRATION_S = 180.0
+
+
+def allow_slow_node_registration(timeout_s: float = NODE_REGISTRATION_S) -> None:
+    """Give a starting raylet up to ``timeout_s`` to register with the GCS (this process).
+
+    Ray's ``Node`` waits a fixed 30 s for its raylet to register and then fails; on a
+    loaded 2-core machine starting several raylets that is sometimes too short, and the
+    half-started node's processes would be left behind. The wait loop asks
+    ``services.get_node`` until it answers: this makes each of those calls itself retry
+    until ``timeout_s``, so the loop's 30 s limit is never reached early. Idempotent.
+    """
+    import time
+
+    from ray._private import services
+
+    if getattr(services.get_node, "_moshray_patient", False):
+        return
+    get_node = services.get_node
+
+    def patient_get_node(gcs_address, node_id):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return get_node(gcs_address, node_id)
+            except RuntimeError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
+
+    patient_get_node._moshray_patient = True
+    services.get_node = patient_get_node
+
+
 class _TokenAuthEnv:
     """Ray token auth (``RAY_AUTH_MODE=token``) for this process and the Ray processes it starts.
 
@@ -123,6 +157,7 @@ class LocalCluster:
         from ray.cluster_utils import Cluster
 
         pin_loopback()
+        allow_slow_node_registration()
         self.config = config
         self._lock = threading.Lock()
         self._auth = _TokenAuthEnv() if config.token_auth else None

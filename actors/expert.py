@@ -630,6 +630,19 @@ class _Shard:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+def notice_node_id(notice: Any) -> str:
+    """The node a preemption notice is about: ``notice.node_id``, ``notice["node_id"]`` or
+    the string itself; raises ``ValueError`` otherwise."""
+    node_id = getattr(notice, "node_id", None)
+    if node_id is None and isinstance(notice, Mapping):
+        node_id = notice.get("node_id")
+    if node_id is None and isinstance(notice, str):
+        node_id = notice
+    if not isinstance(node_id, str) or not node_id:
+        raise ValueError(f"a notice must name its node (node_id), got {notice!r}")
+    return node_id
+
+
 def spot_nodes() -> list[str]:
     """Node ids of the live nodes carrying the spot resource, sorted."""
     return sorted(n["NodeID"] for n in ray.nodes()
@@ -712,8 +725,11 @@ class ExpertSupervisor:
         return shard.node_id
 
     async def on_notice(self, notice: Any) -> list[str]:
-        """A node-level notice (``notice.node_id``): hand off every shard on that node."""
-        node_id = getattr(notice, "node_id", None) or str(notice)
+        """A node-level notice: hand off every shard on that node; returns their host ids.
+
+        ``notice`` names the node by a ``node_id`` attribute or key, or is the node id itself.
+        """
+        node_id = notice_node_id(notice)
         self.avoid.add(node_id)
         moved = []
         for shard in list(self.shards.values()):

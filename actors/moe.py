@@ -246,6 +246,9 @@ class ExpertBackend(Protocol):
     def report_failure(self, host: Hashable, exc: BaseException) -> None:
         """A call to ``host`` raised ``exc`` (not a timeout)."""
 
+    def report_late(self, host: Hashable) -> None:
+        """A call to ``host`` missed its deadline."""
+
 
 def _done(fn: Callable[[], Any]) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -287,21 +290,29 @@ class LocalExpertBackend:
     def report_failure(self, host, exc) -> None:
         self.failures.append((host, type(exc).__name__))
 
+    def report_late(self, host) -> None:
+        self.failures.append((host, "late"))
+
 
 class RayExpertBackend:
     """Experts found through the Coordinator's registry and called as Ray actors.
 
     Lookups are cached per layer for ``ttl_s`` (a failed lookup keeps the stale table). A host
     instance whose call raised (died, unreachable) is left out of routing for ``blacklist_s``
-    or until the registry shows a new instance for it (a re-spawn). Thread-safe. Use it from a
+    or until the registry shows a new instance for it (a re-spawn); one that was late, for
+    ``late_penalty_s`` (a node killed without notice hangs until Ray declares it dead, and
+    without the penalty every step would wait out ``timeout_after_k_min_s`` for it).
+    Thread-safe. Use it from a
     worker thread, not an async actor's event loop (lookups block).
     """
 
     def __init__(self, coordinator, ttl_s: float = 1.0, blacklist_s: float = 30.0,
-                 lookup_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+                 late_penalty_s: float = 3.0, lookup_timeout_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.coordinator = coordinator
         self.ttl_s = ttl_s
         self.blacklist_s = blacklist_s
+        self.late_penalty_s = late_penalty_s
         self.lookup_timeout_s = lookup_timeout_s
         self.clock = clock
         self._lock = threading.Lock()
@@ -353,6 +364,11 @@ class RayExpertBackend:
             self._dead[host] = self.clock() + self.blacklist_s
             log.warning("expert host %s failed (%s); routing around it", host[0],
                         type(exc).__name__)
+
+    def report_late(self, host) -> None:
+        with self._lock:
+            until = self.clock() + self.late_penalty_s
+            self._dead[host] = max(self._dead.get(host, until), until)
 
 
 # -- dispatch with deadlines ----------------------------------------------------------------------
@@ -441,6 +457,8 @@ class _Dispatch:
                                         timeout_s, self.config.timeout_after_k_min_s)
         for j, exc in outcome.failed.items():
             self.backend.report_failure(self.calls[indices[j]].host, exc)
+        for j in outcome.late:
+            self.backend.report_late(self.calls[indices[j]].host)
         return outcome
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ import ray
 import torch
 
 from moshray.actors.expert import (
+    ExpertActor,
     ExpertInputError,
     ExpertRejectReason,
     ExpertSetConfig,
@@ -27,6 +28,7 @@ from moshray.actors.model import ModelConfig, build_model
 from moshray.actors.moe import LocalExpertBackend, MoEConfig, RayExpertBackend, \
     RemoteMixtureOfExperts
 from moshray.cluster import coordinator as coordinator_mod
+from moshray.cluster import placement
 from moshray.cluster.registry import grid_uids
 
 pytestmark = pytest.mark.timeout(300)
@@ -290,3 +292,28 @@ def test_bad_inputs_get_typed_rejection_and_actor_survives(experts):
     assert out.shape == good.shape and np.isfinite(out).all()
     rejected = ray.get(handle.stats.remote(), timeout=30)["rejected"]
     assert sum(rejected.values()) == 6
+
+
+def test_durable_snapshot_restores_a_fresh_actor(experts):
+    hosts = experts.wait_all_registered()
+    steps = ray.get(experts.supervisor.snapshot_all.remote(), timeout=120)
+    host_id = "moe0-h3"
+    info = hosts[host_id]
+    expected = ray.get(info["handle"].stats.remote(), timeout=30)["updates"]
+    # No coordinator: the copy never registers, so nothing routes to it.
+    clone = ExpertActor.options(**placement.on_spot(0.25)).remote(
+        host_id, info["uids"], SPEC, snapshot_uri=experts.config.snapshot_uri)
+    try:
+        got = ray.get(clone.stats.remote(), timeout=120)
+        source, step = got["restored_from"].rsplit(" ", 1)
+        assert source == "durable step"
+        assert int(step) >= steps[host_id]  # this one, or a periodic snapshot taken since
+        assert got["updates"] == expected
+        x = np.random.default_rng(3).standard_normal((5, SPEC.d_model)).astype(np.float32)
+        uids = tuple(info["uids"])
+        a = ray.get(clone.forward.remote(uids, (x,) * len(uids)), timeout=30)
+        b = ray.get(info["handle"].forward.remote(uids, (x,) * len(uids)), timeout=30)
+        for u, v in zip(a, b):
+            np.testing.assert_array_equal(u, v)
+    finally:
+        ray.kill(clone)

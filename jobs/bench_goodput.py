@@ -11,8 +11,8 @@ model on the same data for the same wall seconds, three ways:
    every ``--checkpoint-every`` steps), driven as a separate driver process; the trace's nodes
    are removed at their deadline and added at their time, with no help for Ray Train.
 3. **ideal**: failure-free throughput times the trace's live node-seconds. The throughput is
-   measured in the same invocation by short failure-free moshray runs (``--calib-steps``
-   global steps; the rate over the steps in which every node took part), one per node count
+   measured in the same invocation by short failure-free moshray runs (``--calib-seconds``
+   each; the rate from the first step in which every node took part), one per node count
    the trace uses, so the ideal is ``sum_n rate(n) * seconds_at(n)``: per-node throughput x
    node-seconds at each count (on a machine whose nodes share cores a single-node rate would
    overstate what n nodes can do). ``--calib-nodes N`` measures only with N nodes and scales
@@ -214,20 +214,22 @@ def count_seconds(events: Iterable, duration_s: float) -> dict[int, float]:
 
 def steady_rate(records: Sequence[Progress], peers: Sequence[int] | None = None,
                 want_peers: int | None = None) -> float:
-    """Samples per second of the steps after the first, start-up excluded.
+    """Samples per second from the first step on which every node took part to the last step.
 
-    With ``peers`` (the participants of each step) and ``want_peers``, only the steps in which
-    all ``want_peers`` took part count (the ramp while replicas join is left out). Raises
-    BenchError if fewer than two such steps were recorded.
+    With ``peers`` (the participants of each step) the measurement starts at the first step
+    with at least ``want_peers`` participants (the ramp while replicas start is left out);
+    without, at the first step. That step's own samples are not counted (they were computed
+    before it). Raises BenchError if fewer than two steps remain.
     """
     if peers is not None and want_peers is not None:
-        records = [r for r, p in zip(records, peers) if p >= want_peers]
+        first = next((i for i, p in enumerate(peers) if p >= want_peers), len(records))
+        records = records[first:]
     if len(records) < 2:
         raise BenchError(f"calibration recorded {len(records)} steps with every node taking "
-                         "part; need at least 2: raise --calib-steps or --calib-timeout")
+                         "part; need at least 2: raise --calib-seconds or use a smaller model")
     span = records[-1].t_s - records[0].t_s
     if span <= 0:
-        raise BenchError("calibration steps have no time span; raise --calib-steps")
+        raise BenchError("calibration steps have no time span; raise --calib-seconds")
     return sum(r.samples for r in records[1:]) / span
 
 
@@ -331,17 +333,16 @@ def run_moshray(config) -> tuple[dict, list[Progress], list[int]]:
     return summary, _history_records(history), [int(h[4]) for h in history]
 
 
-def calibrate(config, counts: Sequence[int], steps: int, timeout_s: float) -> dict[int, float]:
+def calibrate(config, counts: Sequence[int], seconds: float) -> dict[int, float]:
     """Failure-free moshray samples/s with each node count in ``counts`` (no trace): a run of
-    ``steps`` global steps (at most ``timeout_s`` seconds), rate over the steps all nodes
-    took part in."""
+    ``seconds`` (start-up included), rate from the first step every node took part in."""
     from dataclasses import replace
 
     rates: dict[int, float] = {}
     for n in sorted(set(counts)):
         cfg = replace(config,
                       cluster=replace(config.cluster, trace=None, local_nodes=n),
-                      training=replace(config.training, max_steps=steps, max_seconds=timeout_s),
+                      training=replace(config.training, max_steps=None, max_seconds=seconds),
                       checkpoint=replace(config.checkpoint, uri=None))
         _, records, peers = run_moshray(cfg)
         rates[n] = steady_rate(records, peers, n)
@@ -423,11 +424,13 @@ def run_raytrain(config, events, duration_s: float, args: argparse.Namespace,
                 if ev.slot in removals:  # the slot's old raylet must be gone first
                     removals.pop(ev.slot).join(timeout=120)
                 local.add_node(ev.slot)  # raylets start only from the main thread
-            elif ev.kind == "remove" and ev.slot in local.live_slots():
-                # At the deadline, with no notice to Ray Train. Stopping a raylet can take
-                # seconds under load: do it aside so later events keep their times.
-                removals[ev.slot] = threading.Thread(target=local.remove_node, args=(ev.slot,),
-                                                     daemon=True, name=f"remove-{ev.slot}")
+            elif ev.kind in ("remove", "kill") and ev.slot in local.live_slots():
+                # A removal happens at its deadline, with no notice to Ray Train; a kill is a
+                # hard loss. Stopping a raylet can take seconds under load: do it aside so
+                # later events keep their times.
+                removals[ev.slot] = threading.Thread(
+                    target=local.remove_node, args=(ev.slot,), kwargs={"hard": ev.kind == "kill"},
+                    daemon=True, name=f"remove-{ev.slot}")
                 removals[ev.slot].start()
             else:
                 continue
@@ -539,40 +542,49 @@ def _raytrain_final_state(path: str | None) -> dict | None:
 
 def plot(path: Path, live: Sequence[tuple[float, int]],
          curves: dict[str, Sequence[tuple[float, float]]], title: str) -> Path:
-    """Live nodes over time (top) and each system's cumulative samples (bottom) as a PNG.
+    """Live nodes over time (top) and each system's cumulative useful samples (bottom), as a
+    PNG at ``path``; written to a temporary name and renamed. Like ``moshray.jobs.plots`` it
+    builds a ``Figure`` on the Agg canvas (no pyplot, no process-wide backend switch); that
+    module has no two-panel time plot with a separate x per series, hence this function."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    Uses ``moshray.jobs.plots.goodput_plot`` when that module provides it, else matplotlib
-    (Agg backend) directly.
-    """
-    try:
-        from moshray.jobs import plots  # written by another part of the project
-
-        fn = getattr(plots, "goodput_plot", None)
-    except ImportError:
-        fn = None
-    if fn is not None:
-        return Path(fn(path, live, curves, title))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 6),
-                                      gridspec_kw={"height_ratios": [1, 3]})
+    fig = Figure(figsize=(9, 6.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 3]})
+    fig.suptitle(title)
     top.step([t for t, _ in live], [n for _, n in live], where="post", color="black")
     top.set_ylabel("live nodes")
-    top.set_ylim(bottom=0)
-    top.set_title(title)
+    top.set_ylim(0, max([n for _, n in live] + [1]) + 0.5)
+    top.yaxis.get_major_locator().set_params(integer=True)
+    top.grid(True, alpha=0.3)
+    # measured curves change at steps (and drop at rollbacks); the ideal is piecewise linear
+    styles = {"ideal": {"linestyle": "--", "color": "gray"}}
+    step_style = {"drawstyle": "steps-post"}
     for name, curve in curves.items():
-        bottom.plot([t for t, _ in curve], [c for _, c in curve], label=name)
+        bottom.plot([t for t, _ in curve], [c for _, c in curve], label=name, linewidth=1.4,
+                    **styles.get(name, step_style))
     bottom.set_xlabel("wall seconds")
     bottom.set_ylabel("cumulative samples (useful)")
+    bottom.set_xlim(0, live[-1][0] if live else None)
+    bottom.set_ylim(bottom=0)
     bottom.legend(loc="upper left")
-    bottom.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    bottom.grid(True, alpha=0.3)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return path
+
+
+def _to_end(curve: Sequence[tuple[float, int]], duration_s: float) -> list[tuple[float, int]]:
+    """The curve held flat from its last point to the end of the window (for the plot)."""
+    return [*curve, (duration_s, curve[-1][1])] if curve and curve[-1][0] < duration_s else \
+        list(curve)
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -601,15 +613,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local spot node slots; the trace's peak maps to N")
     parser.add_argument("--duration", type=float, default=600.0, metavar="S",
                         help="wall seconds each system trains")
-    parser.add_argument("--calib-steps", type=int, default=100, metavar="N",
-                        help="global steps of the failure-free moshray run per node count "
+    parser.add_argument("--calib-seconds", type=float, default=60.0, metavar="S",
+                        help="length of each failure-free moshray run (start-up included) "
                              "that measures the ideal's throughput")
     parser.add_argument("--calib-nodes", type=int, default=None, metavar="N",
                         help="measure the failure-free rate only with N nodes and scale the "
                              "per-node rate linearly (default: measure every node count the "
                              "trace uses)")
-    parser.add_argument("--calib-timeout", type=float, default=240.0, metavar="S",
-                        help="bound on each calibration run")
     parser.add_argument("--checkpoint-every", type=int, default=20, metavar="STEPS",
                         help="checkpoint interval of both systems")
     parser.add_argument("--stall-gap", type=float, default=2.0, metavar="S",
@@ -642,9 +652,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.calib_nodes is not None and not 1 <= args.calib_nodes <= args.max_nodes:
         raise BenchError(f"--calib-nodes must be in [1, --max-nodes={args.max_nodes}], got "
                          f"{args.calib_nodes}")
-    if args.calib_steps < 3:
-        raise BenchError(f"--calib-steps must be >= 3, got {args.calib_steps}")
-    for name in ("duration", "calib_timeout", "stall_gap", "startup_timeout",
+    for name in ("duration", "calib_seconds", "stall_gap", "startup_timeout",
                  "finish_timeout"):
         if not getattr(args, name) > 0:
             raise BenchError(f"--{name.replace('_', '-')} must be > 0, got "
@@ -724,9 +732,9 @@ def run(args: argparse.Namespace) -> dict:
     # 3. the ideal: failure-free rate at each node count the trace uses
     counts = sorted(n for n in seconds_at if n > 0)
     if args.calib_nodes is None:
-        rates = calibrate(config, counts, args.calib_steps, args.calib_timeout)
+        rates = calibrate(config, counts, args.calib_seconds)
     else:  # one measurement, per-node rate scaled linearly to every count
-        measured = calibrate(config, [args.calib_nodes], args.calib_steps, args.calib_timeout)
+        measured = calibrate(config, [args.calib_nodes], args.calib_seconds)
         rates = linear_rates(measured[args.calib_nodes] / args.calib_nodes, counts)
     ideal = ideal_samples(rates, seconds_at)
 
@@ -745,8 +753,12 @@ def run(args: argparse.Namespace) -> dict:
     raytrain_eval = held_out_loss(config, files, _raytrain_final_state(rt.checkpoint))
 
     ideal_c = ideal_curve(events, rates, duration)
-    plot_path = plot(out_dir / "goodput.png", live_timeline(events, duration),
-                     {"moshray": moshray.curve, "Ray Train": raytrain.curve, "ideal": ideal_c},
+    from moshray.jobs.plots import plot_path_for
+
+    json_path = out_dir / "goodput.json"
+    plot_path = plot(plot_path_for(json_path), live_timeline(events, duration),
+                     {"moshray": _to_end(moshray.curve, duration),
+                      "Ray Train": _to_end(raytrain.curve, duration), "ideal": ideal_c},
                      f"{trace.name}, {args.max_nodes} nodes, time scale {time_scale:.0f}x")
     result = {
         "trace": str(args.trace), "time_scale": time_scale, "max_nodes": args.max_nodes,
@@ -764,6 +776,9 @@ def run(args: argparse.Namespace) -> dict:
         "moshray_eval_loss": moshray_eval, "raytrain_eval_loss": raytrain_eval,
         "moshray_stall_s": moshray.stall_s, "raytrain_stall_s": raytrain.stall_s,
         "moshray_steps": moshray.steps, "raytrain_steps": raytrain.steps,
+        # start-up: seconds from the job's start to its first committed step
+        "moshray_first_step_s": m_records[0].t_s if m_records else None,
+        "raytrain_first_step_s": rt.records[0].t_s if rt.records else None,
         "raytrain_samples_processed": raytrain.samples_processed,
         "raytrain_restarts": max(len(rt.rewinds) - 1, 0),
         "raytrain_error": rt.error,
@@ -774,7 +789,7 @@ def run(args: argparse.Namespace) -> dict:
         "stall_gap_s": args.stall_gap, "checkpoint_every": args.checkpoint_every,
         "plot": str(plot_path),
     }
-    (out_dir / "goodput.json").write_text(json.dumps(result, indent=2) + "\n")
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
     print(_table([("moshray", moshray, moshray_eval), ("Ray Train", raytrain, raytrain_eval)]))
     print(f"{'ideal':<10} {ideal:>9.0f} {ideal / duration:>10.1f}")
     print(f"moshray / ideal {_fmt(result['moshray_vs_ideal'])}, moshray / Ray Train "

@@ -18,12 +18,13 @@ from moshray.cluster.placement import SPOT_RESOURCE
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-# Fast failure detection for a local cluster: a dead raylet is noticed in ~2-3 s.
+# Fast failure detection for a local cluster: a dead raylet is noticed in ~3-5 s, while a
+# raylet that is merely slow on a loaded 2-core machine is not declared dead by mistake.
 SYSTEM_CONFIG = {
     "health_check_initial_delay_ms": 1000,
     "health_check_period_ms": 1000,
-    "health_check_timeout_ms": 1000,
-    "health_check_failure_threshold": 2,
+    "health_check_timeout_ms": 2000,
+    "health_check_failure_threshold": 3,
 }
 
 

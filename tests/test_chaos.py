@@ -62,7 +62,7 @@ def test_chaos_run_keeps_replicas_identical_and_loses_no_step(tmp_path: Path):
     events = chaos_events(config)
     assert {"remove", "kill"} <= {e.kind for e in events}
     trace = write_trace(events, tmp_path / "chaos.csv")
-    proc, summary = train("--local-nodes", "3", "--max-nodes", "8", "--trace", str(trace),
+    proc, summary = train("--local-nodes", "3", "--max-nodes", "3", "--trace", str(trace),
                           "--time-scale", "1", "--max-seconds", "80", timeout=480)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert summary is not None

@@ -28,7 +28,7 @@ import math
 import sys
 import types
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -95,7 +95,8 @@ def _describe(tp: Any) -> str:
         inner = [a for a in args if a is not type(None)]
         return f"{_describe(inner[0])} or none"
     if origin is tuple:
-        return "a list of strings"
+        item = args[0] if args else str
+        return {int: "a list of integers", float: "a list of numbers"}.get(item, "a list of strings")
     return {
         bool: "true or false",
         int: "an integer",
@@ -136,9 +137,15 @@ def _coerce(path: str, value: Any, tp: Any, *, from_string: bool) -> Any:
             items = list(value)
         else:
             raise bad()
-        if not all(isinstance(item, str) for item in items):
-            raise bad()
-        return tuple(items)
+        item_tp = args[0] if args else str  # tuple[X, ...]
+        if item_tp is str:
+            if not all(isinstance(item, str) for item in items):
+                raise bad()
+            return tuple(items)
+        try:
+            return tuple(_coerce(path, item, item_tp, from_string=from_string) for item in items)
+        except ConfigError:
+            raise bad() from None
     if tp is bool:
         if from_string and value.strip().lower() in _TRUE | _FALSE:
             return value.strip().lower() in _TRUE
@@ -264,6 +271,13 @@ class ModelSection(_Section):
     n_heads: int = 4
     d_ff: int = 1024
     dropout: float = 0.0
+    # Decentralized Mixture-of-Experts: blocks listed here get a DMoE layer served by
+    # ExpertActors (grid moe_grid, top moe_k experts); empty = a dense model. ``--moe`` fills
+    # it with every other block when it is empty.
+    moe_layers: tuple[int, ...] = ()
+    moe_grid: tuple[int, ...] = (4, 4)
+    moe_k: int = 4
+    moe_aux_weight: float = 0.01
 
     def _validate(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
@@ -274,6 +288,30 @@ class ModelSection(_Section):
                 f"must be divisible by model.n_heads ({self.n_heads}), got {self.d_model}",
             )
         _fraction(self._path("dropout"), self.dropout)
+        layers = self.moe_layers
+        _check(len(set(layers)) == len(layers) and all(0 <= i < self.n_layers for i in layers),
+               self._path("moe_layers"),
+               f"must be distinct block indices in [0, model.n_layers={self.n_layers})", layers)
+        _check(bool(self.moe_grid) and all(m >= 1 for m in self.moe_grid),
+               self._path("moe_grid"), "must be one or more positive integers", self.moe_grid)
+        experts = math.prod(self.moe_grid)
+        _check(1 <= self.moe_k <= experts, self._path("moe_k"),
+               f"must be an integer in [1, {experts}] (the experts of model.moe_grid)",
+               self.moe_k)
+        _non_negative(self._path("moe_aux_weight"), self.moe_aux_weight)
+
+    @property
+    def moe(self) -> bool:
+        """True when the model has DMoE layers (and so needs expert actors)."""
+        return bool(self.moe_layers)
+
+    def with_default_moe(self) -> "ModelSection":
+        """This section with DMoE on every other block (1, 3, ...; block 0 for one block),
+        unless ``moe_layers`` already names the blocks."""
+        if self.moe_layers:
+            return self
+        layers = tuple(range(1, self.n_layers, 2)) or (0,)
+        return replace(self, moe_layers=layers)
 
     def to_model_config(self) -> ModelConfig:
         """The equivalent :class:`ModelConfig` (imports torch, hence lazily)."""
@@ -347,7 +385,9 @@ class ClusterSection(_Section):
 
     ``address`` of ``None`` starts a local cluster of ``local_nodes`` nodes;
     ``trace`` replays a spot-availability trace at ``time_scale`` trace
-    seconds per wall second; the autoscaler never exceeds ``max_nodes``.
+    seconds per wall second; the autoscaler never exceeds ``max_nodes``. A trace's
+    removal comes with a spot notice ``notice_s`` trace seconds ahead (AWS gives 120, GCP
+    30; scaled by ``time_scale`` like the trace), delivered through each node's watcher.
     """
 
     _section = "cluster"
@@ -358,6 +398,7 @@ class ClusterSection(_Section):
     time_scale: float = 60.0  # trace seconds per wall second
     max_nodes: int = 4
     replicas_per_node: int = 1
+    notice_s: float = 120.0  # trace seconds between a spot notice and the node's removal
 
     def _validate(self) -> None:
         _non_empty(self._path("address"), self.address)
@@ -365,6 +406,12 @@ class ClusterSection(_Section):
         for name in ("local_nodes", "max_nodes", "replicas_per_node"):
             _positive_int(self._path(name), getattr(self, name))
         _positive(self._path("time_scale"), self.time_scale)
+        _non_negative(self._path("notice_s"), self.notice_s)
+
+    @property
+    def wall_notice_s(self) -> float:
+        """The notice in wall seconds on a replayed trace."""
+        return self.notice_s / self.time_scale
 
 
 @dataclass(frozen=True)
@@ -602,6 +649,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--metrics-port", metavar="PORT", help="metrics.port")
     group.add_argument("--mode", metavar="MODE", help="training.mode: collaborative or local_sgd")
     group.add_argument("--json", action="store_true", default=None, help="JSON-lines output")
+    group.add_argument(
+        "--moe", action="store_true", default=None,
+        help="Decentralized Mixture-of-Experts layers (model.moe_layers, default every other "
+             "block; model.moe_grid, model.moe_k) served by expert actors on the spot nodes",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -627,7 +679,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             overrides.append((key, bool(value), False))
         else:
             overrides.append((key, value, True))
-    return _build(getattr(args, "config", None), overrides)
+    config = _build(getattr(args, "config", None), overrides)
+    if getattr(args, "moe", None):
+        config = replace(config, model=config.model.with_default_moe())
+    return config
 
 
 F = TypeVar("F", bound=Callable[..., Any])

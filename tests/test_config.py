@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import pickle
+import re
 
 import pytest
 
@@ -249,3 +250,39 @@ def test_exit_on_config_error_prints_one_line_and_exits_2(capsys):
     err = capsys.readouterr().err
     assert err == "moshray: config error: training.lr: must be a positive number, got -1.0\n"
     assert isinstance(main([]), TrainConfig)  # success passes the result through
+
+
+def test_moe_settings_and_the_moe_flag():
+    dense = config_from_args(_parse([]))
+    assert dense.model.moe is False and dense.model.to_model_config().moe_layers == ()
+    cfg = config_from_args(_parse(["--moe"]))
+    assert cfg.model.moe_layers == (1, 3)  # every other block of the default 4
+    assert cfg.model.to_model_config().moe_layers == (1, 3)
+    cfg = config_from_args(_parse(["--moe", "--set", "model.moe_layers=0",
+                                   "--set", "model.moe_grid=2,3", "--set", "model.moe_k=2"]))
+    assert (cfg.model.moe_layers, cfg.model.moe_grid, cfg.model.moe_k) == ((0,), (2, 3), 2)
+    one = config_from_args(_parse(["--moe", "--set", "model.n_layers=1"]))
+    assert one.model.moe_layers == (0,)
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("model.moe_layers", "4", "model.moe_layers: must be distinct block indices in [0, model.n_layers=4)"),
+        ("model.moe_layers", "1,1", "must be distinct block indices"),
+        ("model.moe_layers", "x", "model.moe_layers: must be a list of integers"),
+        ("model.moe_grid", "0,4", "model.moe_grid: must be one or more positive integers"),
+        ("model.moe_k", "17", "model.moe_k: must be an integer in [1, 16]"),
+        ("model.moe_aux_weight", "-1", "model.moe_aux_weight: must be a non-negative number"),
+        ("cluster.notice_s", "-5", "cluster.notice_s: must be a non-negative number"),
+    ],
+)
+def test_bad_moe_and_notice_values_name_the_field(key, value, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, {key: value})
+
+
+def test_notice_is_scaled_like_the_trace():
+    cfg = load_config(None, {"cluster.time_scale": "150", "cluster.notice_s": "120"})
+    assert cfg.cluster.wall_notice_s == pytest.approx(0.8)

@@ -37,7 +37,9 @@ from typing import Callable, Iterable, Literal
 
 log = logging.getLogger(__name__)
 
-NodeKind = Literal["add", "remove", "kill"]  # remove: with notice; kill: without
+# remove: with notice; kill: without; notice: the spot notice ahead of a remove (only in
+# schedules passed through with_notices, never in a parsed trace)
+NodeKind = Literal["add", "remove", "kill", "notice"]
 
 # Header rows we accept (lower-cased, stripped). Anything else non-numeric in the
 # first data row is rejected rather than guessed at.
@@ -520,6 +522,27 @@ class ReplayError:
     error: str
 
 
+def with_notices(events: Iterable[NodeEvent], notice_s: float) -> tuple[NodeEvent, ...]:
+    """``events`` plus a ``notice`` event ``notice_s`` before each ``remove`` (not before
+    0, and not before the slot's previous event, so a notice never precedes the node's add).
+
+    A ``kill`` gets none: it is a loss without notice. Raises ``ValueError`` for a negative
+    or non-finite ``notice_s``. Sorted by time; a notice clamped to its slot's add comes right after it.
+    """
+    if not math.isfinite(notice_s) or notice_s < 0:
+        raise ValueError(f"notice_s must be a finite number >= 0, got {notice_s!r}")
+    ordered = sorted(events, key=lambda e: e.at_s)
+    out: list[NodeEvent] = []
+    last_at: dict[int, float] = {}
+    for ev in ordered:
+        if ev.kind == "remove":
+            at = max(ev.at_s - notice_s, last_at.get(ev.slot, 0.0), 0.0)
+            out.append(NodeEvent(at, "notice", ev.slot))
+        out.append(ev)
+        last_at[ev.slot] = ev.at_s
+    return tuple(sorted(out, key=lambda e: e.at_s))  # stable: a clamped notice follows its add
+
+
 class TraceReplayer:
     """Apply a schedule at its wall times through injected callables.
 
@@ -544,15 +567,18 @@ class TraceReplayer:
         skip_initial: bool = False,
         max_sleep_s: float = 0.25,
         kill_node: Callable[[int], None] | None = None,
+        notice_node: Callable[[int], None] | None = None,
     ) -> None:
         """``skip_initial``: do not apply the ``at_s == 0`` adds (the caller already
         started those nodes, see :func:`initial_slots`). ``max_sleep_s`` bounds one
         sleep so a stop request is noticed within that time. ``kill_node`` carries out
-        ``kill`` events (hard losses); without it they go to ``remove_node``."""
+        ``kill`` events (hard losses); without it they go to ``remove_node``. ``notice_node``
+        carries out ``notice`` events (see :func:`with_notices`); without it they are skipped."""
         self.events: tuple[NodeEvent, ...] = tuple(sorted(events, key=lambda e: e.at_s))
         self._add = add_node
         self._remove = remove_node
         self._kill = kill_node or remove_node
+        self._notice = notice_node or (lambda slot: None)
         self._clock = clock
         self._sleep = sleep
         self._skip_initial = skip_initial
@@ -596,7 +622,8 @@ class TraceReplayer:
                 self._sleep(min(wait, self._max_sleep_s))
             now = self._clock() - t0
             self._history.append((now, ev))
-            fn = {"add": self._add, "remove": self._remove, "kill": self._kill}[ev.kind]
+            fn = {"add": self._add, "remove": self._remove, "kill": self._kill,
+                  "notice": self._notice}[ev.kind]
             try:
                 fn(ev.slot)
             except Exception as e:  # noqa: BLE001 - recorded, the replay must go on

@@ -17,6 +17,7 @@ from moshray.autoscaler.trace import (
     load_trace,
     scale_count,
     schedule,
+    with_notices,
 )
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -366,3 +367,32 @@ def test_kill_is_a_hard_loss_through_its_own_callable(tmp_path: Path) -> None:
     bad.write_text("0,add,a\n10,kill,z\n")
     with pytest.raises(TraceError, match="removed while not live"):
         load_trace(bad)
+
+
+def test_with_notices_puts_a_notice_ahead_of_each_removal_only() -> None:
+    events = (NodeEvent(0.0, "add", 0), NodeEvent(0.0, "add", 1), NodeEvent(5.0, "remove", 0),
+              NodeEvent(6.0, "kill", 1), NodeEvent(6.5, "add", 0), NodeEvent(7.0, "remove", 0))
+    out = with_notices(events, 2.0)
+    notices = [e for e in out if e.kind == "notice"]
+    # 5 - 2 = 3; the second removal's notice is clamped to the slot's add at 6.5.
+    assert notices == [NodeEvent(3.0, "notice", 0), NodeEvent(6.5, "notice", 0)]
+    assert [e for e in out if e.kind != "notice"] == sorted(events, key=lambda e: e.at_s)
+    assert [e.at_s for e in out] == sorted(e.at_s for e in out)
+    # A notice clamped to the slot's add comes after that add, never before it.
+    assert out.index(NodeEvent(6.5, "notice", 0)) == out.index(NodeEvent(6.5, "add", 0)) + 1
+    assert with_notices(events, 0.0)[2] == NodeEvent(5.0, "notice", 0)
+    with pytest.raises(ValueError, match="notice_s"):
+        with_notices(events, -1.0)
+
+
+def test_replayer_hands_notices_to_their_callable() -> None:
+    events = with_notices((NodeEvent(0.0, "add", 0), NodeEvent(0.2, "remove", 0)), 0.1)
+    seen: list[tuple[str, int]] = []
+    replay = TraceReplayer(events, lambda s: seen.append(("add", s)),
+                           lambda s: seen.append(("remove", s)),
+                           notice_node=lambda s: seen.append(("notice", s)))
+    replay.run()
+    assert seen == [("add", 0), ("notice", 0), ("remove", 0)]
+    quiet = TraceReplayer(events, lambda s: None, lambda s: seen.append(("remove", s)))
+    quiet.run()  # without a notice callable, notices are skipped
+    assert seen[-1] == ("remove", 0) and len(quiet.history) == 3

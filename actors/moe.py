@@ -319,6 +319,7 @@ class RayExpertBackend:
         self._tables: dict[str, tuple[float, dict[str, tuple[str, str]]]] = {}
         self._handles: dict[tuple[str, str], Any] = {}
         self._dead: dict[tuple[str, str], float] = {}
+        self._calls: list[tuple[str, float]] = []  # (outcome, seconds) not yet taken
         self.lookups = 0
 
     def live_experts(self, layer: str) -> dict[str, Hashable]:
@@ -369,6 +370,21 @@ class RayExpertBackend:
         with self._lock:
             until = self.clock() + self.late_penalty_s
             self._dead[host] = max(self._dead.get(host, until), until)
+
+    def record_calls(self, calls: Sequence[tuple[str, float]]) -> None:
+        """Keep ``(outcome, seconds)`` of expert calls until :meth:`take_calls` (bounded)."""
+        with self._lock:
+            self._calls.extend(calls)
+            del self._calls[:-MAX_KEPT_CALLS]
+
+    def take_calls(self) -> list[tuple[str, float]]:
+        """The calls recorded since the last take (for metrics), oldest first."""
+        with self._lock:
+            calls, self._calls = self._calls, []
+        return calls
+
+
+MAX_KEPT_CALLS = 10_000  # expert-call records a backend keeps between two takes
 
 
 # -- dispatch with deadlines ----------------------------------------------------------------------
@@ -433,6 +449,23 @@ def _from_wire(a: np.ndarray) -> torch.Tensor:
     # read-only views; torch wants writable memory
 
 
+def call_outcomes(outcome: CallOutcome, experts_per_call: Sequence[int]
+                  ) -> list[tuple[str, float]]:
+    """Pure: ``(outcome, seconds)`` per expert called, outcome being ok, rejected (the host
+    refused our input), failed (the host raised or died) or timeout (late). Latency is the
+    wait for the whole batch of calls (calls are settled together)."""
+    out: list[tuple[str, float]] = []
+    for i, n in enumerate(experts_per_call):
+        if i in outcome.results:
+            kind = "ok"
+        elif i in outcome.failed:
+            kind = "rejected" if isinstance(outcome.failed[i], ExpertInputError) else "failed"
+        else:
+            kind = "timeout"
+        out.extend([(kind, outcome.seconds)] * n)
+    return out
+
+
 class _Dispatch:
     """What one forward sent where, kept for its backward."""
 
@@ -459,6 +492,9 @@ class _Dispatch:
             self.backend.report_failure(self.calls[indices[j]].host, exc)
         for j in outcome.late:
             self.backend.report_late(self.calls[indices[j]].host)
+        record = getattr(self.backend, "record_calls", None)
+        if record is not None:  # metrics: one (outcome, seconds) per expert call
+            record(call_outcomes(outcome, [len(self.calls[i].uids) for i in indices]))
         return outcome
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

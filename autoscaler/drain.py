@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from moshray.cluster.metrics import NoticeEvent
+
 from .notices import PreemptionNotice
 
 log = logging.getLogger(__name__)
@@ -144,6 +146,11 @@ def tell_coordinator(coordinator, notice: PreemptionNotice, *, timeout_s: float 
     except (ray.exceptions.RayError, AttributeError) as e:
         log.error("Coordinator could not be told about %s's notice: %s", notice.node_id[:12], e)
         return False, (), f"{type(e).__name__}: {e}"
+    # Metrics (fire-and-forget): notices by cloud and pool.
+    try:
+        coordinator.record.remote((NoticeEvent(notice.cloud, notice.pool or "unknown"),))
+    except (ray.exceptions.RayError, AttributeError) as e:  # an actor without metrics
+        log.info("notice metric not recorded: %s", e)
     return True, tuple(peers), ""
 
 

@@ -351,3 +351,18 @@ def test_model_moe_config_validation():
         ModelConfig(moe_grid=(2, 2), moe_k=5)
     assert ModelConfig(moe_layers=[0, 1], moe_grid=[2, 2]).moe_layers == (0, 1)
     assert ModelConfig.from_dict(TINY_MOE.to_dict()) == TINY_MOE
+
+
+def test_call_outcomes_classify_every_expert_called():
+    from moshray.actors.expert import ExpertInputError, ExpertRejectReason
+    from moshray.actors.moe import CallOutcome, RayExpertBackend, call_outcomes
+
+    bad = ExpertInputError(ExpertRejectReason.BAD_SHAPE, "moe0.0.0", "wrong shape")
+    outcome = CallOutcome(results={0: []}, failed={1: bad, 2: RuntimeError("died")}, late=[3],
+                          seconds=0.25)
+    calls = call_outcomes(outcome, [2, 1, 1, 3])
+    assert calls == [("ok", 0.25)] * 2 + [("rejected", 0.25), ("failed", 0.25)] + \
+        [("timeout", 0.25)] * 3
+    backend = RayExpertBackend(coordinator=None)  # no Ray call until a lookup
+    backend.record_calls(calls)
+    assert backend.take_calls() == calls and backend.take_calls() == []

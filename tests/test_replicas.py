@@ -97,8 +97,10 @@ def test_nan_replica_is_rejected_and_counted_while_training_goes_on(local_cluste
         good = ray.get(swarm.handle(0).status.remote(), timeout=30)
         assert bad["rejected"] >= 1  # its non-finite contributions were rejected and counted
         assert good["rejected"] == 0
-        counts = ray.get(swarm.handle(0).rejection_counts.remote(), timeout=30)
-        assert counts.get("non_finite", 0) >= 1  # ... by the peers that received them
+        # ... by the peers that received them: which survivor owned a part the bad replica
+        # sent to depends on the round's grid, so count over both.
+        counts = [ray.get(swarm.handle(s).rejection_counts.remote(), timeout=30) for s in (0, 1)]
+        assert sum(c.get("non_finite", 0) for c in counts) >= 1
         ray.get(swarm.handle(2).inject_fault.remote(None), timeout=30)
         now = swarm.stats()["epoch"]
         swarm.wait_epoch(now + 3, timeout=180)
@@ -133,9 +135,12 @@ def test_hard_killed_node_training_resumes_within_a_round_deadline(local_cluster
         at_kill = swarm.stats()["epoch"]
         # Progress resumes after at most one round deadline (plus scheduling slack).
         swarm.wait_epoch(at_kill + 2, timeout=3 * config.training.round_timeout_s + 60)
-        stats = swarm.stats()
-        last = stats["history"][-1]
-        assert last[4] == 2  # the last step was taken by the two survivors
+        # ... and the two survivors step together (a survivor that missed a step under load
+        # resyncs from the other first, so the step right after may have only one of them).
+        deadline = time.monotonic() + 120
+        while not any(h[0] > at_kill + 1 and h[4] == 2 for h in swarm.stats()["history"]):
+            assert time.monotonic() < deadline, f"no two-survivor step: {swarm.stats()}"
+            time.sleep(0.2)
     finally:
         statuses = swarm.stop()
         if not killed:

@@ -31,6 +31,7 @@ import numpy as np
 import ray
 import torch
 
+from moshray.cluster import metrics
 from moshray.cluster.averager import Averager
 from moshray.cluster.messages import Contribution, PartResult, RoundPlan
 from moshray.cluster.progress import ProgressReport
@@ -38,6 +39,7 @@ from moshray.cluster.progress import ProgressReport
 from .checkpoint import CheckpointStore
 from .data import ByteBatches
 from .model import build_model, pick_device
+from .moe import RayExpertBackend
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,11 @@ class ReplicaActor:
         self.config = TrainConfig.from_dict(config)
         t = self.config.training
         self.device = pick_device()
-        self.model = build_model(self.config.model.to_model_config(), seed=t.seed).to(self.device)
+        # DMoE layers call the experts registered with the Coordinator (the ExpertActors the
+        # job's ExpertSupervisor keeps alive); the experts train themselves on backward.
+        self.experts = RayExpertBackend(coordinator) if self.config.model.moe else None
+        self.model = build_model(self.config.model.to_model_config(), seed=t.seed,
+                                 experts=self.experts).to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr,
                                            weight_decay=t.weight_decay)
         self.outer = None
@@ -122,6 +128,8 @@ class ReplicaActor:
         self._state_lock = asyncio.Lock()
         self._init_state_ref = init_state_ref
         self.node_id = ray.get_runtime_context().get_node_id()
+        self.started_at = time.monotonic()  # join time is measured from here
+        self.joined = False  # contributed to an averaged step yet?
 
     # -- transport --------------------------------------------------------------------------
 
@@ -246,6 +254,8 @@ class ReplicaActor:
                 self.samples += n
                 self.micro += 1
                 self.loss_sum += loss * n
+                if self.experts is not None:
+                    self._report_expert_calls()
                 reply = await self.coordinator.report.remote(ProgressReport(
                     self.peer_id, self.epoch, self.samples,
                     self.loss_sum / self.samples if self.samples else None,
@@ -260,6 +270,25 @@ class ReplicaActor:
         finally:
             heartbeat.cancel()
         return self.status()
+
+    def _report_metrics(self, report) -> None:
+        """Metrics events for one averaging round (fire-and-forget; see cluster/metrics.py):
+        the round itself and, after this replica's first averaged step, its join time."""
+        events: list = [metrics.RoundEvent.from_report(report)]
+        if not self.joined and self.peer_id in report.contributors:
+            self.joined = True
+            events.append(metrics.JoinEvent(max(0.0, time.monotonic() - self.started_at)))
+        try:
+            self.coordinator.record.remote(tuple(events))
+        except ray.exceptions.RayError as exc:  # the Coordinator is gone: nothing to tell
+            log.info("%s: metrics not recorded (%s)", self.peer_id, type(exc).__name__)
+
+    def _report_expert_calls(self) -> None:
+        """The DMoE layers' expert calls since the last report, as metrics events."""
+        events = tuple(metrics.ExpertCallEvent(kind, seconds)
+                       for kind, seconds in self.experts.take_calls())
+        if events:
+            self.coordinator.record.remote(events)
 
     def _self_handle(self):
         return ray.get_runtime_context().current_actor
@@ -303,6 +332,7 @@ class ReplicaActor:
             self.step_checksum = checksum(self.model)
             self.epoch = plan.epoch
             self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+        self._report_metrics(report)
         mine = [r for r in report.rejections if r.sender == self.peer_id]
         if mine:
             self.own_rejections += 1

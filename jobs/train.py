@@ -8,7 +8,12 @@ with ``--trace``, replays a spot trace onto it (a removal is a preemption of tha
 The driver only supervises: it keeps a replica on every live spot slot, prints one
 progress line per global step, checkpoints every N steps through a live replica, stops
 the replicas at ``max_steps`` / ``max_seconds`` and prints a summary (the last line is JSON
-with ``--json``). Replicas train and average on their own through the Coordinator.
+with ``--json``); it writes ``summary.json`` and ``training.png`` into ``run_dir``.
+Replicas train and average on their own through the Coordinator, which serves Prometheus
+metrics on ``metrics.port``. On the embedded cluster each spot node has a notice watcher;
+a trace's removal arrives as a simulated spot notice ``cluster.notice_s`` ahead (drain,
+rebalance, expert hand-off), a ``kill`` without one. With ``model.moe_layers`` (``--moe``)
+an ExpertSupervisor keeps the DMoE experts served on the spot nodes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import threading
 import time
 
 from moshray.jobs.config import (
+    ConfigError,
     TrainConfig,
     add_config_arguments,
     config_from_args,
@@ -107,8 +113,6 @@ def run(config: TrainConfig) -> dict:
 
     from moshray.actors.checkpoint import CheckpointStore
     from moshray.actors.data import resolve_data
-    from moshray.cluster import coordinator as coordinator_mod
-    from moshray.cluster.membership import MembershipConfig
     from moshray.jobs.local_cluster import LocalCluster, LocalClusterConfig, pin_loopback
 
     t = config.training
@@ -133,15 +137,19 @@ def run(config: TrainConfig) -> dict:
                 step, state = found
                 print(f"resuming from checkpoint at step {step}", file=out, flush=True)
                 init_state_ref = [ray.put(state)]
-        name = f"moshray-coordinator-{os.getpid()}-{int(time.time())}"
-        coordinator = coordinator_mod.get_or_create(
-            MembershipConfig(compression=t.compression, peer_ttl_s=max(3.0, t.round_timeout_s)),
-            target_batch_size=t.target_batch_size, name=name)
+        coordinator = _fresh_coordinator(config)
+        address_shown = ray.get(coordinator.metrics_address.remote(), timeout=30)
+        if address_shown:
+            print(f"metrics: http://{address_shown}/metrics", file=out, flush=True)
+        experts = _start_experts(config, coordinator) if config.model.moe else None
         supervisor = ReplicaSupervisor(config, files, coordinator, init_state_ref)
         pending: queue.Queue = queue.Queue()
+        nodes = None
         if local is not None:
             if config.cluster.trace:
                 _match_initial_nodes(config, local)
+            nodes = LocalNodes(config, local, supervisor, coordinator, experts)
+            if config.cluster.trace:
                 replay = _start_replay(config, pending)
             for slot in local.live_slots():
                 supervisor.start(slot)
@@ -149,7 +157,9 @@ def run(config: TrainConfig) -> dict:
             spot = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("spot")]
             for i, node in enumerate(spot):
                 supervisor.start(i, {"spot": 1})
-        summary = _supervise(config, coordinator, supervisor, local, out, pending)
+        summary = _supervise(config, coordinator, supervisor, nodes, out, pending)
+        if experts is not None:
+            summary["experts"] = _stop_experts(experts)
         ray.kill(coordinator)
         return summary
     finally:
@@ -162,36 +172,198 @@ def run(config: TrainConfig) -> dict:
             ray.shutdown()
 
 
-def _start_replay(config: TrainConfig, pending: queue.Queue):
-    """Replay the trace in a thread; its events are queued for the main thread, which
-    owns the cluster (Ray starts raylets only from the main thread)."""
-    from moshray.autoscaler.trace import TraceReplayer, load_trace, schedule
+def _fresh_coordinator(config: TrainConfig):
+    """This job's Coordinator, under the cluster's well-known name (node watchers started
+    with the nodes, ``moshray watch``, find it by that name). A Coordinator left by an
+    earlier job on the same cluster is replaced: one training job per cluster."""
+    import ray
 
-    events = schedule(load_trace(config.cluster.trace), config.cluster.time_scale,
-                      config.cluster.max_nodes)
-    replay = TraceReplayer(events, lambda slot: pending.put(("add", slot)),
-                           lambda slot: pending.put(("remove", slot)), skip_initial=True,
-                           kill_node=lambda slot: pending.put(("kill", slot)))
-    replay.start()
-    return replay
+    from moshray.cluster import coordinator as coordinator_mod
+    from moshray.cluster import placement
+    from moshray.cluster.membership import MembershipConfig
+
+    t = config.training
+    try:
+        stale = ray.get_actor(placement.COORDINATOR_NAME, namespace=placement.NAMESPACE)
+    except ValueError:
+        stale = None
+    if stale is not None:
+        log.warning("replacing the Coordinator of an earlier job (%s)", placement.COORDINATOR_NAME)
+        ray.kill(stale, no_restart=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(placement.COORDINATOR_NAME, namespace=placement.NAMESPACE)
+            except ValueError:
+                break
+            time.sleep(0.1)
+    # The exporter listens on the head node's loopback: Prometheus runs there too.
+    coordinator = coordinator_mod.get_or_create(
+        MembershipConfig(compression=t.compression, peer_ttl_s=max(3.0, t.round_timeout_s)),
+        target_batch_size=t.target_batch_size, name=placement.COORDINATOR_NAME,
+        metrics_port=config.metrics.port)
+    try:
+        ray.get(coordinator.metrics_address.remote(), timeout=60)
+    except ray.exceptions.RayActorError:
+        raise ConfigError("metrics.port", f"cannot serve metrics on 127.0.0.1:"
+                          f"{config.metrics.port} (in use?); choose another with "
+                          f"--metrics-port (0 = any free port)") from None
+    return coordinator
 
 
-def _apply_node_events(pending: queue.Queue, local, supervisor) -> None:
-    while True:
+def _start_experts(config: TrainConfig, coordinator):
+    """The DMoE experts of ``config.model``: an ExpertSupervisor on the head node keeping
+    every shard served on the spot nodes (snapshots under ``<checkpoint.uri>/experts``)."""
+    from moshray.actors.expert import ExpertSetConfig, ExpertSpec, spawn_expert_set
+    from moshray.actors.model import moe_layer_name
+
+    m, t = config.model, config.training
+    snapshot = f"{config.checkpoint.uri.rstrip('/')}/experts" if config.checkpoint.uri else ""
+    expert_set = ExpertSetConfig(
+        layers=tuple(moe_layer_name(i) for i in m.moe_layers), grid=m.moe_grid,
+        spec=ExpertSpec(d_model=m.d_model, d_hidden=m.d_ff, lr=t.lr,
+                        weight_decay=t.weight_decay, seed=t.seed),
+        snapshot_uri=snapshot, num_cpus=0.25)
+    return spawn_expert_set(expert_set, coordinator, timeout_s=300)
+
+
+def _stop_experts(experts) -> dict:
+    """Stop the expert set; returns ``{"respawns": n, "events": n}`` from its history."""
+    import ray
+
+    summary = {"respawns": 0, "events": 0}
+    try:
+        events = ray.get(experts.events.remote(), timeout=30)
+        spawns = sum(1 for e in events if e[2] == "spawned")
+        summary = {"respawns": max(0, spawns - len(ray.get(experts.hosts.remote(), timeout=30))),
+                   "events": len(events)}
+        ray.get(experts.stop.remote(), timeout=60)
+    except (ray.exceptions.RayError, TimeoutError) as exc:
+        log.warning("expert set did not stop cleanly: %s", type(exc).__name__)
+    ray.kill(experts)
+    return summary
+
+
+class LocalNodes:
+    """Node events on the embedded cluster, as a cloud would deliver them.
+
+    ``notice``: the node's watcher gets a simulated spot notice (Coordinator marks its peers
+    draining, Ray drains the node, the expert shards there hand off); ``remove``: the node
+    goes at its deadline; ``kill``: it dies with no notice; ``add``: new capacity, with a
+    watcher and a replica. Every call comes from the main thread (Ray starts raylets only
+    from there) except the notice delivery, which runs aside so the loop keeps its pace.
+    Metrics events go to the Coordinator: lost nodes with/without notice, spot capacity.
+    """
+
+    def __init__(self, config: TrainConfig, local, supervisor, coordinator, experts):
+        from moshray.autoscaler.watch import WatcherConfig, WatcherFleet
+        from moshray.cluster import placement
+
+        self.config, self.local, self.supervisor = config, local, supervisor
+        self.coordinator, self.experts = coordinator, experts
+        self.fleet = WatcherFleet(WatcherConfig(source="simulated", poll_s=0.25,
+                                                coordinator_name=placement.COORDINATOR_NAME))
+        self.t0 = time.monotonic()
+        self.preempted_at: list[float] = []  # seconds since start of each lost node
+        self.joined_at: list[float] = []
+        self.noticed: set[int] = set()
+        self._watch(self.local.live_slots())
+
+    def _watch(self, slots) -> None:
         try:
-            kind, slot = pending.get_nowait()
-        except queue.Empty:
+            # By node id: a slot's previous raylet may still be listed alive for a moment.
+            self.fleet.sync(only=[self.local.node_id(slot) for slot in slots])
+            if self.experts is not None:
+                for slot in slots:
+                    self.fleet.register(slot, self.experts, "experts")
+        except Exception as exc:  # noqa: BLE001 - a watcher is an aid; training goes on
+            log.warning("watchers for slots %s not started: %r", list(slots), exc)
+        self._capacity()
+
+    def _capacity(self) -> None:
+        from moshray.cluster import metrics
+
+        self.coordinator.record.remote((metrics.CapacityEvent(len(self.local.live_slots()), 0),))
+
+    def _lost(self, slot: int, with_notice: bool) -> None:
+        from moshray.cluster import metrics
+
+        self.preempted_at.append(time.monotonic() - self.t0)
+        self.coordinator.record.remote((metrics.NodeLostEvent(with_notice),))
+        try:
+            self.fleet.node_gone(slot)
+        except KeyError:
+            pass
+        self._capacity()
+
+    def notice(self, slot: int) -> None:
+        if slot not in self.local.live_slots():
             return
-        if kind == "add" and slot not in local.live_slots():
-            local.add_node(slot)
-            supervisor.start(slot)
-        elif kind == "remove" and slot in local.live_slots():
-            supervisor.lost(slot)
-            local.remove_node(slot)
-        elif kind == "kill" and slot in local.live_slots():
+        self.noticed.add(slot)
+        notice_s = max(self.config.cluster.wall_notice_s, 0.1)
+
+        def deliver() -> None:
+            try:
+                self.fleet.notify(slot, notice_s)
+            except Exception as exc:  # noqa: BLE001 - the removal still comes at its time
+                # Typically the node went at its deadline before its watcher had acted (a
+                # short notice on a loaded machine): the swarm then copes as with a kill.
+                log.warning("notice to slot %d not acted on: %s", slot, type(exc).__name__)
+
+        threading.Thread(target=deliver, daemon=True, name=f"notice-{slot}").start()
+
+    def apply(self, kind: str, slot: int) -> None:
+        live = slot in self.local.live_slots()
+        if kind == "notice":
+            self.notice(slot)
+        elif kind == "add" and not live:
+            self.local.add_node(slot)
+            self.joined_at.append(time.monotonic() - self.t0)
+            self._watch([slot])
+            self.supervisor.start(slot)
+        elif kind == "remove" and live:
+            self.supervisor.lost(slot)
+            self.local.remove_node(slot)
+            self._lost(slot, with_notice=slot in self.noticed)
+        elif kind == "kill" and live:
             # No notice and no word to the Coordinator: the swarm finds out by itself
             # (failed calls, round deadlines, Ray's node-death events seen below).
-            local.remove_node(slot, hard=True)
+            self.local.remove_node(slot, hard=True)
+            self._lost(slot, with_notice=False)
+        if kind in ("remove", "kill"):
+            self.noticed.discard(slot)
+
+    def drain(self, pending: queue.Queue) -> None:
+        """Apply every queued ``(kind, slot)`` event."""
+        while True:
+            try:
+                kind, slot = pending.get_nowait()
+            except queue.Empty:
+                return
+            self.apply(kind, slot)
+
+    def stop(self) -> None:
+        for node in self.fleet.watched():
+            try:
+                self.fleet.node_gone(node)
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway
+                log.info("watcher of %s not stopped: %r", node, exc)
+
+
+def _start_replay(config: TrainConfig, pending: queue.Queue):
+    """Replay the trace in a thread; its events are queued for the main thread, which
+    owns the cluster (Ray starts raylets only from the main thread). Each removal is
+    preceded by a spot notice ``cluster.notice_s`` trace seconds earlier."""
+    from moshray.autoscaler.trace import TraceReplayer, load_trace, schedule, with_notices
+
+    events = with_notices(schedule(load_trace(config.cluster.trace), config.cluster.time_scale,
+                                   config.cluster.max_nodes), config.cluster.wall_notice_s)
+    replay = TraceReplayer(events, lambda slot: pending.put(("add", slot)),
+                           lambda slot: pending.put(("remove", slot)), skip_initial=True,
+                           kill_node=lambda slot: pending.put(("kill", slot)),
+                           notice_node=lambda slot: pending.put(("notice", slot)))
+    replay.start()
+    return replay
 
 
 def _match_initial_nodes(config: TrainConfig, local) -> None:
@@ -208,7 +380,7 @@ def _match_initial_nodes(config: TrainConfig, local) -> None:
         local.add_node(slot)
 
 
-def _supervise(config: TrainConfig, coordinator, supervisor, local, out,
+def _supervise(config: TrainConfig, coordinator, supervisor, nodes: LocalNodes | None, out,
                pending: queue.Queue) -> dict:
     import ray
 
@@ -221,8 +393,8 @@ def _supervise(config: TrainConfig, coordinator, supervisor, local, out,
     stats: dict = {}
     while True:
         time.sleep(POLL_S)
-        if local is not None:
-            _apply_node_events(pending, local, supervisor)
+        if nodes is not None:
+            nodes.drain(pending)
         stats = ray.get(coordinator.stats.remote(), timeout=30)
         history = stats["history"]
         elapsed = time.monotonic() - started
@@ -270,6 +442,7 @@ def _supervise(config: TrainConfig, coordinator, supervisor, local, out,
         "final_loss": losses[-1] if losses else None,
         "replicas": len(statuses),
         "replicas_consistent": len(finals) == 1 and all(s["epoch"] == top_epoch for s in statuses),
+        "replica_states": [[s["peer"], s["epoch"], s["checksum"]] for s in statuses],
         "rejected_contributions": sum(s["rejected"] for s in statuses),
         "notices": stats.get("notices", 0),
         "hard_losses": supervisor.hard_losses,
@@ -277,12 +450,37 @@ def _supervise(config: TrainConfig, coordinator, supervisor, local, out,
         "lost_steps": max((s["lost_steps"] + s["repeated_steps"] for s in statuses), default=0),
         "rebalance_s_max": max(stats.get("rebalance_s") or [0.0]),
     }
+    summary["plot"] = _write_outputs(config, history, summary, nodes)
+    if nodes is not None:
+        nodes.stop()
     print(f"done: {summary['steps']} steps, {summary['samples']} samples in "
           f"{wall:.1f} s ({summary['samples_per_s']:.1f} samples/s), "
           f"{summary['preemptions']} preemptions survived, loss "
           f"{summary['initial_loss']} -> {summary['final_loss']}, replicas consistent: "
           f"{summary['replicas_consistent']}", file=out, flush=True)
     return summary
+
+
+def _write_outputs(config: TrainConfig, history: list, summary: dict,
+                   nodes: LocalNodes | None) -> str | None:
+    """``<run_dir>/summary.json`` and ``<run_dir>/training.png`` (loss, samples/s and peers
+    over time, lost nodes and joins marked); returns the plot's path, None if it failed."""
+    from pathlib import Path
+
+    from moshray.jobs import plots
+
+    run_dir = Path(config.run_dir).expanduser()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps({**summary, "history": history}) + "\n")
+        tmp.replace(run_dir / "summary.json")
+        marks = {} if nodes is None else {"preemptions": nodes.preempted_at,
+                                          "joins": nodes.joined_at}
+        return str(plots.plot_training_run(history, run_dir / "training.png", **marks))
+    except (OSError, ValueError) as exc:
+        log.warning("run outputs not written to %s: %s", run_dir, exc)
+        return None
 
 
 def _checkpoint(config: TrainConfig, supervisor) -> None:

@@ -112,6 +112,16 @@ class CoordinatorCore:
                         for h in history],
         }
 
+    def step_timings(self, since_epoch: int = 0) -> dict:
+        """Global steps after ``since_epoch``: ``{"now_s": t, "steps": [(epoch, planned_at_s,
+        committed_at_s or None, participants), ...]}``, times on the clock of ``stats()``."""
+        now = self.clock()
+        steps = [(t.epoch, t.planned_at - self.started,
+                  None if t.committed_at is None else t.committed_at - self.started,
+                  t.participants)
+                 for e, t in sorted(self.progress.timings.items()) if e > since_epoch]
+        return {"now_s": now - self.started, "steps": steps}
+
     def mark_draining(self, node_id: str, deadline_s: float) -> tuple[str, ...]:
         """Exclude ``node_id``'s peers from the next plans; ``deadline_s`` is seconds left."""
         return self.membership.mark_draining(node_id, self.clock() + deadline_s)

@@ -50,6 +50,22 @@ class StepRecord:
 
 
 @dataclass
+class StepTiming:
+    """When one global step was planned, who took part, and when it was first seen applied.
+
+    ``committed_at`` is the time of the first report at ``epoch`` from one of its
+    participants (a replica reports the last step its optimizer applied), None until then.
+    Benchmarks read it (``CoordinatorCore.step_timings``) to time recovery: a hard kill ->
+    the next step committed without the dead peer, a joiner -> its first step.
+    """
+
+    epoch: int
+    planned_at: float
+    participants: tuple[str, ...]
+    committed_at: float | None = None
+
+
+@dataclass
 class ProgressTracker:
     membership: Membership
     target_batch_size: int
@@ -58,6 +74,7 @@ class ProgressTracker:
     plan: RoundPlan | None = None  # the latest published plan
     history: list[StepRecord] = field(default_factory=list)
     stop: bool = False
+    timings: dict[int, StepTiming] = field(default_factory=dict)  # epoch -> its timing
     _loss: dict[int, tuple[float, int]] = field(default_factory=dict)
 
     @property
@@ -81,6 +98,9 @@ class ProgressTracker:
     def report(self, r: ProgressReport, now: float) -> ProgressReply:
         self.membership.heartbeat(r.peer_id, now)
         self.reports[r.peer_id] = r
+        timing = self.timings.get(r.epoch)
+        if timing is not None and timing.committed_at is None and r.peer_id in timing.participants:
+            timing.committed_at = now
         in_plan = self.plan is not None and r.peer_id in self.plan.participants
         if self.stop:
             # Finish a published step first, so no participant waits for a stopped peer.
@@ -135,3 +155,4 @@ class ProgressTracker:
         self.plan = plan
         self.history.append(StepRecord(plan.epoch, now, samples, total / n if n else None,
                                        len(at_epoch)))
+        self.timings[plan.epoch] = StepTiming(plan.epoch, now, tuple(plan.participants))

@@ -1,0 +1,158 @@
+"""`moshray bench recovery`: the figures' math and bad input without Ray, and one short real run.
+
+The real run is a subprocess (``python -m moshray.jobs.bench_recovery``) that starts its own
+local cluster (so it never clashes with the session fixture cluster) and runs one trial with
+a tiny model. Its checks are about the JSON's shape and sanity, never about the targets.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moshray.cluster.coordinator import CoordinatorCore
+from moshray.cluster.membership import MembershipConfig
+from moshray.cluster.progress import ProgressReport
+from moshray.jobs import bench_recovery as br
+
+KEYS = [k for m in br.MEASURES for k in (m, f"{m}_max")]
+
+
+def samples(**values):
+    out = {m: [1.0] for m in br.MEASURES}
+    out.update(values)
+    return out
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_aggregate_gives_median_and_worst_of_every_measure():
+    got = br.aggregate(samples(notice_to_rebalanced_s=[0.5, 0.1, 0.3],
+                               join_to_contribution_s=[4.0, 2.0]))
+    assert sorted(got) == sorted(KEYS)
+    assert got["notice_to_rebalanced_s"] == 0.3 and got["notice_to_rebalanced_s_max"] == 0.5
+    assert got["join_to_contribution_s"] == 3.0 and got["join_to_contribution_s_max"] == 4.0
+
+
+@pytest.mark.parametrize("values, needle", [
+    ([], "no sample of expert_respawn_s"),
+    ([1.0, math.nan], "finite"),
+    ([-0.1], ">= 0"),
+])
+def test_aggregate_rejects_missing_or_bad_samples(values, needle):
+    with pytest.raises(ValueError, match=needle):
+        br.aggregate(samples(expert_respawn_s=values))
+
+
+def test_summary_has_the_eight_figures_samples_and_target_verdicts():
+    s = br.summarize(samples(notice_to_rebalanced_s=[2.0], hard_kill_to_progress_s=[4.0]),
+                     {"trials": 1})
+    assert all(k in s for k in KEYS) and s["trials"] == 1
+    assert s["samples"]["hard_kill_to_progress_s"] == [4.0]
+    assert s["meets_targets"] == {"notice_to_rebalanced_s": False,
+                                  "hard_kill_to_progress_s": True,
+                                  "join_to_contribution_s": True}
+    json.dumps(s)  # JSON-able as is
+
+
+STEPS = [  # (epoch, planned_at_s, committed_at_s, participants)
+    (1, 1.0, 2.0, ("a", "b", "c")),
+    (2, 3.0, 9.0, ("a", "b", "c")),  # waited for c's contribution until the deadline
+    (3, 9.5, 10.0, ("a", "b")),
+    (4, 10.5, None, ("a", "b", "d")),  # d's first step, not committed yet
+]
+
+
+def test_first_commit_with_and_without_a_peer():
+    assert br.first_commit_with(STEPS, "a") == 2.0
+    assert br.first_commit_with(STEPS, "d") is None
+    assert br.first_commit_without(STEPS, "c", after_s=5.0) == 10.0
+    assert br.first_commit_without(STEPS, "c", after_s=10.0) is None
+    assert br.all_contributed(STEPS, ["a", "b", "c"])
+    assert not br.all_contributed(STEPS, ["a", "d"])
+
+
+def test_coordinator_step_timings_record_plan_commit_and_participants():
+    clock = [100.0]
+    core = CoordinatorCore(MembershipConfig(peer_ttl_s=1e6), clock=lambda: clock[0],
+                           target_batch_size=4)
+    for peer in "ab":
+        core.register(peer, None, f"n-{peer}")
+        core.mark_ready(peer, 0)
+    clock[0] += 1
+    replies = [core.report(ProgressReport(p, 0, 2)) for p in "ab"]
+    assert any(r.plan is not None for r in replies)
+    assert core.step_timings()["steps"] == [(1, 1.0, None, ("a", "b"))]
+    clock[0] += 2
+    core.report(ProgressReport("b", 1, 1))  # b applied step 1: committed
+    clock[0] += 1
+    core.report(ProgressReport("a", 1, 1))  # later reports keep the first commit time
+    got = core.step_timings()
+    assert got["steps"] == [(1, 1.0, 3.0, ("a", "b"))] and got["now_s"] == 4.0
+    assert core.step_timings(since_epoch=1)["steps"] == []
+
+
+def run_cli(*args: str) -> int:
+    from moshray.jobs.cli import main
+
+    return main(["bench", "recovery", *args])
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--trials", "0"], "--trials"),
+    (["--nodes", "1"], "--nodes"),
+    (["--notice-s", "0"], "--notice-s"),
+    (["--timeout", "-5"], "--timeout"),
+    (["--set", "model.n_layers"], "KEY=VALUE"),
+    (["--set", "model.d_modle=64"], "model.d_modle"),
+    (["--set", "training.batch_size=0"], "training.batch_size"),
+])
+def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, needle):
+    assert run_cli("--out", str(tmp_path), *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_plot_is_written_next_to_the_json(tmp_path):
+    s = br.summarize(samples(), {"trials": 1, "nodes": 3})
+    out = br.write_outputs(s, str(tmp_path), lambda *a: None)
+    assert out["json"] == str(tmp_path / "recovery.json")
+    assert Path(out["plot"]) == tmp_path / "recovery.png"
+    assert (tmp_path / "recovery.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "recovery.json").read_text()) == out
+
+
+# --------------------------------------------------------------------------- a real run
+
+TINY = ["--set", "model.n_layers=1", "--set", "model.d_model=64", "--set", "model.d_ff=128",
+        "--set", "model.seq_len=32", "--set", "training.target_batch_size=16",
+        "--set", "training.batch_size=4"]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(420)
+def test_one_trial_reports_all_eight_figures(tmp_path: Path):
+    out = tmp_path / "out"
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moshray.jobs.bench_recovery", "--trials", "1", "--nodes", "3",
+         "--notice-s", "3", "--timeout", "150", "--out", str(out), *TINY, "--json"],
+        capture_output=True, text=True, timeout=390, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == json.loads((out / "recovery.json").read_text())
+    for key in KEYS:
+        assert isinstance(result[key], float) and math.isfinite(result[key]) and result[key] > 0, \
+            (key, result[key])
+        assert result[key.removesuffix("_max")] <= result[key.removesuffix("_max") + "_max"]
+    assert len(result["samples"]["join_to_contribution_s"]) == 2  # after the notice and the kill
+    assert (out / "recovery.png").stat().st_size > 0

@@ -283,12 +283,14 @@ class RecoveryBench:
         t0 = time.monotonic()
         self._wait_steady("start-up")
         self._sync_clock()
-        self.log(f"swarm steady after {time.monotonic() - t0:.1f} s")
+        self.log(f"swarm steady after {time.monotonic() - t0:.1f} s more "
+                 f"({len(self._steps())} global steps so far)")
 
     # -- the events ---------------------------------------------------------------------------
 
-    def notice(self) -> tuple[float, float]:
-        """Notice a node hosting a replica and experts; ``(rebalance_s, expert_respawn_s)``.
+    def notice(self) -> tuple[float, float | None]:
+        """Notice a node hosting a replica and experts; ``(rebalance_s, expert_respawn_s)``
+        (the latter None if no expert shard was on the node).
 
         The node is removed at the notice's deadline (or once both are measured, if later).
         """
@@ -306,14 +308,15 @@ class RecoveryBench:
         received = outcome.notice.received_unix_s
         deadline_mono = time.monotonic() + outcome.notice.seconds_left(time.time())
         rebalance_s = respawn_s = None
+        want_respawn = bool(moving)  # no shard on the node: only the rebalance is timed
         removed = False
         end = time.monotonic() + self.timeout_s + self.notice_s
-        while rebalance_s is None or respawn_s is None or not removed:
+        while rebalance_s is None or (want_respawn and respawn_s is None) or not removed:
             if rebalance_s is None:
                 record = self._get(self.coordinator.notice_stats.remote()).get(node)
                 if record is not None and record["rebalance_s"] is not None:
                     rebalance_s = float(record["rebalance_s"])
-            if respawn_s is None and self._served_elsewhere(moving, node):
+            if want_respawn and respawn_s is None and self._served_elsewhere(moving, node):
                 respawn_s = time.time() - received
             if not removed and time.monotonic() >= deadline_mono:
                 self.replicas.lost(slot)
@@ -332,8 +335,6 @@ class RecoveryBench:
         ``node``, and a forward call through the registry's handle answers."""
         import numpy as np
 
-        if not moving:
-            return True
         records = {r.host_id: r for r in self._get(
             self.coordinator.lookup_experts.remote(f"{self.layer}."))}
         d = self.expert_config.spec.d_model
@@ -396,10 +397,13 @@ class RecoveryBench:
         """One trial: notice (+ expert re-spawn), a join, a hard kill, a join."""
         self.log(f"trial {index + 1}")
         rebalance_s, respawn_s = self.notice()
-        self.log(f"  notice -> rebalanced {rebalance_s:.2f} s, expert shards served again "
-                 f"after {respawn_s:.2f} s")
         samples.values["notice_to_rebalanced_s"].append(rebalance_s)
-        samples.values["expert_respawn_s"].append(respawn_s)
+        if respawn_s is None:
+            self.log(f"  notice -> rebalanced {rebalance_s:.2f} s (no expert shard moved)")
+        else:
+            self.log(f"  notice -> rebalanced {rebalance_s:.2f} s, expert shards served again "
+                     f"after {respawn_s:.2f} s")
+            samples.values["expert_respawn_s"].append(respawn_s)
         self._join(samples)
         self._wait_steady("before the hard kill")
         self._sync_clock()
@@ -419,7 +423,9 @@ class RecoveryBench:
         try:
             ray.get(self.coordinator.request_stop.remote(), timeout=30)
             refs = [r for _, _, r in self.replicas.handles()]
-            ray.wait(refs, num_returns=len(refs), timeout=self.config.training.round_timeout_s * 3 + 30)
+            if refs:
+                ray.wait(refs, num_returns=len(refs),
+                         timeout=self.config.training.round_timeout_s * 3 + 30)
         except ray.exceptions.RayError as exc:
             log.warning("stopping the replicas: %s", type(exc).__name__)
         for _, handle, _ in self.replicas.handles():
@@ -445,6 +451,7 @@ def run(args: argparse.Namespace) -> dict:
     pin_loopback()
     samples = _Samples({m: [] for m in MEASURES}, [])
     started = time.monotonic()
+    load_before = os.getloadavg()[0]
     with LocalCluster(LocalClusterConfig(spot_nodes=args.nodes, cpus_per_node=2)) as cluster:
         cluster.connect()
         bench = RecoveryBench(cluster, config, args.timeout, args.notice_s, log_fn)
@@ -462,6 +469,8 @@ def run(args: argparse.Namespace) -> dict:
         "round_timeout_s": config.training.round_timeout_s,
         "experts_per_node": EXPERTS_PER_HOST,
         "node_start_s": samples.node_start_s, "wall_s": time.monotonic() - started,
+        # 1-minute load average of the machine at the start and the end (cores are shared)
+        "load_avg": [load_before, os.getloadavg()[0]], "cpus": os.cpu_count(),
     })
 
 

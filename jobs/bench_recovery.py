@@ -141,6 +141,14 @@ def all_contributed(steps: Sequence[Step], peers: Sequence[str]) -> bool:
     return all(first_commit_with(steps, p) is not None for p in peers)
 
 
+def median_step_s(steps: Sequence[Step]) -> float | None:
+    """Median seconds between consecutive plans (None with fewer than two steps): the
+    pace that bounds notice -> rebalanced, since a node is rebalanced at the next plan."""
+    times = sorted(s[1] for s in steps)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return statistics.median(gaps) if gaps else None
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Raise ``BenchError`` (one line naming the flag) for out-of-range arguments."""
     if args.trials < 1:
@@ -459,6 +467,7 @@ def run(args: argparse.Namespace) -> dict:
             bench.start()
             for i in range(args.trials):
                 bench.trial(samples, i)
+            step_s = median_step_s(bench._steps())
         finally:
             bench.close()
     m = config.model
@@ -467,7 +476,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": m.to_dict(), "target_batch_size": config.training.target_batch_size,
         "batch_size": config.training.batch_size,
         "round_timeout_s": config.training.round_timeout_s,
-        "experts_per_node": EXPERTS_PER_HOST,
+        "experts_per_node": EXPERTS_PER_HOST, "median_step_s": step_s,
         "node_start_s": samples.node_start_s, "wall_s": time.monotonic() - started,
         # 1-minute load average of the machine at the start and the end (cores are shared)
         "load_avg": [load_before, os.getloadavg()[0]], "cpus": os.cpu_count(),

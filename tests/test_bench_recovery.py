@@ -79,6 +79,11 @@ def test_first_commit_with_and_without_a_peer():
     assert not br.all_contributed(STEPS, ["a", "d"])
 
 
+def test_median_step_is_the_median_gap_between_plans():
+    assert br.median_step_s(STEPS) == 2.0  # gaps 2.0, 6.5, 1.0
+    assert br.median_step_s(STEPS[:1]) is None
+
+
 def test_coordinator_step_timings_record_plan_commit_and_participants():
     clock = [100.0]
     core = CoordinatorCore(MembershipConfig(peer_ttl_s=1e6), clock=lambda: clock[0],

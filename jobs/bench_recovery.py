@@ -24,7 +24,9 @@ per spot node, experts shaped ``model.d_model -> model.d_ff``). Then, ``--trials
 4. **hard kill -> progress** (``hard_kill_to_progress_s``): another replica's node is killed
    with SIGKILL (``LocalCluster.remove_node(slot, hard=True)``), no notice; the figure is the
    kill -> the commit of the first global step without the dead replica (the swarm moved on
-   without it). A replacement node joins after it (a second join sample).
+   without it; ``hard_kill_to_any_commit_s`` lists the kill -> the first commit of any step,
+   which may be a round in flight finishing with or without the dead peer's part). A
+   replacement node joins after it (a second join sample).
 
 Before each event the swarm is steady (every live replica has contributed to a committed
 step). Times of the Coordinator's clock are mapped onto this process's monotonic clock by
@@ -136,6 +138,12 @@ def first_commit_without(steps: Sequence[Step], peer: str, after_s: float) -> fl
     return min(times) if times else None
 
 
+def first_commit_after(steps: Sequence[Step], after_s: float) -> float | None:
+    """Commit time of the first step committed after ``after_s``, whoever took part."""
+    times = [s[2] for s in steps if s[2] is not None and s[2] > after_s]
+    return min(times) if times else None
+
+
 def all_contributed(steps: Sequence[Step], peers: Sequence[str]) -> bool:
     """True once every one of ``peers`` took part in some committed step."""
     return all(first_commit_with(steps, p) is not None for p in peers)
@@ -238,6 +246,7 @@ class RecoveryBench:
         self.experts = ExpertSupervisor.options(max_concurrency=1000, **placement.on_head()) \
             .remote(self.expert_config, self.coordinator)
         self.offset = 0.0
+        self.any_commit_s: list[float] = []  # hard kill -> first commit of any step
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -391,7 +400,12 @@ class RecoveryBench:
         committed = _wait(lambda: first_commit_without(self._steps(), peer, after),
                           self.timeout_s, f"a committed step after the hard kill of {peer}")
         progress_s = committed + self.offset - killed_at
-        self.log(f"  next step without {peer} committed after {progress_s:.2f} s")
+        # For reference: the first commit of any step (a round in flight may still commit,
+        # with or without the dead peer's contribution, before the swarm has moved on).
+        self.any_commit_s.append(first_commit_after(self._steps(), after) + self.offset
+                                 - killed_at)
+        self.log(f"  next step without {peer} committed after {progress_s:.2f} s (first "
+                 f"commit of any step after {self.any_commit_s[-1]:.2f} s)")
         # The training driver's part: the replica's run() fails, the slot is forgotten.
         try:
             self.ray.get(run_ref, timeout=self.timeout_s)
@@ -468,6 +482,7 @@ def run(args: argparse.Namespace) -> dict:
             for i in range(args.trials):
                 bench.trial(samples, i)
             step_s = median_step_s(bench._steps())
+            any_commit_s = bench.any_commit_s
         finally:
             bench.close()
     m = config.model
@@ -477,6 +492,7 @@ def run(args: argparse.Namespace) -> dict:
         "batch_size": config.training.batch_size,
         "round_timeout_s": config.training.round_timeout_s,
         "experts_per_node": EXPERTS_PER_HOST, "median_step_s": step_s,
+        "hard_kill_to_any_commit_s": any_commit_s,
         "node_start_s": samples.node_start_s, "wall_s": time.monotonic() - started,
         # 1-minute load average of the machine at the start and the end (cores are shared)
         "load_avg": [load_before, os.getloadavg()[0]], "cpus": os.cpu_count(),

@@ -75,6 +75,8 @@ def test_first_commit_with_and_without_a_peer():
     assert br.first_commit_with(STEPS, "d") is None
     assert br.first_commit_without(STEPS, "c", after_s=5.0) == 10.0
     assert br.first_commit_without(STEPS, "c", after_s=10.0) is None
+    assert br.first_commit_after(STEPS, 5.0) == 9.0  # step 2 still had c in it
+    assert br.first_commit_after(STEPS, 10.0) is None
     assert br.all_contributed(STEPS, ["a", "b", "c"])
     assert not br.all_contributed(STEPS, ["a", "d"])
 
@@ -160,4 +162,6 @@ def test_one_trial_reports_all_eight_figures(tmp_path: Path):
             (key, result[key])
         assert result[key.removesuffix("_max")] <= result[key.removesuffix("_max") + "_max"]
     assert len(result["samples"]["join_to_contribution_s"]) == 2  # after the notice and the kill
+    [any_commit] = result["hard_kill_to_any_commit_s"]
+    assert 0 < any_commit <= result["hard_kill_to_progress_s"]
     assert (out / "recovery.png").stat().st_size > 0

@@ -518,6 +518,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop watching after this long (default: until the node is noticed "
                              "and its deadline has passed)")
+    parser.add_argument("--coordinator-name", default=placement.COORDINATOR_NAME,
+                        help="name of the training job's Coordinator actor "
+                             f"(default {placement.COORDINATOR_NAME})")
     parser.add_argument("--json", action="store_true", help="print each outcome as a JSON line")
 
 
@@ -539,7 +542,8 @@ def _outcome_json(outcome: DrainOutcome) -> str:
 def main(args: argparse.Namespace) -> int:
     try:
         config = WatcherConfig(source=args.source, metadata_url=args.metadata_url, pool=args.pool,
-                               poll_s=args.poll_s, gcp_notice_s=args.gcp_notice_s)
+                               poll_s=args.poll_s, gcp_notice_s=args.gcp_notice_s,
+                               coordinator_name=args.coordinator_name)
         if args.node_id is not None:
             check_node_id(args.node_id)
         if args.max_seconds is not None and not args.max_seconds > 0:

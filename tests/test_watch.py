@@ -273,6 +273,7 @@ def test_moshray_watch_cli_on_a_node(local_cluster, coordinator):
     import subprocess
     import sys
 
+    import ray
     from metadata_servers import GCEMetadataServer
 
     from moshray.autoscaler.drain import draining_nodes
@@ -280,13 +281,13 @@ def test_moshray_watch_cli_on_a_node(local_cluster, coordinator):
     name, coord = coordinator
     slot = 0
     node = local_cluster.node_id(slot)
-    # The CLI finds the Coordinator by its default name; this test's one has another name,
-    # so the CLI's outcome reports coordinator_ok false and Ray's drain alone.
+    # The CLI finds the Coordinator by name (default: the training job's); here, this test's.
     with GCEMetadataServer(max_wait_s=5) as gce:
         proc = subprocess.Popen(
             [sys.executable, "-m", "moshray.autoscaler.watch", "--source", "gcp",
              "--metadata-url", gce.url, "--address", local_cluster.address, "--node-id", node,
-             "--poll-s", "0.5", "--gcp-notice-s", "3", "--json", "--max-seconds", "120"],
+             "--poll-s", "0.5", "--gcp-notice-s", "3", "--json", "--max-seconds", "120",
+             "--coordinator-name", name],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
         try:
             _wait(lambda: any("wait_for_change" in r.path for r in gce.seen()) or proc.poll() is not None,
@@ -298,7 +299,8 @@ def test_moshray_watch_cli_on_a_node(local_cluster, coordinator):
             doc = json.loads(out.strip().splitlines()[-1])
             assert doc["notice"]["node_id"] == node and doc["notice"]["action"] == "preempt"
             assert doc["notice"]["deadline_unix_s"] == pytest.approx(doc["notice"]["received_unix_s"] + 3)
-            assert doc["ray"]["accepted"] is True and doc["coordinator_ok"] is False
+            assert doc["ray"]["accepted"] is True and doc["coordinator_ok"] is True
+            assert node in ray.get(coord.notice_stats.remote(), timeout=30)
             assert f"watching node {node}" in err
         finally:
             if proc.poll() is None:

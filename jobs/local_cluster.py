@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from dataclasses import dataclass
 
@@ -111,6 +112,13 @@ class _TokenAuthEnv:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def _free_port() -> int:
+    """A TCP port free on loopback right now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
 def pin_loopback() -> None:
     """Make Ray bind to 127.0.0.1 only (call before Ray starts any process).
 
@@ -168,6 +176,11 @@ class LocalCluster:
             object_store_memory=config.object_store_bytes,
             include_dashboard=config.dashboard,
             _system_config=SYSTEM_CONFIG,
+            # Ray's fixed defaults (52365, 10001) would clash with a second cluster on this
+            # machine; the head's job agent then never binds and job submission answers
+            # "No available agent".
+            dashboard_agent_listen_port=_free_port(),
+            ray_client_server_port=_free_port(),
         )
         if config.dashboard:
             head_args["dashboard_host"] = LOOPBACK

@@ -178,8 +178,16 @@ def test_token_auth_refuses_clients_without_the_token_and_accepts_the_token(toke
                                env=client_env(home, token="f" * len(token)), cwd=tmp_path)
         assert wrong.returncode != 0
 
-        accepted = subprocess.run(submit, capture_output=True, text=True, timeout=120,
-                                  env=client_env(home, token_path=token_path), cwd=tmp_path)
+        # The job server answers 500 "No available agent" until a node's job agent is up
+        # (slow on a loaded 2-core machine): try again, bounded.
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while True:
+            accepted = subprocess.run(submit, capture_output=True, text=True, timeout=120,
+                                      env=client_env(home, token_path=token_path), cwd=tmp_path)
+            if accepted.returncode == 0 or "No available agent" not in accepted.stderr or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(2.0)
         assert accepted.returncode == 0, accepted.stdout + accepted.stderr
         job_id = re.search(r"raysubmit_\w+", accepted.stdout + accepted.stderr).group(0)
         deadline = time.monotonic() + JOB_TIMEOUT_S

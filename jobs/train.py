@@ -429,8 +429,13 @@ def _supervise(config: TrainConfig, coordinator, supervisor, nodes: LocalNodes |
     wall = time.monotonic() - started
     if config.checkpoint.uri:
         _checkpoint(config, supervisor)
-    top_epoch = max((s["epoch"] for s in statuses), default=0)
-    finals = {s["checksum"] for s in statuses if s["epoch"] == top_epoch}
+    # A replica on a node that got its notice has left the averaging (its node is going):
+    # it is reported but not held to the consistency of the staying ones.
+    leaving = set() if nodes is None else \
+        {supervisor.replicas[s][0] for s in nodes.noticed if s in supervisor.replicas}
+    staying = [s for s in statuses if s["peer"] not in leaving]
+    top_epoch = max((s["epoch"] for s in staying), default=0)
+    finals = {s["checksum"] for s in staying if s["epoch"] == top_epoch}
     losses = [h[3] for h in history if h[3] is not None]
     summary = {
         "steps": stats.get("epoch", 0),
@@ -441,7 +446,8 @@ def _supervise(config: TrainConfig, coordinator, supervisor, nodes: LocalNodes |
         "initial_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
         "replicas": len(statuses),
-        "replicas_consistent": len(finals) == 1 and all(s["epoch"] == top_epoch for s in statuses),
+        "replicas_consistent": len(finals) == 1 and all(s["epoch"] == top_epoch for s in staying),
+        "leaving_replicas": len(statuses) - len(staying),
         "replica_states": [[s["peer"], s["epoch"], s["checksum"]] for s in statuses],
         "rejected_contributions": sum(s["rejected"] for s in statuses),
         "notices": stats.get("notices", 0),

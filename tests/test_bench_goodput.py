@@ -178,7 +178,7 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
          "--time-scale", "1", "--max-nodes", "2", "--duration", "90", "--calib-nodes", "2",
          "--calib-seconds", "60", "--checkpoint-every", "10",
          "--startup-timeout", "240", "--finish-timeout", "180", "--out", str(out), *TINY,
-         "--json"],
+         "--set", "cluster.notice_s=5", "--json"],
         capture_output=True, text=True, timeout=1400, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

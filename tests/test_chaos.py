@@ -63,7 +63,8 @@ def test_chaos_run_keeps_replicas_identical_and_loses_no_step(tmp_path: Path):
     assert {"remove", "kill"} <= {e.kind for e in events}
     trace = write_trace(events, tmp_path / "chaos.csv")
     proc, summary = train("--local-nodes", "3", "--max-nodes", "3", "--trace", str(trace),
-                          "--time-scale", "1", "--max-seconds", "80", timeout=480)
+                          "--time-scale", "1", "--max-seconds", "80",
+                          "--set", "cluster.notice_s=3", timeout=480)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert summary is not None
     losses = [e for e in events if e.kind != "add"]

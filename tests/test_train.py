@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -50,23 +53,89 @@ def test_bad_config_exits_2_with_one_line():
     assert proc.returncode == 2 and "training.mode" in proc.stderr
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _scrape(port: int) -> dict | None:
+    """The job's metrics as ``{sample name + labels: value}``; None while it is not serving."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    out = {}
+    for family in text_string_to_metric_families(text):  # raises on bad exposition format
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
 def test_trace_preempts_and_adds_nodes_while_training(tmp_path: Path):
-    # Per-node trace: three nodes; node2 is preempted at 12 s, node3 arrives at 20 s.
+    """A replayed trace with a notice, a removal and a join, watched through the job's own
+    Prometheus exporter while it runs; the run's plot and summary land in run_dir."""
+    # Per-node trace: three nodes; node2 is preempted at 12 s (notice 3 s ahead), node3
+    # arrives at 20 s.
     trace = tmp_path / "trace.csv"
     trace.write_text("0,add,node0\n0,add,node1\n0,add,node2\n"
                      "12000,remove,node2\n20000,add,node3\n")
-    proc, summary = train("--local-nodes", "3", "--max-nodes", "3", "--trace", str(trace),
-                          "--time-scale", "1", "--max-seconds", "55")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert summary is not None
+    port = _free_port()
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    env.pop("RAY_ADDRESS", None)
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moshray.jobs.train", *SMALL, "--json", "--local-nodes", "3",
+             "--max-nodes", "3", "--trace", str(trace), "--time-scale", "1",
+             "--max-seconds", "55", "--metrics-port", str(port), "--set", "cluster.notice_s=3",
+             "--set", f"run_dir={run_dir}"],
+            stdout=stdout, stderr=stderr, text=True, env=env)
+        last = None
+        try:
+            deadline = time.monotonic() + 300
+            while proc.poll() is None:
+                assert time.monotonic() < deadline, "the training job did not end in 300 s"
+                last = _scrape(port) or last
+                time.sleep(1.0)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    assert proc.returncode == 0, err.read_text()[-3000:]
+    lines = [line for line in out.read_text().splitlines() if line.startswith("{")]
+    summary = json.loads(lines[-1])
     assert summary["preemptions"] >= 1
+    assert summary["notices"] >= 1  # the removal came with a notice through the watcher
     assert summary["steps"] > 10
     assert summary["replicas"] == 3  # two survivors and the replica that joined
     assert summary["replicas_consistent"] is True
     assert summary["final_loss"] < summary["initial_loss"]
     # the step counter kept rising after the preemption: progress lines are increasing
-    steps = [int(line.split()[1]) for line in proc.stderr.splitlines() if line.startswith("step")]
+    stderr_text = err.read_text()
+    steps = [int(line.split()[1]) for line in stderr_text.splitlines() if line.startswith("step")]
     assert steps == sorted(steps) and steps[-1] == summary["steps"]
+    assert f"metrics: http://127.0.0.1:{port}/metrics" in stderr_text
+    # What the exporter showed late in the run (the last scrape before the job ended).
+    assert last is not None, "the exporter never answered"
+    assert last["moshray_global_step{}"] > 10
+    assert last["moshray_samples_processed_total{}"] > 0
+    assert last["moshray_allreduce_round_duration_seconds_count{}"] > 0
+    assert last["moshray_allreduce_sent_bytes_total{}"] > 0
+    assert last["moshray_preemption_notices_total{cloud=simulated,pool=unknown}"] >= 1
+    assert last["moshray_nodes_lost_total{notice=true}"] >= 1
+    assert last["moshray_rebalance_seconds_count{}"] >= 1
+    assert last["moshray_join_to_first_contribution_seconds_count{}"] >= 3  # incl. the joiner
+    assert last["moshray_nodes{market=spot}"] == 3
+    assert 0 < last["moshray_training_loss{}"] < 10
+    assert (run_dir / "training.png").stat().st_size > 0
+    saved = json.loads((run_dir / "summary.json").read_text())
+    assert saved["steps"] == summary["steps"] and len(saved["history"]) == summary["steps"]
 
 
 def test_resume_from_checkpoint_skips_corrupt_file(tmp_path: Path):

@@ -83,11 +83,13 @@ class CoordinatorCore:
         return self.membership.epoch
 
     def donor(self, exclude: str) -> tuple[str, object] | None:
-        """A ready live peer (other than ``exclude``) to copy state from, or None."""
+        """A ready peer (other than ``exclude``) to copy state from, or None: a live one
+        first, else one that is draining but still up (it may hold the newest steps)."""
         now = self.clock()
-        for info in self.membership.live(now):
-            if info.peer_id != exclude and info.peer_id in self.progress.ready:
-                return info.peer_id, info.handle
+        for group in (self.membership.live(now), self.membership.present(now)):
+            for info in group:
+                if info.peer_id != exclude and info.peer_id in self.progress.ready:
+                    return info.peer_id, info.handle
         return None
 
     def note_preemption(self, count: int = 1) -> int:
@@ -106,6 +108,7 @@ class CoordinatorCore:
             "ready": len(self.progress.ready),
             "draining": len(self.membership.draining()),
             "preemptions": self.preemptions,
+            "rollbacks": len(self.progress.rollbacks),  # steps lost with every holder
             "now_s": now - self.started,  # the clock of history's at_s (for plots)
             **self._notice_summary(),
             "history": [(h.epoch, h.at_s - self.started, h.samples, h.loss, h.peers)

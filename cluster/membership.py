@@ -83,6 +83,16 @@ class Membership:
             if now - m.last_seen <= self.config.peer_ttl_s and m.draining_deadline is None
         )
 
+    def present(self, now: float) -> tuple[PeerInfo, ...]:
+        """Peers heard from within the TTL, draining ones included (they are still up until
+        their deadline, e.g. to hand their state to a joiner)."""
+        return tuple(m.info for _, m in sorted(self._members.items())
+                     if now - m.last_seen <= self.config.peer_ttl_s)
+
+    def is_member(self, peer_id: str) -> bool:
+        """Registered and not yet left or expired (draining or not)."""
+        return peer_id in self._members
+
     def draining(self) -> tuple[str, ...]:
         return tuple(sorted(p for p, m in self._members.items() if m.draining_deadline is not None))
 

@@ -75,6 +75,7 @@ class ProgressTracker:
     history: list[StepRecord] = field(default_factory=list)
     stop: bool = False
     timings: dict[int, StepTiming] = field(default_factory=dict)  # epoch -> its timing
+    rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (from, to) epochs
     _loss: dict[int, tuple[float, int]] = field(default_factory=dict)
 
     @property
@@ -84,10 +85,19 @@ class ProgressTracker:
     def mark_ready(self, peer_id: str, state_epoch: int) -> bool:
         """A joiner holding the state of ``state_epoch`` may take part from the next plan.
 
-        Accepted only if no plan after ``state_epoch`` exists yet (else it must reload).
+        Accepted only if no plan after ``state_epoch`` exists yet (else it must reload), with
+        one exception: when no ready peer is left at all, the steps after ``state_epoch``
+        died with the peers that took them, and waiting would deadlock the swarm. Then the
+        epoch rolls back to ``state_epoch`` (counted in ``rollbacks``) and training goes on
+        from the newest state still held.
         """
         if state_epoch != self.epoch:
-            return False
+            holders = [p for p in self.ready if self.membership.is_member(p)]
+            if holders or state_epoch > self.epoch:
+                return False
+            self.rollbacks.append((self.epoch, state_epoch))
+            self.membership.epoch = state_epoch
+            self.plan = None
         self.ready.add(peer_id)
         return True
 
@@ -104,6 +114,12 @@ class ProgressTracker:
         in_plan = self.plan is not None and r.peer_id in self.plan.participants
         if self.stop:
             # Finish a published step first, so no participant waits for a stopped peer.
+            if r.peer_id in self.ready and in_plan and r.epoch == self.plan.epoch - 1:
+                return ProgressReply(self.plan, global_epoch=self.epoch)
+            return ProgressReply(None, stop=True, global_epoch=self.epoch)
+        if r.peer_id in self.membership.draining():
+            # Leaving (its node got a notice): finish a published step it is in, so nobody
+            # waits for it, then stop training. It stays up as a donor until its deadline.
             if r.peer_id in self.ready and in_plan and r.epoch == self.plan.epoch - 1:
                 return ProgressReply(self.plan, global_epoch=self.epoch)
             return ProgressReply(None, stop=True, global_epoch=self.epoch)

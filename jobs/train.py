@@ -425,7 +425,9 @@ def _supervise(config: TrainConfig, coordinator, supervisor, nodes: LocalNodes |
         try:
             statuses.append(ray.get(run_ref, timeout=t.round_timeout_s * 3 + 30))
         except (ray.exceptions.RayError, TimeoutError) as exc:
-            log.warning("replica %s did not finish: %s", peer_id, type(exc).__name__)
+            cause = str(exc).strip().splitlines()[-1:] or [""]
+            log.warning("replica %s did not finish: %s %s", peer_id, type(exc).__name__,
+                        cause[0][:300])
     wall = time.monotonic() - started
     if config.checkpoint.uri:
         _checkpoint(config, supervisor)
@@ -453,6 +455,7 @@ def _supervise(config: TrainConfig, coordinator, supervisor, nodes: LocalNodes |
         "notices": stats.get("notices", 0),
         "hard_losses": supervisor.hard_losses,
         # Committed global steps the final state skipped or went through twice (0 expected).
+        "rollbacks": stats.get("rollbacks", 0),  # steps lost with every peer holding them
         "lost_steps": max((s["lost_steps"] + s["repeated_steps"] for s in statuses), default=0),
         "rebalance_s_max": max(stats.get("rebalance_s") or [0.0]),
     }

@@ -278,3 +278,47 @@ def test_core_plan_round_subset_and_pass_through() -> None:
     assert full is not None and full.epoch == 2
     assert full.participants == tuple(f"p{i}" for i in range(6))
     assert math.isclose(sum(s for _, s in full.shares), 0.5 * 21)
+
+
+def _report(core: CoordinatorCore, peer: str, epoch: int, samples: int = 8):
+    from moshray.cluster.progress import ProgressReport
+
+    return core.report(ProgressReport(peer, epoch, samples))
+
+
+def test_draining_peer_finishes_its_published_step_then_stops_and_can_still_donate() -> None:
+    core, clock = _core()
+    core.progress.target_batch_size = 16
+    for peer, node in (("a", "node-a"), ("b", "node-b")):
+        core.register(peer, handle=peer, node_id=node)
+        assert core.mark_ready(peer, 0)
+    assert _report(core, "a", 0).plan is None
+    plan = _report(core, "b", 0).plan  # 16 samples: the plan of epoch 1 over a and b
+    assert plan is not None and plan.participants == ("a", "b")
+    core.mark_draining("node-a", deadline_s=5.0)
+    # a is in the published plan: it finishes that step (nobody waits for it) ...
+    assert _report(core, "a", 0).plan == plan
+    # ... then, leaving, it is told to stop rather than to resync or join the next plan.
+    reply = _report(core, "a", 1)
+    assert reply.stop and reply.plan is None and not reply.resync
+    assert core.donor("c") == ("b", "b")  # a live donor first
+    core.leave("b")
+    assert core.donor("c") == ("a", "a")  # else the draining one that is still up
+
+
+def test_epoch_rolls_back_when_every_holder_of_the_newest_step_is_gone() -> None:
+    core, clock = _core()
+    core.progress.target_batch_size = 8
+    core.register("a", handle=None)
+    core.register("b", handle=None)
+    assert core.mark_ready("a", 0) and core.mark_ready("b", 0)
+    assert _report(core, "a", 0).plan is not None  # epoch 1 planned over a alone
+    core.leave("b")
+    _report(core, "a", 1, samples=0)  # a applied epoch 1
+    assert core.mark_ready("c", 0) is False  # a holds epoch 1: c must copy it
+    core.leave("a")  # a dies with epoch 1; no ready peer is left
+    core.register("c", handle=None)
+    assert core.mark_ready("c", 0) is True  # go on from the newest state still held
+    assert core.membership.epoch == 0 and core.progress.rollbacks == [(1, 0)]
+    assert core.stats()["rollbacks"] == 1
+    assert core.mark_ready("d", 1) is False  # a state from the future is never accepted

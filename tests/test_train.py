@@ -112,6 +112,9 @@ def test_trace_preempts_and_adds_nodes_while_training(tmp_path: Path):
     summary = json.loads(lines[-1])
     assert summary["preemptions"] >= 1
     assert summary["notices"] >= 1  # the removal came with a notice through the watcher
+    assert summary["lost_steps"] == 0 and summary["rollbacks"] == 0
+    # drained and excluded from a plan before the node died (3 s later)
+    assert 0 <= summary["rebalance_s_max"] < 3
     assert summary["steps"] > 10
     assert summary["replicas"] == 3  # two survivors and the replica that joined
     assert summary["replicas_consistent"] is True

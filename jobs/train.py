@@ -297,20 +297,16 @@ class LocalNodes:
         self._capacity()
 
     def notice(self, slot: int) -> None:
+        """The spot notice for ``slot``: handed to its watcher, which acts on it (Coordinator,
+        Ray drain, hand-off) while this loop goes on; one call, no wait, since the notice
+        is short on a compressed trace."""
         if slot not in self.local.live_slots():
             return
         self.noticed.add(slot)
-        notice_s = max(self.config.cluster.wall_notice_s, 0.1)
-
-        def deliver() -> None:
-            try:
-                self.fleet.notify(slot, notice_s)
-            except Exception as exc:  # noqa: BLE001 - the removal still comes at its time
-                # Typically the node went at its deadline before its watcher had acted (a
-                # short notice on a loaded machine): the swarm then copes as with a kill.
-                log.warning("notice to slot %d not acted on: %s", slot, type(exc).__name__)
-
-        threading.Thread(target=deliver, daemon=True, name=f"notice-{slot}").start()
+        try:
+            self.fleet.watcher(slot).deliver.remote(max(self.config.cluster.wall_notice_s, 0.1))
+        except Exception as exc:  # noqa: BLE001 - the removal still comes at its time
+            log.warning("notice to slot %d not delivered: %r", slot, exc)
 
     def apply(self, kind: str, slot: int) -> None:
         live = slot in self.local.live_slots()

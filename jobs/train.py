@@ -261,7 +261,10 @@ class LocalNodes:
 
         self.config, self.local, self.supervisor = config, local, supervisor
         self.coordinator, self.experts = coordinator, experts
+        # rpc_timeout_s bounds each call to a watcher (and the watcher's to the Coordinator
+        # and the GCS); 5 s is too short on a loaded 2-core machine.
         self.fleet = WatcherFleet(WatcherConfig(source="simulated", poll_s=0.25,
+                                                rpc_timeout_s=30.0,
                                                 coordinator_name=placement.COORDINATOR_NAME))
         self.t0 = time.monotonic()
         self.preempted_at: list[float] = []  # seconds since start of each lost node

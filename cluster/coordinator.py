@@ -65,15 +65,23 @@ class CoordinatorCore:
 
     # -- collaborative training ------------------------------------------------------------
 
-    def report(self, r: ProgressReport) -> ProgressReply:
-        now = self.clock()
+    def _expire(self, now: float) -> None:
+        """Forget peers silent for longer than the TTL (dead ones stop being donors and
+        holders of the newest step, so joiners are never stuck waiting for them)."""
         for gone in self.membership.expire(now):
             self.progress.forget(gone)
+
+    def report(self, r: ProgressReport) -> ProgressReply:
+        now = self.clock()
+        self._expire(now)
         reply = self.progress.report(r, now)
         self._note_rebalanced(now)
         return reply
 
     def mark_ready(self, peer_id: str, state_epoch: int) -> bool:
+        # Expire first: when every peer is syncing nobody reports, and a dead holder of the
+        # newest step would otherwise block the rollback forever.
+        self._expire(self.clock())
         return self.progress.mark_ready(peer_id, state_epoch)
 
     def resume_from(self, epoch: int) -> int:
@@ -86,6 +94,7 @@ class CoordinatorCore:
         """A ready peer (other than ``exclude``) to copy state from, or None: a live one
         first, else one that is draining but still up (it may hold the newest steps)."""
         now = self.clock()
+        self._expire(now)
         for group in (self.membership.live(now), self.membership.present(now)):
             for info in group:
                 if info.peer_id != exclude and info.peer_id in self.progress.ready:

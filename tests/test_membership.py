@@ -322,3 +322,18 @@ def test_epoch_rolls_back_when_every_holder_of_the_newest_step_is_gone() -> None
     assert core.membership.epoch == 0 and core.progress.rollbacks == [(1, 0)]
     assert core.stats()["rollbacks"] == 1
     assert core.mark_ready("d", 1) is False  # a state from the future is never accepted
+
+
+def test_a_silent_holder_expires_so_a_joiner_is_not_stuck_when_nobody_reports() -> None:
+    core, clock = _core()
+    core.progress.target_batch_size = 8
+    core.register("a", handle=None)
+    assert core.mark_ready("a", 0)
+    assert _report(core, "a", 0).plan is not None  # epoch 1 planned over a alone
+    _report(core, "a", 1, samples=0)  # a applied epoch 1, then dies silently
+    core.register("j", handle=None)
+    assert core.mark_ready("j", 0) is False  # a may still be up: copy from it
+    clock.t += TTL + 1  # no report arrives (j is syncing); a's silence outlives the TTL
+    core.heartbeat("j")
+    assert core.donor("j") is None
+    assert core.mark_ready("j", 0) is True and core.progress.rollbacks == [(1, 0)]

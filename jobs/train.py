@@ -48,12 +48,14 @@ class ReplicaSupervisor:
         self.replicas: dict[int, tuple[str, object, object]] = {}  # slot -> (id, handle, run)
         self.generation = 0
         self.hard_losses = 0  # replicas lost without a notice (their node died under them)
+        self.resources: dict[int, dict | None] = {}  # slot -> the resources it was started with
         self.lock = threading.Lock()
 
     def start(self, slot: int, resources: dict | None = None) -> None:
         from moshray.actors.replica import ReplicaActor
 
         with self.lock:
+            self.resources[slot] = resources
             self.generation += 1
             peer_id = f"replica-{slot}-{self.generation}"
             options = {"num_cpus": 1, "resources": resources or {f"slot-{slot}": 0.01},
@@ -71,6 +73,17 @@ class ReplicaSupervisor:
         if entry is not None:
             self.coordinator.leave.remote(entry[0])
             self.coordinator.note_preemption.remote()
+
+    def restart(self, slot: int) -> None:
+        """Replace ``slot``'s replica (it failed while its node stayed up) with a fresh one."""
+        import ray
+
+        with self.lock:
+            entry = self.replicas.pop(slot, None)
+        if entry is not None:
+            self.coordinator.leave.remote(entry[0])
+            ray.kill(entry[1], no_restart=True)
+        self.start(slot, self.resources.get(slot))
 
     def handles(self) -> list[tuple[str, object, object]]:
         with self.lock:
@@ -415,6 +428,12 @@ def _supervise(config: TrainConfig, coordinator, supervisor, nodes: LocalNodes |
             if ready:  # the replica ended on its own: its node died without notice
                 try:
                     ray.get(run_ref)
+                except ray.exceptions.RayTaskError as exc:
+                    # The replica raised but its actor and node are up: replace it (it
+                    # syncs from a donor like any joiner).
+                    cause = str(exc).strip().splitlines()[-1:] or [""]
+                    log.warning("replica %s failed (%s); restarting it", peer_id, cause[0][:300])
+                    supervisor.restart(slot)
                 except ray.exceptions.RayError as exc:
                     log.warning("replica %s lost: %s", peer_id, type(exc).__name__)
                     supervisor.lost(slot, hard=True)

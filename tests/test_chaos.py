@@ -8,6 +8,7 @@ twice, and the job completed.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -72,4 +73,4 @@ def test_chaos_run_keeps_replicas_identical_and_loses_no_step(tmp_path: Path):
     assert summary["hard_losses"] >= 1
     assert summary["steps"] > 10
     assert summary["lost_steps"] == 0
-    assert summary["replicas_consistent"] is True, summary
+    assert summary["replicas_consistent"] is True, json.dumps(summary)

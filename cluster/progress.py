@@ -116,6 +116,13 @@ class ProgressTracker:
             # Finish a published step first, so no participant waits for a stopped peer.
             if r.peer_id in self.ready and in_plan and r.epoch == self.plan.epoch - 1:
                 return ProgressReply(self.plan, global_epoch=self.epoch)
+            # A staying peer that fell behind (it missed a step, or was still joining)
+            # copies the final state first, so every replica ends with the same parameters.
+            behind = r.peer_id not in self.ready or r.epoch < self.epoch
+            if behind and r.peer_id not in self.membership.draining() and \
+                    any(p != r.peer_id for p in self.ready):
+                self.ready.discard(r.peer_id)
+                return ProgressReply(None, resync=True, global_epoch=self.epoch)
             return ProgressReply(None, stop=True, global_epoch=self.epoch)
         if r.peer_id in self.membership.draining():
             # Leaving (its node got a notice): finish a published step it is in, so nobody

@@ -337,3 +337,19 @@ def test_a_silent_holder_expires_so_a_joiner_is_not_stuck_when_nobody_reports() 
     core.heartbeat("j")
     assert core.donor("j") is None
     assert core.mark_ready("j", 0) is True and core.progress.rollbacks == [(1, 0)]
+
+
+def test_at_stop_a_peer_that_fell_behind_resyncs_before_it_stops() -> None:
+    core, clock = _core()
+    core.progress.target_batch_size = 8
+    for peer in ("a", "b"):
+        core.register(peer, handle=None)
+        assert core.mark_ready(peer, 0)
+    assert _report(core, "a", 0).plan is not None  # epoch 1 over a alone; b was slow
+    _report(core, "a", 1, samples=0)
+    core.request_stop()
+    assert _report(core, "a", 1, samples=0).stop  # up to date: stops
+    reply = _report(core, "b", 0, samples=0)  # b missed epoch 1: copy it first
+    assert reply.resync and not reply.stop
+    assert core.mark_ready("b", 1)
+    assert _report(core, "b", 1, samples=0).stop

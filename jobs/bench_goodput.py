@@ -664,15 +664,9 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, str]:
-    from moshray.jobs.config import ConfigError
+    from moshray.jobs.config import parse_set
 
-    out = dict(BENCH_DEFAULTS)
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}")
-        out[key.strip()] = value
-    return out
+    return {**BENCH_DEFAULTS, **parse_set(args.set)}
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -170,19 +170,6 @@ def check_args(args: argparse.Namespace) -> None:
             raise BenchError(f"--{name.replace('_', '-')} must be > 0, got {value}")
 
 
-def overrides(items: Sequence[str] | None) -> dict[str, str]:
-    """``--set KEY=VALUE`` items as a dict; ``ConfigError`` for an item without ``=``."""
-    from moshray.jobs.config import ConfigError
-
-    out: dict[str, str] = {}
-    for item in items or ():
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}")
-        out[key.strip()] = value
-    return out
-
-
 def _wait(predicate, timeout_s: float, what: str, poll_s: float = POLL_S):
     """``predicate()``'s first truthy value, polled; ``RecoveryTimeout`` after ``timeout_s``."""
     end = time.monotonic() + timeout_s
@@ -463,11 +450,11 @@ class RecoveryBench:
 
 def run(args: argparse.Namespace) -> dict:
     """The whole benchmark; returns the JSON-able summary (see the module docstring)."""
-    from moshray.jobs.config import load_config
+    from moshray.jobs.config import load_config, parse_set
     from moshray.jobs.local_cluster import LocalCluster, LocalClusterConfig, pin_loopback
 
     check_args(args)
-    config = load_config(args.config, overrides(args.set))
+    config = load_config(args.config, parse_set(args.set))
     log_fn = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else \
         (lambda *a: print(*a, flush=True))
     pin_loopback()
@@ -587,9 +574,9 @@ def main(args: argparse.Namespace) -> int:
     log_fn = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     try:
         check_args(args)
-        from moshray.jobs.config import load_config
+        from moshray.jobs.config import load_config, parse_set
 
-        load_config(args.config, overrides(args.set))  # reject bad settings before Ray starts
+        load_config(args.config, parse_set(args.set))  # reject bad settings before Ray starts
     except (BenchError, ConfigError) as exc:
         prefix = "config error: " if isinstance(exc, ConfigError) else ""
         print(f"moshray bench recovery: {prefix}{exc}", file=sys.stderr)

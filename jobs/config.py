@@ -27,7 +27,7 @@ import json
 import math
 import sys
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -56,6 +56,7 @@ __all__ = [
     "config_from_args",
     "exit_on_config_error",
     "load_config",
+    "parse_set",
     "valid_keys",
 ]
 
@@ -656,6 +657,18 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def parse_set(items: Sequence[str] | None) -> dict[str, str]:
+    """``--set KEY=VALUE`` items as ``{key: value}`` (later wins), ready for
+    :func:`load_config`; ``ConfigError`` for an item without ``=``."""
+    out: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}")
+        out[key.strip()] = value
+    return out
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Resolve the :class:`TrainConfig` from arguments added by :func:`add_config_arguments`.
 
@@ -663,12 +676,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     convenience flags. Raises :class:`ConfigError` like :func:`load_config`,
     plus for a ``--set`` without ``=``.
     """
-    overrides: list[tuple[str, Any, bool]] = []
-    for item in getattr(args, "set", None) or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}")
-        overrides.append((key.strip(), value, True))
+    overrides: list[tuple[str, Any, bool]] = [
+        (key, value, True) for key, value in parse_set(getattr(args, "set", None)).items()]
     for dest, key in _FLAG_KEYS.items():
         value = getattr(args, dest, None)
         if value is None:

@@ -13,7 +13,16 @@ Plugged in with::
         - {instance_type: g4dn.xlarge, zone: us-east-1b, subnet_id: subnet-bbb}
       on_demand: {max_nodes: 2}
       # capacity_cooldown_s, max_cooldown_s, preemption_window_s, spot_stable_s,
-      # return_to_spot, visibility_grace_s: see provider_api.PlacementConfig
+      # return_to_spot, visibility_grace_s: see provider_config.PlacementConfig
+      head_instance_profile_arn: arn:aws:iam::123456789012:instance-profile/moshray-head
+      worker_instance_profile_arn: arn:aws:iam::123456789012:instance-profile/moshray-worker
+      metrics_port: 9451                  # provider metrics on the head's loopback
+      spot_prices: {g4dn.xlarge: 0.22}    # used when the spot price history has none
+      spot_price_ttl_s: 300
+
+``bootstrap_config`` (``ray up``) puts the instance profiles into the node types
+(provider_config.bootstrap_identity). Spot prices come from EC2's spot price history
+(:meth:`AWSSpotNodeProvider.spot_price_history`, prices.py).
 
 ``node_config`` of a node type is passed to ``RunInstances`` (ImageId, KeyName,
 SecurityGroupIds, IamInstanceProfile, BlockDeviceMappings, UserData, ...), except that the
@@ -31,6 +40,7 @@ token, which EC2 answers with the first request's result instead of launching ag
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -40,6 +50,7 @@ import botocore.config
 import botocore.exceptions
 
 from moshray.autoscaler.pools import Market, Pool
+from moshray.autoscaler.prices import Fetch
 from moshray.autoscaler.provider_api import (
     NODE_POOLS_KEY,
     LaunchError,
@@ -75,6 +86,7 @@ _TRANSPORT_ERRORS = (
 )
 _LIVE = ("pending", "running")
 _TRANSPORT_ATTEMPTS = 3
+_PRODUCTS = ("Linux/UNIX", "Linux/UNIX (Amazon VPC)")
 
 
 def _to_aws_tags(tags: Mapping[str, str]) -> list[dict[str, str]]:
@@ -120,6 +132,23 @@ class AWSSpotNodeProvider(SpotNodeProviderBase):
         self._ec2_launch = session.client("ec2", endpoint_url=endpoint, config=once)
 
     # ------------------------------------------------------------------ hooks
+    def _price_fetch(self) -> Fetch:
+        return self.spot_price_history
+
+    def spot_price_history(self, instance_types: tuple[str, ...],
+                           zones: tuple[str, ...]) -> list[dict[str, Any]]:
+        """EC2's spot price records for these types and zones from now on: the price in
+        effect now per (type, zone, product), plus any change since (prices.py picks the
+        newest). Linux only, as the node images are."""
+        paginator = self.ec2.get_paginator("describe_spot_price_history")
+        pages = paginator.paginate(
+            InstanceTypes=list(instance_types),
+            ProductDescriptions=list(_PRODUCTS),
+            Filters=[{"Name": "availability-zone", "Values": list(zones)}],
+            StartTime=datetime.datetime.now(datetime.timezone.utc),
+        )
+        return [record for page in pages for record in page.get("SpotPriceHistory", [])]
+
     def _default_pool(self, node_config: Mapping[str, Any]) -> Pool:
         itype = node_config.get("InstanceType")
         if not itype:

@@ -15,6 +15,13 @@ Plugged in with::
         - {machine_type: g2-standard-4, zone: us-central1-a}
         - {machine_type: g2-standard-4, zone: us-central1-b}
       on_demand: {max_nodes: 1}
+      head_service_account: moshray-head@my-project.iam.gserviceaccount.com
+      worker_service_account: moshray-worker@my-project.iam.gserviceaccount.com
+      metrics_port: 9451                  # provider metrics on the head's loopback
+      spot_prices: {g2-standard-4: 0.28}  # GCE has no spot price API: configured prices
+
+``bootstrap_config`` (``ray up``) puts the service accounts into the node types
+(provider_config.bootstrap_identity).
 
 ``node_config`` of a node type is a GCE ``Instance`` resource in REST JSON (disks,
 networkInterfaces, guestAccelerators, serviceAccounts, metadata, ...). The pool decides

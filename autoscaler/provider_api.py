@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ray.autoscaler.node_launch_exception import NodeLaunchException
@@ -56,56 +56,21 @@ from moshray.autoscaler.pools import (
     PoolEvent,
     PoolSelector,
     RunningNode,
-    SelectorConfig,
     decode_pool,
+)
+from moshray.autoscaler import provider_metrics
+from moshray.autoscaler.prices import Fetch, PriceConfig, SpotPrices
+from moshray.autoscaler.provider_config import (  # noqa: F401 - re-exported for the providers
+    NODE_POOLS_KEY,
+    PlacementConfig,
+    bootstrap_identity,
+    metrics_port,
+    optional,
+    require,
 )
 from moshray.autoscaler.tags import CLUSTER_TAG, MARKET_TAG, POOL_TAG, ROLE_TAG
 
 log = logging.getLogger(__name__)
-
-# node_config key (ours, removed before the cloud call): this node type's own pool list.
-NODE_POOLS_KEY = "moshray_pools"
-_SELECTOR_KEYS = ("capacity_cooldown_s", "max_cooldown_s", "preemption_window_s",
-                  "spot_stable_s")
-
-
-@dataclass(frozen=True)
-class PlacementConfig:
-    """The placement part of a provider config, validated once at start-up.
-
-    YAML (under ``provider:``)::
-
-        pools: [{instance_type|machine_type: ..., zone: ..., market?: spot, subnet_id?: ...}]
-        on_demand: {max_nodes?: 2, max_usd_per_hour?: 3.0, prices?: {g5.xlarge: 1.006}}
-        capacity_cooldown_s: 300      # and max_cooldown_s, preemption_window_s, spot_stable_s
-        return_to_spot: false         # release on-demand workers once spot is stable again
-        visibility_grace_s: 120       # serve own launches until the listing shows them
-    """
-
-    pools: tuple[Pool, ...] = ()
-    budget: OnDemandBudget = field(default_factory=OnDemandBudget)
-    selector: SelectorConfig = field(default_factory=SelectorConfig)
-    return_to_spot: bool = False
-    visibility_grace_s: float = 120.0
-
-    @classmethod
-    def from_provider_config(cls, cloud: str, cfg: Mapping[str, Any]) -> PlacementConfig:
-        raw_pools = cfg.get("pools") or ()
-        if not isinstance(raw_pools, (list, tuple)):
-            raise ValueError(f"provider.pools must be a list, got {raw_pools!r}")
-        pools = tuple(Pool.from_config(cloud, entry) for entry in raw_pools)
-        selector = SelectorConfig(**{k: cfg[k] for k in _SELECTOR_KEYS if k in cfg})
-        budget = OnDemandBudget.from_config(cfg.get("on_demand"))
-        if pools:
-            PoolSelector(pools, budget, selector)  # validates duplicates, prices, ...
-        return_to_spot = cfg.get("return_to_spot", False)
-        if not isinstance(return_to_spot, bool):
-            raise ValueError(f"provider.return_to_spot must be true or false, got {return_to_spot!r}")
-        grace = cfg.get("visibility_grace_s", 120.0)
-        if not isinstance(grace, (int, float)) or grace < 0:
-            raise ValueError(f"provider.visibility_grace_s must be a number >= 0, got {grace!r}")
-        return cls(pools, budget, selector, return_to_spot, float(grace))
-
 
 @dataclass(frozen=True)
 class NodeRecord:
@@ -158,7 +123,7 @@ class ProviderError:
     """One error the provider collected instead of raising it."""
 
     at: float
-    operation: str  # "launch" | "list" | "terminate" | "set_tags" | "fetch" | "release"
+    operation: str  # "launch" | "list" | "terminate" | "set_tags" | "fetch" | "prices"
     code: str
     message: str
     pool: str | None = None
@@ -215,6 +180,9 @@ class SpotNodeProviderBase(NodeProvider):
         self._counted_preempted: set[str] = set()
         self._listed_once = False
         self._selectors: dict[tuple[Pool, ...], PoolSelector] = {}
+        self.metrics_port = metrics_port(provider_config)
+        self.prices = SpotPrices(PriceConfig.from_provider_config(provider_config),
+                                 self._price_fetch(), clock)
 
     # ------------------------------------------------------------------ cloud hooks
     def _cloud_list(self) -> list[NodeRecord]:
@@ -239,6 +207,10 @@ class SpotNodeProviderBase(NodeProvider):
         """Set ``tags`` (the node's full new tag set) on the instance. Raises on API error."""
         raise NotImplementedError
 
+    def _price_fetch(self) -> Fetch | None:
+        """The cloud's spot price history (see prices.py), or None: configured prices only."""
+        return None
+
     def _default_pool(self, node_config: Mapping[str, Any]) -> Pool:
         """The pool ``node_config`` itself names (its instance type and zone); the head is
         launched there, and workers too when no pools are configured."""
@@ -249,6 +221,7 @@ class SpotNodeProviderBase(NodeProvider):
                       pool: str | None = None) -> ProviderError:
         err = ProviderError(self._clock(), operation, code, message, pool)
         self.errors.append(err)
+        provider_metrics.error(self.cloud, operation)
         log.warning("%s provider: %s failed%s: %s: %s", self.cloud, operation,
                     f" in pool {pool}" if pool else "", code, message)
         return err
@@ -294,6 +267,7 @@ class SpotNodeProviderBase(NodeProvider):
     def _count_preemption(self, rec: NodeRecord, now: float, detail: str) -> None:
         self._counted_preempted.add(rec.node_id)
         self.history.record(rec.pool, EventKind.PREEMPTED, now, detail)
+        provider_metrics.preempted(self.cloud, rec.pool)
         log.info("%s provider: node %s of pool %s was preempted (%s)", self.cloud,
                  rec.node_id, rec.pool, detail)
 
@@ -489,6 +463,7 @@ class SpotNodeProviderBase(NodeProvider):
                         self._unlisted[rec.node_id] = now
                 created += records
                 remaining -= len(records)
+                provider_metrics.launched(self.cloud, cand.pool.key, len(records))
                 log.info("%s provider: launched %d %s node(s) in pool %s", self.cloud,
                          len(records), kind, cand.pool.key)
             if failure is None and not records:
@@ -497,6 +472,8 @@ class SpotNodeProviderBase(NodeProvider):
             if failure is not None:
                 errors.append(self._record_error("launch", failure.code, failure.message,
                                                  cand.pool.key))
+                provider_metrics.launch_failed(self.cloud, cand.pool.key, failure.code,
+                                               failure.capacity)
                 if not failure.capacity:
                     break  # a bad request fails in every pool: stop, report
                 self.history.record(cand.pool.key, EventKind.CAPACITY_ERROR, now, failure.code)
@@ -530,13 +507,35 @@ class SpotNodeProviderBase(NodeProvider):
             except Exception as exc:  # noqa: BLE001 - collected
                 self._record_error("terminate", type(exc).__name__,
                                    f"{[r.node_id for r in batch]}: {exc}")
+                continue
+            for rec in batch:
+                provider_metrics.terminated(self.cloud, rec.pool)
 
     def post_process(self) -> None:
-        """End of each autoscaler update: with ``return_to_spot``, give back one on-demand
-        worker when the selector says spot is stable again (its replacement goes to spot)."""
+        """End of each autoscaler update (only Ray's autoscaler calls it): serve the metrics
+        endpoint (once per process), refresh the spot price gauges (at most once per TTL) and,
+        with ``return_to_spot``, give back one on-demand worker when the selector says spot is
+        stable again (its replacement goes to spot)."""
+        if self.metrics_port is not None:
+            provider_metrics.serve(self.metrics_port)
+        self.update_prices()
         if not self.placement.return_to_spot or not self.placement.pools:
             return
         self.release_on_demand()
+
+    def update_prices(self) -> dict[str, float]:
+        """Set the spot price gauge of every known spot pool; returns pool key -> USD/hour.
+        A failed price fetch is collected (the last good or configured prices are used)."""
+        with self._lock:
+            pools = dict.fromkeys(self.placement.pools)
+            for key, selector in self._selectors.items():
+                if key[0] != NODE_KIND_HEAD:
+                    pools.update(dict.fromkeys(selector.spot_pools))
+        prices, failure = self.prices.current(tuple(pools))
+        if failure is not None:
+            self._record_error("prices", type(failure).__name__, str(failure))
+        provider_metrics.set_spot_prices(prices)
+        return prices
 
     def release_on_demand(self) -> tuple[str, ...]:
         """Carry out :meth:`PoolSelector.on_demand_to_release`; returns the released ids."""
@@ -556,26 +555,9 @@ class SpotNodeProviderBase(NodeProvider):
             self.terminate_nodes([node_id])
         return release
 
-    @staticmethod
-    def bootstrap_config(cluster_config: dict[str, Any]) -> dict[str, Any]:
-        return cluster_config
-
-
-def require(cfg: Mapping[str, Any], key: str, kind: type, where: str = "provider") -> Any:
-    """``cfg[key]`` checked for type, with a one-line error saying what to fix."""
-    if key not in cfg:
-        raise ValueError(f"{where}.{key} is required")
-    value = cfg[key]
-    if not isinstance(value, kind):
-        raise ValueError(f"{where}.{key} must be a {kind.__name__}, got {value!r}")
-    return value
-
-
-def optional(cfg: Mapping[str, Any], key: str, kind: type | tuple[type, ...], default: Any,
-             where: str = "provider") -> Any:
-    value = cfg.get(key, default)
-    if value is not None and not isinstance(value, kind):
-        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise ValueError(f"{where}.{key} must be a {names}, got {value!r}")
-    return value
-
+    @classmethod
+    def bootstrap_config(cls, cluster_config: dict[str, Any]) -> dict[str, Any]:
+        """What ``ray up`` does to the config before the head is launched (Ray calls it on
+        the provider class): every node type gets the head's or the workers' identity from
+        the provider config (provider_config.bootstrap_identity). Pure."""
+        return bootstrap_identity(cls.cloud, cluster_config)

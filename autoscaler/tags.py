@@ -24,3 +24,6 @@ GCP_PROVIDER = "moshray.autoscaler.gcp_provider.GCPSpotNodeProvider"
 
 # Where the Prometheus exporter listens by default (the Coordinator serves it).
 METRICS_PORT = 9450
+# Where the NodeProviders' own Prometheus endpoint listens, on the head's loopback (they run in
+# Ray's autoscaler process; provider.metrics_port changes it). See provider_metrics.py.
+PROVIDER_METRICS_PORT = 9451

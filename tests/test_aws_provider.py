@@ -82,7 +82,7 @@ def make(fake, pools=(A, B), on_demand=None, clock=None, **extra):
         "endpoint_url": fake.url, "availability_zone": "us-east-1a",
         "pools": [{"instance_type": p.instance_type, "zone": p.zone, "market": p.market.value}
                   for p in pools],
-        "capacity_cooldown_s": 60, **extra,
+        "capacity_cooldown_s": 60, "metrics_port": None, **extra,
     }
     if on_demand is not None:
         cfg["on_demand"] = on_demand

@@ -74,7 +74,7 @@ def make(fake, pools=(A, B), on_demand=None, **extra):
     name = f"c{next(_names)}"
     cfg = {"type": "external", "module": GCP_PROVIDER, "project_id": PROJECT,
            "api_endpoint": fake.endpoint, "anonymous_credentials": True,
-           "availability_zone": "us-central1-a", "capacity_cooldown_s": 60,
+           "availability_zone": "us-central1-a", "capacity_cooldown_s": 60, "metrics_port": None,
            "pools": [{"machine_type": p.instance_type, "zone": p.zone, "market": p.market.value}
                      for p in pools], **extra}
     if on_demand is not None:

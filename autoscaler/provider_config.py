@@ -88,7 +88,7 @@ def metrics_port(cfg: Mapping[str, Any]) -> int | None:
 
 # ---------------------------------------------------------------------------- identity
 _ARN_RE = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:instance-profile/[\w+=,.@/-]+$")
-_EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+$")
+_EMAIL_RE = re.compile(r"^([^@\s]+@[^@\s]+\.[^@\s]+|default)$")  # GCE accepts "default"
 GCP_SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 
 
@@ -122,8 +122,8 @@ def bootstrap_identity(cloud: str, cluster_config: Mapping[str, Any]) -> dict[st
     config = copy.deepcopy(dict(cluster_config))
     provider = config.get("provider") or {}
     head_type = config.get("head_node_type")
-    suffix, what = (("instance_profile_arn", "IAM instance profile ARN") if cloud == "aws"
-                    else ("service_account", "service account email"))
+    suffix, what = (("instance_profile_arn", "an IAM instance profile ARN") if cloud == "aws"
+                    else ("service_account", "a service account email (or default)"))
     for name, node_type in (config.get("available_node_types") or {}).items():
         role = "head" if name == head_type else "worker"
         key = f"{role}_{suffix}"
@@ -131,7 +131,7 @@ def bootstrap_identity(cloud: str, cluster_config: Mapping[str, Any]) -> dict[st
         if wanted is not None:
             pattern = _ARN_RE if cloud == "aws" else _EMAIL_RE
             if not isinstance(wanted, str) or not pattern.match(wanted):
-                raise ValueError(f"provider.{key} must be an {what}, got {wanted!r}")
+                raise ValueError(f"provider.{key} must be {what}, got {wanted!r}")
         node_config = node_type.setdefault("node_config", {})
         where = f"available_node_types.{name}.node_config"
         if cloud == "aws":
@@ -146,7 +146,7 @@ def bootstrap_identity(cloud: str, cluster_config: Mapping[str, Any]) -> dict[st
                                  f"{wanted!r}: set only one of them")
             continue
         if wanted is None:
-            raise ValueError(f"provider.{key} is required: the {what} of the {role} nodes "
+            raise ValueError(f"provider.{key} is required: {what} for the {role} nodes "
                              f"(the Terraform output), or set one in {where}")
         if cloud == "aws":
             node_config["IamInstanceProfile"] = {"Arn": wanted}

@@ -8,6 +8,8 @@ ClientToken idempotency, so the proxy adds exactly those two EC2 behaviours and 
   HTTP 500 like EC2's server errors), as botocore parses it from AWS.
 * a repeated RunInstances with a ClientToken already seen gets the first response again (what
   EC2 documents for idempotent requests) instead of launching twice.
+* ``fail_action(action, code)``: every request of an action (DescribeInstances,
+  DescribeSpotPriceHistory, ...) is answered with that error, e.g. a missing permission.
 * ``drop_next_run_response()``: the next RunInstances reaches moto (instances are launched)
   but the connection is closed before the answer, as a timed-out request would be.
 
@@ -66,7 +68,7 @@ class EC2Proxy:
         self._refusals: list[Refusal] = []
         self._by_token: dict[str, tuple[int, list[tuple[str, str]], bytes]] = {}
         self._drop_next_run = False
-        self._fail_describe: str | None = None
+        self._fail_actions: dict[str, Refusal] = {}
         self._lock = threading.Lock()
         proxy = self
 
@@ -108,15 +110,23 @@ class EC2Proxy:
 
     def fail_describe(self, code: str | None) -> None:
         """Answer DescribeInstances with this (non-retried) error code; None to stop."""
+        self.fail_action("DescribeInstances", code)
+
+    def fail_action(self, action: str, code: str | None, status: int = 403) -> None:
+        """Answer every request of ``action`` (e.g. DescribeSpotPriceHistory) with EC2's
+        error document for ``code``; None to stop."""
         with self._lock:
-            self._fail_describe = code
+            if code is None:
+                self._fail_actions.pop(action, None)
+            else:
+                self._fail_actions[action] = Refusal(code, status=status)
 
     def clear(self) -> None:
         with self._lock:
             self._refusals.clear()
             self._by_token.clear()
             self._drop_next_run = False
-            self._fail_describe = None
+            self._fail_actions.clear()
             self.requests.clear()
 
     def runs(self) -> list[dict[str, str]]:
@@ -167,9 +177,9 @@ class EC2Proxy:
             drop = action == "RunInstances" and self._drop_next_run and replay is None
             if drop:
                 self._drop_next_run = False
-            fail_describe = self._fail_describe if action == "DescribeInstances" else None
-        if fail_describe:
-            self._error(handler, Refusal(fail_describe, status=403), params)
+            failing = self._fail_actions.get(action or "")
+        if failing is not None:
+            self._error(handler, failing, params)
             return
         if refusal is not None:
             self._error(handler, refusal, params)

@@ -25,9 +25,12 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import http.server
 import re
 import shutil
 import subprocess
+import sys
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -207,13 +210,23 @@ def validate_vars(tmp_path: Path, cloud: str, values: dict) -> tuple[int, str]:
 REQUIRED = {"aws": {}, "gcp": {"project_id": "my-project-123"}}
 
 
+@pytest.fixture
+def wheel(tmp_path) -> Path:
+    """A file named like the wheel `pip wheel --no-deps .` builds (moshray_wheel_path)."""
+    path = tmp_path / "dist" / "moshray-0.1.0-py3-none-any.whl"
+    path.parent.mkdir()
+    path.write_bytes(b"PK")
+    return path
+
+
 @pytest.mark.parametrize("cloud", CLOUDS)
-def test_variables_validate_admin_cidrs_and_names(tmp_path, cloud):
-    ok = dict(REQUIRED[cloud], admin_cidrs=["203.0.113.7/32"])
+def test_variables_validate_admin_cidrs_and_names(tmp_path, cloud, wheel):
+    ok = dict(REQUIRED[cloud], admin_cidrs=["203.0.113.7/32"], moshray_wheel_path=str(wheel))
     code, text = validate_vars(tmp_path / "ok", cloud, ok)
     assert code == 0, text
     # No default: an apply without admin CIDRs stops (nothing is opened by default).
-    code, text = validate_vars(tmp_path / "missing", cloud, dict(REQUIRED[cloud]))
+    code, text = validate_vars(tmp_path / "missing", cloud,
+                               dict(REQUIRED[cloud], moshray_wheel_path=str(wheel)))
     assert code != 0 and "admin_cidrs" in text
     code, text = validate_vars(tmp_path / "bad", cloud, dict(ok, admin_cidrs=["my-laptop"]))
     assert code != 0 and "admin_cidrs must hold at least one IPv4 CIDR" in text
@@ -260,7 +273,9 @@ BOOTSTRAP_INPUTS = {
 }
 COMMON_INPUTS = {
     "min_workers": 2, "max_workers": 4, "worker_resources": {"CPU": 4, "GPU": 1},
-    "on_demand_max_nodes": 1, "idle_timeout_minutes": 5, "moshray_pip_spec": "moshray==0.1.0",
+    "on_demand_max_nodes": 1, "idle_timeout_minutes": 5,
+    "wheel_bucket": "demo-bucket", "wheel_key": "wheels/moshray-0.1.0-py3-none-any.whl",
+    "ray_version": "2.60.0", "torch_version": "2.13.0", "use_internal_ips": False,
     "ray_port": 6379, "dashboard_port": 8265,
 }
 
@@ -379,7 +394,7 @@ def test_startup_scripts_start_ray_with_token_auth_and_the_watcher(rendered, clo
     for script in (head, worker):
         assert "RAY_AUTH_MODE=token" in script
         assert "RAY_AUTH_TOKEN_PATH=/etc/moshray/ray-auth-token" in script
-        assert "pip install 'moshray==0.1.0'" in script
+        assert_installs_only_the_wheel_and_pinned_packages(script)
         assert not re.search(r"RAY_AUTH_TOKEN=\S", script)  # fetched at boot, never inlined
     assert "ray start --head" in head and "--autoscaling-config=/etc/moshray/autoscaler.yaml" in head
     autoscaler = head.split("<<'YAML'\n", 1)[1].split("\nYAML\n", 1)[0]
@@ -387,7 +402,36 @@ def test_startup_scripts_start_ray_with_token_auth_and_the_watcher(rendered, clo
     prometheus = head.split("<<'PROM'\n", 1)[1].split("\nPROM\n", 1)[0]
     assert prometheus.strip() == (INFRA / "prometheus" / "prometheus.yml").read_text().strip()
     assert "ray start --block" in worker and "--address=" in worker
-    assert f"moshray watch --source {WATCH_SOURCE[cloud]}" in worker
+    watch_unit = worker.split("moshray-watch.service <<'UNIT'\n", 1)[1].split("\nUNIT\n", 1)[0]
+    assert "EnvironmentFile=/etc/moshray/pool.env" in watch_unit
+    assert (f"moshray watch --source {WATCH_SOURCE[cloud]} --pool ${{MOSHRAY_POOL}}"
+            in watch_unit)
+
+
+WHEEL = "/opt/moshray/moshray-0.1.0-py3-none-any.whl"
+
+
+def assert_installs_only_the_wheel_and_pinned_packages(script: str) -> None:
+    """moshray only from the bucket (the wheel of the checkout), Ray and torch pinned."""
+    # (GCP: the head's autoscaler config carries the workers' startup script; not this one.)
+    script = re.sub(r"<<'YAML'\n.*?\nYAML\n", "", script, flags=re.S)
+    installs = re.findall(r"pip install (.+)", script)
+    assert installs, script
+    for args in installs:
+        words = args.replace("'", "").split()
+        if words in (["--upgrade", "pip"], ["boto3"]):
+            continue
+        assert words == [WHEEL, "ray[default,train]==2.60.0", "torch==2.13.0"], args
+    assert sum(WHEEL in a for a in installs) == 1, installs
+    assert not re.search(r"pip install '?moshray", script)  # never from an index
+    if "boto3.client(\"s3\"" in script:  # AWS: the object Terraform uploaded
+        assert '"demo-bucket", "wheels/moshray-0.1.0-py3-none-any.whl", "' + WHEEL + '"' in \
+            " ".join(script.split())
+    else:  # GCP: the same object through the JSON API, with the VM's token
+        assert "storage.googleapis.com/storage/v1/b/demo-bucket/o/" in script
+        assert 'quote("wheels/moshray-0.1.0-py3-none-any.whl", safe="")' in script
+        assert f'open("{WHEEL}", "wb")' in script
+    assert 'ray.__version__ == "2.60.0"' in script  # the boot fails on a different Ray
 
 
 @pytest.mark.parametrize("cloud", CLOUDS)
@@ -417,6 +461,197 @@ def test_startup_scripts_name_only_existing_cli_commands(rendered):
     for source in WATCH_SOURCE.values():
         args = cli.build_parser(["watch"]).parse_args(["watch", "--source", source])
         assert args.source == source
+
+
+class _FakeMetadata(http.server.BaseHTTPRequestHandler):
+    """A cloud metadata server with the paths the workers' pool snippet reads."""
+
+    values: dict[str, str] = {}
+
+    def _answer(self) -> None:
+        body = self.values.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.end_headers()
+        self.wfile.write((body or "not found").encode())
+
+    do_GET = do_PUT = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+POOL_CASES = {
+    # cloud: (metadata base in the script, [(metadata answers, expected pool)])
+    "aws": ("http://169.254.169.254/latest", [
+        ({"/latest/api/token": "t", "/latest/meta-data/tags/instance/moshray-pool":
+          "aws__us-east-1b__g5_xlarge__spot"}, ("aws", "g5.xlarge", "us-east-1b", "spot")),
+        ({"/latest/api/token": "t", "/latest/meta-data/instance-type": "g4dn.xlarge",
+          "/latest/meta-data/placement/availability-zone": "us-east-1a",
+          "/latest/meta-data/instance-life-cycle": "on-demand"},
+         ("aws", "g4dn.xlarge", "us-east-1a", "on-demand")),
+    ]),
+    "gcp": ("http://metadata.google.internal/computeMetadata/v1/instance/", [
+        ({"/computeMetadata/v1/instance/attributes/moshray-pool":
+          "gcp__us-central1-b__g2-standard-4__spot"},
+         ("gcp", "g2-standard-4", "us-central1-b", "spot")),
+        ({"/computeMetadata/v1/instance/machine-type": "projects/1/machineTypes/g2-standard-8",
+          "/computeMetadata/v1/instance/zone": "projects/1/zones/us-central1-c",
+          "/computeMetadata/v1/instance/scheduling/preemptible": "TRUE"},
+         ("gcp", "g2-standard-8", "us-central1-c", "spot")),
+    ]),
+}
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+def test_workers_pass_their_real_pool_to_the_watcher(rendered, cloud, tmp_path):
+    """The worker script's pool snippet, run against a local metadata server, writes the
+    key the NodeProvider uses (autoscaler/pools.py) for `moshray watch --pool`: the pool
+    tag / attribute when the provider set it, else the same key from type, zone, market."""
+    from moshray.autoscaler.pools import Pool
+
+    script = rendered[cloud][SCRIPTS[cloud][1]]
+    snippet = script.split("<<'POOL'\n", 1)[1].split("\nPOOL\n", 1)[0]
+    base, cases = POOL_CASES[cloud]
+    assert base in snippet and "/etc/moshray/pool.env" in snippet
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeMetadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        local = base.replace(base.split("/")[2], f"127.0.0.1:{server.server_port}")
+        for i, (answers, expected) in enumerate(cases):
+            _FakeMetadata.values = answers
+            out = tmp_path / f"pool-{i}.env"
+            code = snippet.replace(base, local).replace("/etc/moshray/pool.env", str(out))
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                  timeout=60)
+            assert proc.returncode == 0, proc.stderr
+            pool = Pool(*expected).key
+            assert out.read_text() == f"MOSHRAY_POOL={pool}\n"
+            args = cli.build_parser(["watch"]).parse_args(
+                ["watch", "--source", WATCH_SOURCE[cloud], "--pool", pool])
+            assert args.pool == pool
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+def test_rendered_cluster_config_uses_public_addresses_unless_asked(rendered, cloud):
+    config = yaml.safe_load(rendered[cloud]["autoscaler_config"])
+    assert config["provider"]["use_internal_ips"] is False  # `ray up` from a laptop
+    variables = {v.labels[0]: v.body for v in hcl(cloud).blocks("variable")}
+    assert variables["use_internal_ips"].attr("default") == "false"
+    assert variables["use_internal_ips"].attr("type") == "bool"
+    bootstrap = hcl(cloud).block("module", "bootstrap").body
+    assert bootstrap.attr("use_internal_ips") == "var.use_internal_ips"
+
+
+def test_ray_up_yamls_install_the_same_wheel_and_versions_as_terraform():
+    """infra/ray/*.yaml (`ray up`): the wheel from the cluster's bucket, Ray and torch pinned
+    to the Terraform defaults, laptop-reachable addresses, the watcher with the real pool."""
+    from packaging.requirements import Requirement
+
+    project = (INFRA.parent / "pyproject.toml").read_text()
+    for cloud in CLOUDS:
+        variables = {v.labels[0]: v.body for v in hcl(cloud).blocks("variable")}
+        ray_version = string_value(variables["ray_version"].attr("default"))
+        torch_version = string_value(variables["torch_version"].attr("default"))
+        for name, version in (("ray", ray_version), ("torch", torch_version)):
+            (line,) = re.findall(rf'"({name}(?:\[[a-z,]+\])?[<>=!~][^"]*)"', project)
+            assert Requirement(line).specifier.contains(version), (name, version, line)
+        config = yaml.safe_load((INFRA / "ray" / f"cluster-{cloud}.yaml").read_text())
+        assert config["provider"]["use_internal_ips"] is False
+        setup = " ; ".join(config["setup_commands"])
+        assert f"'ray[default,train]=={ray_version}' 'torch=={torch_version}'" in setup
+        assert "/tmp/moshray-0.1.0-py3-none-any.whl" in setup
+        assert not re.search(r"pip install[^;]*(?<![/\w-])moshray(?![-\w])", setup), setup
+        assert {"aws": "s3://", "gcp": "gs://"}[cloud] in setup or "download_file" in setup
+        watch = [c for c in config["worker_start_ray_commands"] if "moshray watch" in c]
+        assert watch and all(f'--source {cloud} --pool "$POOL"' in c for c in watch)
+        assert all("moshray-pool" in c for c in watch)
+
+
+# --------------------------------------------------------------- structure: storage
+
+def test_aws_bucket_is_private_encrypted_and_roles_write_only_under_the_prefix():
+    body = hcl("aws")
+    access = body.block("resource", "aws_s3_bucket_public_access_block", "this").body
+    for name in ("block_public_acls", "block_public_policy", "ignore_public_acls",
+                 "restrict_public_buckets"):
+        assert access.attr(name) == "true", name
+    sse = body.block("resource", "aws_s3_bucket_server_side_encryption_configuration", "this")
+    assert '"AES256"' in sse.body.block("rule").body.block(
+        "apply_server_side_encryption_by_default").body.attr("sse_algorithm")
+    assert "var.existing_bucket" in all_locals(body)["bucket"]
+    storage = iam_statements(body, "storage")
+    assert storage["ListTheClusterBucket"].attr("resources") == "[local.bucket_arn]"
+    assert storage["ReadTheClusterBucket"].attr("resources") == '["${local.bucket_arn}/*"]'
+    write = storage["WriteOnlyUnderTheStoragePrefix"]
+    assert write.attr("resources") == '["${local.bucket_arn}/${var.storage_prefix}/*"]'
+    for sid, st in storage.items():
+        actions = [string_value(a) for a in list_items(st.attr("actions"))]
+        assert all(a.startswith("s3:") and "*" not in a for a in actions), (sid, actions)
+        if sid != "WriteOnlyUnderTheStoragePrefix":
+            assert not any(a.startswith(("s3:Put", "s3:Delete")) for a in actions), sid
+    attached = {r.body.attr("role"): r.body.attr("policy")
+                for r in resources(body, "aws_iam_role_policy")
+                if r.body.attr("policy") == "data.aws_iam_policy_document.storage.json"}
+    assert set(attached) == {"aws_iam_role.head.id", "aws_iam_role.worker.id"}
+    assert all_locals(body)["checkpoint_uri"] == '"s3://${local.bucket}/${var.storage_prefix}"'
+    wheel = body.block("resource", "aws_s3_object", "wheel").body
+    assert wheel.attr("source") == "var.moshray_wheel_path"
+    assert wheel.attr("key") == "local.wheel_key" and \
+        all_locals(body)["wheel_key"] == '"wheels/${local.wheel_file}"'
+    head = body.block("resource", "aws_instance", "head").body
+    assert "aws_s3_object.wheel" in head.attr("depends_on")
+
+
+def test_gcp_bucket_is_private_and_service_accounts_write_only_under_the_prefix():
+    body = hcl("gcp")
+    bucket = body.block("resource", "google_storage_bucket", "this").body
+    assert bucket.attr("uniform_bucket_level_access") == "true"
+    assert string_value(bucket.attr("public_access_prevention")) == "enforced"
+    assert "var.existing_bucket" in all_locals(body)["bucket"]
+    members = {r.labels[1]: r.body for r in resources(body, "google_storage_bucket_iam_member")}
+    assert set(members) == {"read", "write_under_prefix"}
+    assert string_value(members["read"].attr("role")) == "roles/storage.objectViewer"
+    assert members["read"].blocks("condition") == []
+    write = members["write_under_prefix"]
+    assert string_value(write.attr("role")) == "roles/storage.objectUser"
+    expression = write.block("condition").body.attr("expression")
+    assert "objects/${var.storage_prefix}/" in expression and "startsWith" in expression
+    for member in members.values():
+        assert member.attr("bucket") == "local.bucket"
+        assert member.attr("for_each") == "local.node_members"
+    node_members = object_items(all_locals(body)["node_members"])
+    assert set(node_members) == {"head", "worker"}
+    # No project-wide storage role: the grants are on the cluster's bucket only.
+    for m in resources(body, "google_project_iam_member"):
+        assert "storage" not in (m.body.attr("role") or "")
+    assert all_locals(body)["checkpoint_uri"] == '"gs://${local.bucket}/${var.storage_prefix}"'
+    wheel = body.block("resource", "google_storage_bucket_object", "wheel").body
+    assert wheel.attr("source") == "var.moshray_wheel_path"
+    head = body.block("resource", "google_compute_instance", "head").body
+    assert "google_storage_bucket_object.wheel" in head.attr("depends_on")
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+def test_variables_validate_the_wheel_versions_and_storage(tmp_path, cloud, wheel):
+    ok = dict(REQUIRED[cloud], admin_cidrs=["203.0.113.7/32"], moshray_wheel_path=str(wheel))
+    code, text = validate_vars(tmp_path / "nowheel", cloud, dict(ok, moshray_wheel_path=None))
+    assert code != 0 and "moshray_wheel_path" in text  # required: no install without it
+    code, text = validate_vars(tmp_path / "missing", cloud,
+                               dict(ok, moshray_wheel_path=str(wheel.parent / "moshray-9.9-py3-none-any.whl")))
+    assert code != 0 and "build the wheel first" in text
+    other = wheel.parent / "other-1.0-py3-none-any.whl"
+    other.write_bytes(b"PK")
+    code, text = validate_vars(tmp_path / "name", cloud, dict(ok, moshray_wheel_path=str(other)))
+    assert code != 0 and "must name a wheel built from the checkout" in text
+    code, text = validate_vars(tmp_path / "ray", cloud, dict(ok, ray_version="latest"))
+    assert code != 0 and "ray_version must be an exact version" in text
+    code, text = validate_vars(tmp_path / "prefix", cloud, dict(ok, storage_prefix="wheels"))
+    assert code != 0 and "storage_prefix must be" in text
+    code, text = validate_vars(tmp_path / "bucket", cloud, dict(ok, existing_bucket="s3://x/y"))
+    assert code != 0 and "existing_bucket must be" in text
 
 
 # ----------------------------------------------------------------- structure: AWS
@@ -625,12 +860,15 @@ def test_token_is_generated_ephemeral_stored_write_only_and_never_output(cloud):
 def test_outputs_give_addresses_and_the_token_command(module):
     outputs = {o.labels[0]: o.body for o in hcl(module).blocks("output")}
     for name in ("head_address", "ray_job_submit_address", "prometheus_url",
-                 "fetch_token_command"):
+                 "fetch_token_command", "checkpoint_uri"):
         assert name in outputs, f"{module}: output {name} missing"
         assert outputs[name].attr("description")
     if "/" not in module:
         assert ":${local.dashboard_port}" in outputs["ray_job_submit_address"].attr("value")
         assert ":${local.prometheus_port}" in outputs["prometheus_url"].attr("value")
+        assert outputs["checkpoint_uri"].attr("value") == "local.checkpoint_uri"
+        for name in ("bucket", "wheel_uri"):
+            assert outputs[name].attr("description"), name
         command = outputs["fetch_token_command"].attr("value")
         assert command.startswith({"aws": '"aws secretsmanager get-secret-value',
                                    "gcp": '"gcloud secrets versions access latest'}[module])

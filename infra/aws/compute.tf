@@ -50,7 +50,13 @@ resource "aws_instance" "head" {
     ignore_changes = [ami]
   }
 
-  depends_on = [aws_secretsmanager_secret_version.ray_token, aws_iam_role_policy.head]
+  # The head installs the wheel at boot, with its storage policy, and starts the autoscaler.
+  depends_on = [
+    aws_secretsmanager_secret_version.ray_token,
+    aws_iam_role_policy.head,
+    aws_iam_role_policy.head_storage,
+    aws_s3_object.wheel,
+  ]
 }
 
 resource "aws_launch_template" "worker" {
@@ -68,12 +74,14 @@ resource "aws_launch_template" "worker" {
     arn = aws_iam_instance_profile.worker.arn
   }
 
-  # IMDSv2 only: the spot notice watcher and the SDKs use session tokens.
+  # IMDSv2 only: the spot notice watcher and the SDKs use session tokens. Instance tags in
+  # IMDS: the startup script reads the moshray-pool tag the NodeProvider set, for the
+  # watcher's `--pool` (the label of its notice metrics).
   metadata_options {
     http_endpoint               = "enabled"
     http_tokens                 = "required"
     http_put_response_hop_limit = 1
-    instance_metadata_tags      = "disabled"
+    instance_metadata_tags      = "enabled"
   }
 
   instance_market_options {

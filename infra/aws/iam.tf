@@ -5,6 +5,8 @@
 # that carry the cluster tag (never the head); describe (EC2 allows no narrower scope for
 # Describe*); pass only the worker role; read the token secret.
 # Worker: read the token secret. Nothing else.
+# Both: the cluster's bucket (storage.tf), list and read it, write and delete only under
+# var.storage_prefix (checkpoints, data, expert snapshots); no other bucket.
 
 data "aws_iam_policy_document" "ec2_assume" {
   statement {
@@ -152,6 +154,31 @@ data "aws_iam_policy_document" "worker" {
   }
 }
 
+data "aws_iam_policy_document" "storage" {
+  statement {
+    sid       = "ListTheClusterBucket"
+    actions   = ["s3:ListBucket", "s3:GetBucketLocation"]
+    resources = [local.bucket_arn]
+  }
+
+  statement {
+    sid       = "ReadTheClusterBucket"
+    actions   = ["s3:GetObject"]
+    resources = ["${local.bucket_arn}/*"]
+  }
+
+  statement {
+    sid = "WriteOnlyUnderTheStoragePrefix"
+    actions = [
+      "s3:PutObject",
+      "s3:DeleteObject",
+      "s3:AbortMultipartUpload",
+      "s3:ListMultipartUploadParts",
+    ]
+    resources = ["${local.bucket_arn}/${var.storage_prefix}/*"]
+  }
+}
+
 resource "aws_iam_role" "head" {
   name_prefix        = "${var.name}-head-"
   description        = "moshray ${var.name} head: Ray autoscaler with the spot NodeProvider"
@@ -163,6 +190,12 @@ resource "aws_iam_role_policy" "head" {
   name   = "moshray-head"
   role   = aws_iam_role.head.id
   policy = data.aws_iam_policy_document.head.json
+}
+
+resource "aws_iam_role_policy" "head_storage" {
+  name   = "moshray-storage"
+  role   = aws_iam_role.head.id
+  policy = data.aws_iam_policy_document.storage.json
 }
 
 resource "aws_iam_instance_profile" "head" {
@@ -182,6 +215,12 @@ resource "aws_iam_role_policy" "worker" {
   name   = "moshray-worker"
   role   = aws_iam_role.worker.id
   policy = data.aws_iam_policy_document.worker.json
+}
+
+resource "aws_iam_role_policy" "worker_storage" {
+  name   = "moshray-storage"
+  role   = aws_iam_role.worker.id
+  policy = data.aws_iam_policy_document.storage.json
 }
 
 resource "aws_iam_instance_profile" "worker" {

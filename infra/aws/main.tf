@@ -4,7 +4,9 @@
 # The head's startup script (modules/bootstrap) starts Ray's head with token auth and the
 # autoscaler config naming moshray.autoscaler.aws_provider.AWSSpotNodeProvider; the provider
 # launches workers from the launch template in the pools of var.worker_pools; each worker's
-# startup script joins Ray and runs `moshray watch --source aws`.
+# startup script joins Ray and runs `moshray watch --source aws --pool <its pool>`. Every node
+# installs the same moshray wheel (built from your checkout, uploaded to the cluster's bucket
+# by storage.tf) with the same pinned Ray and torch.
 
 data "aws_caller_identity" "current" {}
 data "aws_partition" "current" {}
@@ -60,7 +62,11 @@ module "bootstrap" {
   worker_resources          = var.worker_resources
   on_demand_max_nodes       = var.on_demand_max_nodes
   idle_timeout_minutes      = var.idle_timeout_minutes
-  moshray_pip_spec          = var.moshray_pip_spec
+  wheel_bucket              = local.bucket
+  wheel_key                 = aws_s3_object.wheel.key
+  ray_version               = var.ray_version
+  torch_version             = var.torch_version
+  use_internal_ips          = var.use_internal_ips
   prometheus_config         = file("${path.module}/../prometheus/prometheus.yml")
   ray_port                  = local.ray_port
   dashboard_port            = local.dashboard_port

@@ -37,3 +37,28 @@ output "autoscaler_config" {
   description = "Ray autoscaler config installed on the head at /etc/moshray/autoscaler.yaml."
   value       = module.bootstrap.autoscaler_config
 }
+
+output "bucket" {
+  description = "S3 bucket of the cluster (checkpoints, data, expert snapshots under storage_prefix; the wheel under wheels/)."
+  value       = local.bucket
+}
+
+output "checkpoint_uri" {
+  description = "checkpoint.uri for the job (--checkpoint or jobs/configs/aws.toml): head and workers may read and write there."
+  value       = local.checkpoint_uri
+}
+
+output "wheel_uri" {
+  description = "The moshray wheel every node installs (uploaded from moshray_wheel_path)."
+  value       = "s3://${local.bucket}/${aws_s3_object.wheel.key}"
+}
+
+output "head_instance_profile_arn" {
+  description = "Instance profile of the head (Ray autoscaler: launch / terminate cluster workers, pass the worker role; the bucket)."
+  value       = aws_iam_instance_profile.head.arn
+}
+
+output "worker_instance_profile_arn" {
+  description = "Instance profile of spot workers (the token secret; the bucket)."
+  value       = aws_iam_instance_profile.worker.arn
+}

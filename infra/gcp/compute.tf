@@ -77,6 +77,9 @@ resource "google_compute_instance" "head" {
     google_secret_manager_secret_version.ray_token,
     google_secret_manager_secret_iam_member.readers,
     google_project_iam_member.head_launch,
+    # The head installs the wheel at boot.
+    google_storage_bucket_object.wheel,
+    google_storage_bucket_iam_member.read,
   ]
 }
 

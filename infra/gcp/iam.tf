@@ -7,6 +7,8 @@
 # use only the cluster's subnetwork; act only as the worker service account; read the token
 # secret (secrets.tf).
 # Worker: read the token secret. Nothing else.
+# Both: the cluster's bucket (storage.tf), list and read it, write only under
+# var.storage_prefix; no other bucket.
 
 resource "google_service_account" "head" {
   project      = var.project_id

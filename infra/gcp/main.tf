@@ -4,7 +4,9 @@
 # The head's startup script (modules/bootstrap) starts Ray's head with token auth and the
 # autoscaler config naming moshray.autoscaler.gcp_provider.GCPSpotNodeProvider; the provider
 # inserts Spot VMs in the pools of var.worker_pools; each worker's startup script joins Ray
-# and runs `moshray watch --source gcp`.
+# and runs `moshray watch --source gcp --pool <its pool>`. Every VM installs the same moshray
+# wheel (built from your checkout, uploaded to the cluster's bucket by storage.tf) with the
+# same pinned Ray and torch.
 
 locals {
   ray_port        = 6379
@@ -23,7 +25,7 @@ locals {
 }
 
 resource "google_project_service" "apis" {
-  for_each           = var.enable_apis ? toset(["compute.googleapis.com", "iam.googleapis.com", "secretmanager.googleapis.com"]) : toset([])
+  for_each           = var.enable_apis ? toset(["compute.googleapis.com", "iam.googleapis.com", "secretmanager.googleapis.com", "storage.googleapis.com"]) : toset([])
   project            = var.project_id
   service            = each.value
   disable_on_destroy = false
@@ -49,7 +51,11 @@ module "bootstrap" {
   worker_resources       = var.worker_resources
   on_demand_max_nodes    = var.on_demand_max_nodes
   idle_timeout_minutes   = var.idle_timeout_minutes
-  moshray_pip_spec       = var.moshray_pip_spec
+  wheel_bucket           = local.bucket
+  wheel_key              = google_storage_bucket_object.wheel.name
+  ray_version            = var.ray_version
+  torch_version          = var.torch_version
+  use_internal_ips       = var.use_internal_ips
   prometheus_config      = file("${path.module}/../prometheus/prometheus.yml")
   ray_port               = local.ray_port
   dashboard_port         = local.dashboard_port

@@ -37,3 +37,28 @@ output "autoscaler_config" {
   description = "Ray autoscaler config installed on the head at /etc/moshray/autoscaler.yaml."
   value       = module.bootstrap.autoscaler_config
 }
+
+output "bucket" {
+  description = "GCS bucket of the cluster (checkpoints, data, expert snapshots under storage_prefix; the wheel under wheels/)."
+  value       = local.bucket
+}
+
+output "checkpoint_uri" {
+  description = "checkpoint.uri for the job (--checkpoint or jobs/configs/gcp.toml): head and workers may read and write there."
+  value       = local.checkpoint_uri
+}
+
+output "wheel_uri" {
+  description = "The moshray wheel every VM installs (uploaded from moshray_wheel_path)."
+  value       = "gs://${local.bucket}/${google_storage_bucket_object.wheel.name}"
+}
+
+output "head_service_account" {
+  description = "Service account of the head VM (Ray autoscaler: create / delete cluster workers, act as the worker service account; the bucket)."
+  value       = google_service_account.head.email
+}
+
+output "worker_service_account" {
+  description = "Service account of Spot worker VMs (the token secret; the bucket)."
+  value       = google_service_account.worker.email
+}

@@ -209,16 +209,82 @@ variable "idle_timeout_minutes" {
   }
 }
 
-variable "moshray_pip_spec" {
-  description = "What `pip install` installs on every node: a version pin (moshray==0.1.0), a wheel URL or a VCS URL."
+variable "moshray_wheel_path" {
+  description = "Path of the moshray wheel built from your checkout (`python -m pip wheel --no-deps -w dist .` at the repository root), e.g. ../../../../dist/moshray-0.1.0-py3-none-any.whl. Terraform uploads it to the bucket; every node installs exactly this wheel."
+  type        = string
+
+  validation {
+    condition     = can(regex("^moshray-[0-9][0-9A-Za-z.+!]*-py3-none-any[.]whl$", basename(var.moshray_wheel_path)))
+    error_message = "moshray_wheel_path must name a wheel built from the checkout, moshray-<version>-py3-none-any.whl (python -m pip wheel --no-deps -w dist .)."
+  }
+  validation {
+    condition     = fileexists(var.moshray_wheel_path)
+    error_message = "moshray_wheel_path does not exist: build the wheel first (python -m pip wheel --no-deps -w dist . at the repository root)."
+  }
+}
+
+
+variable "ray_version" {
+  description = "Ray version every node installs (ray[default,train]==this); use the version of the machine you submit jobs from (python -c 'import ray; print(ray.__version__)')."
+  type        = string
+  default     = "2.60.0"
+
+  validation {
+    condition     = can(regex("^[0-9]+[.][0-9]+[.][0-9]+$", var.ray_version))
+    error_message = "ray_version must be an exact version such as 2.60.0."
+  }
+}
+
+
+variable "torch_version" {
+  description = "torch version every node installs (torch==this; the PyPI build, CUDA included on Linux x86_64)."
+  type        = string
+  default     = "2.13.0"
+
+  validation {
+    condition     = can(regex("^[0-9]+[.][0-9]+[.][0-9]+$", var.torch_version))
+    error_message = "torch_version must be an exact version such as 2.13.0."
+  }
+}
+
+
+variable "existing_bucket" {
+  description = "Use this GCS bucket (name) for checkpoints, data, expert snapshots and the wheel instead of creating one (null: create <project_id>-<name>). The service accounts get access to it; it needs uniform bucket-level access (the write grant has an IAM condition)."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.existing_bucket == null || can(regex("^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$", var.existing_bucket))
+    error_message = "existing_bucket must be an S3 bucket name (not a gs:// URI)."
+  }
+}
+
+
+variable "storage_prefix" {
+  description = "Key prefix in the bucket for checkpoints, data and expert snapshots: checkpoint.uri is gs://<bucket>/<storage_prefix>. Nodes may write only under it."
   type        = string
   default     = "moshray"
 
   validation {
-    condition     = length(trimspace(var.moshray_pip_spec)) > 0 && !strcontains(var.moshray_pip_spec, "'")
-    error_message = "moshray_pip_spec must be a non-empty pip requirement without single quotes."
+    condition     = can(regex("^[a-z0-9][a-z0-9_.-]*(/[a-z0-9][a-z0-9_.-]*)*$", var.storage_prefix)) && var.storage_prefix != "wheels"
+    error_message = "storage_prefix must be a relative key prefix without leading or trailing '/', and not wheels (where the wheel lives)."
   }
 }
+
+
+variable "bucket_force_destroy" {
+  description = "Let terraform destroy delete the created bucket with its checkpoints in it (false: destroy stops at a non-empty bucket)."
+  type        = bool
+  default     = false
+}
+
+
+variable "use_internal_ips" {
+  description = "provider.use_internal_ips of the rendered Ray cluster config (the autoscaler_config output). false: `ray up` / `ray attach` from a laptop reach nodes at their public addresses. true: only from inside the VPC network. The head's own autoscaler never uses SSH (disable_node_updaters), so it works either way."
+  type        = bool
+  default     = false
+}
+
 
 variable "token_version" {
   description = "Bump to generate and store a new Ray auth token (then restart Ray on the nodes)."

@@ -1,7 +1,9 @@
 # The smallest root that uses the module: a head, two spot workers (up to four), a new VPC.
 #
+#   (cd ../../../.. && python -m pip wheel --no-deps -w dist .)   # the wheel of this checkout
 #   terraform init
-#   terraform apply -var 'admin_cidrs=["203.0.113.7/32"]'
+#   terraform apply -var 'admin_cidrs=["203.0.113.7/32"]' \
+#     -var moshray_wheel_path=../../../../dist/moshray-0.1.0-py3-none-any.whl
 #
 # Then see infra/README.md for `ray job submit` and Prometheus / Grafana.
 
@@ -31,6 +33,11 @@ variable "admin_cidrs" {
   type        = list(string)
 }
 
+variable "moshray_wheel_path" {
+  description = "The wheel built from this checkout (python -m pip wheel --no-deps -w dist . at the repository root); every node installs it."
+  type        = string
+}
+
 provider "aws" {
   region = var.region
 }
@@ -41,6 +48,8 @@ module "moshray" {
   name        = "moshray-demo"
   region      = var.region
   admin_cidrs = var.admin_cidrs
+
+  moshray_wheel_path = var.moshray_wheel_path
 }
 
 output "head_address" {
@@ -61,4 +70,9 @@ output "prometheus_url" {
 output "fetch_token_command" {
   description = "Prints the Ray auth token."
   value       = module.moshray.fetch_token_command
+}
+
+output "checkpoint_uri" {
+  description = "checkpoint.uri for the job (--checkpoint): the cluster's bucket."
+  value       = module.moshray.checkpoint_uri
 }

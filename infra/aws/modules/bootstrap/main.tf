@@ -55,7 +55,7 @@ locals {
       module                = local.provider_module
       region                = var.region
       availability_zone     = var.pools[0].zone
-      use_internal_ips      = true
+      use_internal_ips      = var.use_internal_ips
       disable_node_updaters = true
       pools = [for p in var.pools : {
         instance_type = p.instance_type
@@ -97,11 +97,22 @@ locals {
     worker_start_ray_commands     = []
   }
 
+  # One version everywhere: head and workers install the same wheel from the bucket, with
+  # the same pinned Ray and torch (templates/install.sh.tftpl).
+  install = templatefile("${path.module}/templates/install.sh.tftpl", {
+    region        = var.region
+    wheel_bucket  = var.wheel_bucket
+    wheel_key     = var.wheel_key
+    wheel_file    = basename(var.wheel_key)
+    ray_version   = var.ray_version
+    torch_version = var.torch_version
+  })
+
   env = {
-    moshray_pip_spec = var.moshray_pip_spec
-    region           = var.region
-    token_secret_id  = var.token_secret_id
-    head_address     = "${var.head_private_ip}:${var.ray_port}"
+    install         = local.install
+    region          = var.region
+    token_secret_id = var.token_secret_id
+    head_address    = "${var.head_private_ip}:${var.ray_port}"
   }
 
   head_user_data = templatefile("${path.module}/templates/head.sh.tftpl", merge(local.env, {
@@ -113,5 +124,6 @@ locals {
   }))
   worker_user_data = templatefile("${path.module}/templates/worker.sh.tftpl", merge(local.env, {
     ray_resources_json = jsonencode(local.worker_ray_resources)
+    pool_tag           = local.tag_keys.pool
   }))
 }

@@ -96,7 +96,7 @@ locals {
       project_id            = var.project_id
       availability_zone     = var.pools[0].zone
       termination_action    = var.termination_action
-      use_internal_ips      = true
+      use_internal_ips      = var.use_internal_ips
       disable_node_updaters = true
       pools = [for p in var.pools : {
         machine_type = p.machine_type
@@ -132,14 +132,25 @@ locals {
     worker_start_ray_commands     = []
   }
 
+  # One version everywhere: head and workers install the same wheel from the bucket, with
+  # the same pinned Ray and torch (templates/install.sh.tftpl).
+  install = templatefile("${path.module}/templates/install.sh.tftpl", {
+    wheel_bucket  = var.wheel_bucket
+    wheel_key     = var.wheel_key
+    wheel_file    = basename(var.wheel_key)
+    ray_version   = var.ray_version
+    torch_version = var.torch_version
+  })
+
   env = {
-    moshray_pip_spec = var.moshray_pip_spec
-    token_secret     = var.token_secret
-    head_address     = "${var.head_private_ip}:${var.ray_port}"
+    install      = local.install
+    token_secret = var.token_secret
+    head_address = "${var.head_private_ip}:${var.ray_port}"
   }
 
   worker_startup_script = templatefile("${path.module}/templates/worker.sh.tftpl", merge(local.env, {
     ray_resources_json = jsonencode(local.worker_ray_resources)
+    pool_tag           = local.label_keys.pool
   }))
   head_startup_script = templatefile("${path.module}/templates/head.sh.tftpl", merge(local.env, {
     head_private_ip   = var.head_private_ip

@@ -94,9 +94,34 @@ variable "idle_timeout_minutes" {
   type        = number
 }
 
-variable "moshray_pip_spec" {
-  description = "What `pip install` installs on every node (a version pin, a wheel URL, ...)."
+variable "wheel_bucket" {
+  description = "GCS bucket holding the moshray wheel the nodes install (one version everywhere)."
   type        = string
+}
+
+variable "wheel_key" {
+  description = "Object name of the wheel in wheel_bucket, ending in its wheel file name (wheels/moshray-0.1.0-py3-none-any.whl)."
+  type        = string
+
+  validation {
+    condition     = can(regex("(^|/)moshray-[^/]+[.]whl$", var.wheel_key))
+    error_message = "wheel_key must end in a moshray wheel file name (pip reads the version from it)."
+  }
+}
+
+variable "ray_version" {
+  description = "Ray version every node installs (ray[default,train]==this)."
+  type        = string
+}
+
+variable "torch_version" {
+  description = "torch version every node installs (torch==this)."
+  type        = string
+}
+
+variable "use_internal_ips" {
+  description = "provider.use_internal_ips of the rendered Ray cluster config (false: `ray up` from a laptop uses public addresses)."
+  type        = bool
 }
 
 variable "prometheus_config" {

@@ -16,6 +16,11 @@ the :class:`~moshray.autoscaler.pools.PoolSelector`'s decisions:
   and notices preemptions: a spot node that the cloud ended (the cloud says so, or a node seen
   running vanished) while this provider did not terminate it is a ``PREEMPTED`` event of its
   pool, so the selector steers away from that pool.
+* ``post_process`` (the end of each of Ray's autoscaler updates) serves the providers'
+  metrics on the head's loopback (provider_metrics.py: launches, launch failures,
+  terminations and preemptions by pool) and refreshes the spot price gauges (prices.py).
+* ``bootstrap_config`` (``ray up``) gives every node type its identity (instance profile /
+  service account) from the provider config (provider_config.py).
 
 Assumptions written down (as in Ray's autoscaler v2 provider interface): listings are
 eventually consistent, so nodes launched here are served from a local record until the

@@ -14,6 +14,7 @@ import os
 import sys
 import sysconfig
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -216,8 +217,43 @@ def resolve_data(uris: list[str] | None, cache_dir: str) -> list[str]:
 # --------------------------------------------------------------------------- batches
 
 
-def _read_bytes(uri: str) -> bytes:
-    """UTF-8 bytes of one data file: raw bytes for ``.txt``, the ``text`` column for Parquet."""
+@dataclass(frozen=True)
+class ShippedFile:
+    """A data file carried through Ray's object store instead of a filesystem.
+
+    The driver's built-in corpus lives on the driver's disk, which no other machine sees:
+    ``ship_files`` puts each file's bytes in the object store, and a replica on any node
+    reads them back. ``refs`` holds one ObjectRef inside a tuple so Ray passes it through
+    actor arguments unresolved. The driver owns the objects: keep the list alive for the job.
+    """
+
+    name: str
+    refs: tuple
+
+
+def ship_files(paths: list[str]) -> list[ShippedFile]:
+    """Put each local file's bytes in Ray's object store (driver side; Ray connected)."""
+    import ray
+
+    return [ShippedFile(os.path.basename(p), (ray.put(Path(p).read_bytes()),)) for p in paths]
+
+
+DataFile = str | ShippedFile
+
+
+def _read_bytes(uri: DataFile) -> bytes:
+    """UTF-8 bytes of one data file: raw bytes for ``.txt``, the ``text`` column for Parquet.
+
+    ``uri`` is a path or URI the caller's machine can open (local, ``s3://``, ``gs://``),
+    or a ``ShippedFile`` fetched from the object store."""
+    if isinstance(uri, ShippedFile):
+        import ray
+
+        raw = ray.get(uri.refs[0])
+        if not uri.name.endswith(".parquet"):
+            return bytes(raw)
+        table = pq.read_table(pa.BufferReader(raw))
+        return b"".join(s.encode("utf-8") for s in table.column("text").to_pylist() if s)
     fs, path = _filesystem(uri)
     if path.endswith(".parquet"):
         table = pq.read_table(path, filesystem=fs)
@@ -252,7 +288,7 @@ class ByteBatches:
 
     def __init__(
         self,
-        files: list[str],
+        files: list[DataFile],
         shard_index: int,
         num_shards: int,
         seq_len: int,

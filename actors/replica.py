@@ -96,7 +96,14 @@ class ReplicaActor:
         self.peer_id = peer_id
         self.config = TrainConfig.from_dict(config)
         t = self.config.training
+        # On a GPU node Ray gave this actor one GPU (CUDA_VISIBLE_DEVICES names it): train
+        # there, with bf16 autocast where the device supports it; else on the CPU.
+        self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         self.device = pick_device()
+        self.amp = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        if self.gpu_ids and self.device.type != "cuda":
+            log.warning("%s: Ray assigned GPU %s but torch sees no CUDA device; training on "
+                        "the CPU", peer_id, ",".join(self.gpu_ids))
         # DMoE layers call the experts registered with the Coordinator (the ExpertActors the
         # job's ExpertSupervisor keeps alive); the experts train themselves on backward.
         self.experts = RayExpertBackend(coordinator) if self.config.model.moe else None
@@ -184,6 +191,7 @@ class ReplicaActor:
         return {"peer": self.peer_id, "epoch": self.epoch, "checksum": self.step_checksum,
                 "current_checksum": checksum(self.model),
                 "node": self.node_id, "rejected": self.own_rejections, "pid": os.getpid(),
+                "device": str(self.device), "gpu_ids": self.gpu_ids, "amp": self.amp,
                 "lost_steps": self.lineage.gaps, "repeated_steps": self.lineage.repeats}
 
     def rejection_counts(self) -> dict[str, int]:
@@ -226,8 +234,10 @@ class ReplicaActor:
 
     def _micro_step(self) -> tuple[float, int]:
         x, y = self.data.next_batch()
-        x, y = x.to(self.device), y.to(self.device)
-        loss = self.model.loss(x, y)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16,
+                            enabled=self.amp):
+            loss = self.model.loss(x, y)
         loss.backward()
         if self.fault == "nan":
             for p in self.model.parameters():

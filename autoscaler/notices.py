@@ -41,7 +41,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
@@ -483,6 +483,47 @@ class SimulatedSource(NoticeSource):
             return None
 
 
+class SilentSource(NoticeSource):
+    """A node with no notice source (``none``, or ``auto`` on a node that names no metadata
+    service): polls wait and never return a notice."""
+
+    cloud = "none"
+
+    def __init__(self, node_id: str, *, pool: str = "", **_options):
+        self.node_id, self.pool, self.errors = node_id, pool, 0
+        self._closed_event = threading.Event()
+
+    def describe(self) -> str:
+        return "none"
+
+    def close(self) -> None:
+        super().close()
+        self._closed_event.set()
+
+    def poll(self, timeout_s: float) -> PreemptionNotice | None:
+        self._closed_event.wait(max(0.0, timeout_s))
+        return None
+
+
+# How a node names its metadata service: the variables the clouds' own SDKs honour (boto's
+# IMDS endpoint override; google-auth's metadata host). Set by the node's setup, never by
+# the job: the embedded cluster sets them to its local emulators (metadata_emulator.py).
+AWS_ENDPOINT_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
+GCP_HOST_ENV = "GCE_METADATA_HOST"
+
+
+def node_metadata_service(environ: Mapping[str, str]) -> tuple[str, str | None]:
+    """``(cloud, metadata_url)`` a node names in its environment: ``("aws", url)``,
+    ``("gcp", url)``, or ``("none", None)`` when it names none. Pure."""
+    aws = environ.get(AWS_ENDPOINT_ENV, "").strip()
+    if aws:
+        return "aws", aws.rstrip("/")
+    gcp = environ.get(GCP_HOST_ENV, "").strip()
+    if gcp:
+        return "gcp", gcp.rstrip("/") if "://" in gcp else f"http://{gcp}"
+    return "none", None
+
+
 def make_source(kind: str, node_id: str, *, metadata_url: str | None = None, pool: str = "",
                 **options) -> NoticeSource:
     """The source named ``kind`` ("aws", "gcp" or "simulated") for ``node_id``.
@@ -494,8 +535,10 @@ def make_source(kind: str, node_id: str, *, metadata_url: str | None = None, poo
         return AWSMetadataSource(node_id, metadata_url or AWS_METADATA_URL, pool=pool, **options)
     if kind == "gcp":
         return GCPMetadataSource(node_id, metadata_url or GCP_METADATA_URL, pool=pool, **options)
+    if kind == "none":
+        return SilentSource(node_id, pool=pool)
     if kind == "simulated":
         if metadata_url:
             raise ValueError("the simulated source takes no metadata URL")
         return SimulatedSource(node_id, pool=pool, **options)
-    raise ValueError(f"notice source must be aws, gcp or simulated, got {kind!r}")
+    raise ValueError(f"notice source must be aws, gcp, simulated or none, got {kind!r}")

@@ -29,11 +29,12 @@ import argparse
 import json
 import logging
 import math
+import os
 import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 import ray
@@ -50,20 +51,24 @@ from .notices import (
     PreemptionNotice,
     SimulatedSource,
     make_source,
+    node_metadata_service,
 )
 
 log = logging.getLogger(__name__)
 
 WATCHER_PREFIX = "moshray-watcher-"
-SOURCES = ("aws", "gcp", "simulated")
+SOURCES = ("auto", "aws", "gcp", "simulated", "none")
 
 
 @dataclass(frozen=True)
 class WatcherConfig:
     """How a watcher listens and whom it tells. Validated once, here.
 
-    ``source``: aws, gcp or simulated; ``metadata_url`` overrides the cloud's link-local
-    address (tests point it at a local server). ``poll_s`` bounds one poll (and so how fast
+    ``source``: aws, gcp, simulated, none, or auto (the metadata service the node names in
+    its environment, see ``notices.node_metadata_service``; none if it names none).
+    ``metadata_url`` overrides the cloud's link-local address; without it a node that
+    names its own service (``AWS_EC2_METADATA_SERVICE_ENDPOINT`` / ``GCE_METADATA_HOST``)
+    is polled there (the embedded cluster's emulators; tests). ``poll_s`` bounds one poll (and so how fast
     ``stop`` is noticed); ``aws_interval_s`` is the IMDS check period; ``gcp_notice_s`` is
     the notice GCP gives. ``rpc_timeout_s`` bounds each call to the Coordinator and the GCS.
     """
@@ -86,14 +91,21 @@ class WatcherConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 
-    def make_source(self, node_id: str) -> NoticeSource:
+    def make_source(self, node_id: str, environ: Mapping[str, str] | None = None
+                    ) -> NoticeSource:
+        """The source for ``node_id``, resolved on that node (``environ``: its environment)."""
+        kind, url = self.source, self.metadata_url
+        named_kind, named_url = node_metadata_service(os.environ if environ is None else environ)
+        if kind == "auto":
+            kind, url = named_kind, named_url
+        elif kind == named_kind and url is None:
+            url = named_url
         options = {}
-        if self.source == "aws":
+        if kind == "aws":
             options["interval_s"] = self.aws_interval_s
-        elif self.source == "gcp":
+        elif kind == "gcp":
             options["notice_s"] = self.gcp_notice_s
-        return make_source(self.source, node_id, metadata_url=self.metadata_url, pool=self.pool,
-                           **options)
+        return make_source(kind, node_id, metadata_url=url, pool=self.pool, **options)
 
 
 def watcher_name(node_id: str) -> str:

@@ -174,6 +174,18 @@ class CoordinatorCore:
         return {"notices": len(self.notices), "rebalance_s": done,
                 "rebalance_pending": len(self.notices) - len(done)}
 
+    def peer_view(self) -> dict[str, tuple[str, ...]]:
+        """Membership as the elastic controller observes it: ``members`` (registered, not
+        expired), ``ready`` (holding the swarm's state), ``draining`` (excluded, their node
+        got a notice) and ``noticed_nodes`` (node ids a notice arrived for)."""
+        now = self.clock()
+        self._expire(now)
+        members = tuple(p.peer_id for p in self.membership.present(now))
+        return {"members": members,
+                "ready": tuple(sorted(p for p in self.progress.ready if p in members)),
+                "draining": self.membership.draining(),
+                "noticed_nodes": tuple(sorted(self.notices))}
+
     def live_peers(self) -> tuple[str, ...]:
         now = self.clock()
         self.membership.expire(now)

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Union
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -198,8 +198,34 @@ class CapacityEvent:
         _count("on_demand_nodes", self.on_demand_nodes)
 
 
+REPLICA_STATES = ("starting", "syncing", "training", "leaving")
+
+
+@dataclass(frozen=True)
+class ReplicaStatesEvent:
+    """How many replicas the elastic controller holds in each live state (a gauge)."""
+
+    counts: tuple[tuple[str, int], ...]
+
+    def __post_init__(self) -> None:
+        for state, n in self.counts:
+            if state not in REPLICA_STATES:
+                raise ValueError(f"replica state must be one of {REPLICA_STATES}, got {state!r}")
+            _count(state, n)
+
+
+@dataclass(frozen=True)
+class NodeJoinedEvent:
+    """A worker node joined the cluster (seen by the elastic controller)."""
+
+    market: str = "spot"
+
+    def __post_init__(self) -> None:
+        _market(self.market)
+
+
 Event = Union[RoundEvent, NoticeEvent, NodeLostEvent, RebalanceEvent, JoinEvent,
-              ExpertCallEvent, LaunchEvent, CapacityEvent]
+              ExpertCallEvent, LaunchEvent, CapacityEvent, ReplicaStatesEvent, NodeJoinedEvent]
 
 
 # -- configuration and state ---------------------------------------------------------------
@@ -400,6 +426,14 @@ class MetricsExporter:
         self.launch_failures = Counter(
             PREFIX + "launch_failures", "Node launch attempts that failed, by pool and market.",
             ["pool", "market"], registry=r)
+        self.replicas = Gauge(
+            PREFIX + "replicas", "Training replicas by state (elastic controller).",
+            ["state"], registry=r)
+        self.nodes_joined = Counter(
+            PREFIX + "nodes_joined", "Worker nodes that joined the cluster, by market.",
+            ["market"], registry=r)
+        for state in REPLICA_STATES:
+            self.replicas.labels(state)
         for outcome in EXPERT_OUTCOMES:  # export zeros so rate() works from the start
             self.expert_calls.labels(outcome)
         for notice in ("true", "false"):
@@ -414,6 +448,8 @@ class MetricsExporter:
             ExpertCallEvent: self._expert_call,
             LaunchEvent: self._launch,
             CapacityEvent: self._capacity,
+            ReplicaStatesEvent: self._replica_states,
+            NodeJoinedEvent: lambda e: self.nodes_joined.labels(e.market).inc(),
         }
 
     # events
@@ -452,6 +488,11 @@ class MetricsExporter:
         self.launches.labels(e.pool, e.market).inc()
         if not e.ok:
             self.launch_failures.labels(e.pool, e.market).inc()
+
+    def _replica_states(self, e: ReplicaStatesEvent) -> None:
+        counts = dict(e.counts)
+        for state in REPLICA_STATES:
+            self.replicas.labels(state).set(counts.get(state, 0))
 
     def _capacity(self, e: CapacityEvent) -> None:
         with self._lock:

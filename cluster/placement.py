@@ -11,6 +11,8 @@ from __future__ import annotations
 SPOT_RESOURCE = "spot"
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's built-in resource of the head node
 NAMESPACE = "moshray"
+SLOT_LABEL = "moshray-slot"  # node label of the embedded cluster's simulated nodes
+MARKET_LABEL = "moshray-market"  # optional node label: spot (default) or on-demand
 COORDINATOR_NAME = "moshray-coordinator"
 
 

@@ -110,6 +110,11 @@ def run(args: argparse.Namespace) -> dict:
         for pid, h in peers.items():
             membership.register(PeerInfo(pid, h), now=0.0)
 
+        # Inputs are generated before the timed rounds (gloo's are too): a peer that starts
+        # early would otherwise count the others' generation time as waiting.
+        ray.get([h.prepare_synthetic.remote(numel, i) for i, h in enumerate(peers.values())],
+                timeout=300)
+
         def moshray_round(fault_peer: str | None = None):
             plan = membership.plan(now=0.0)
             refs = {

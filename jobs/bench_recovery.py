@@ -207,7 +207,7 @@ class RecoveryBench:
         from moshray.cluster import coordinator as coordinator_mod
         from moshray.cluster import placement
         from moshray.cluster.membership import MembershipConfig
-        from moshray.jobs.train import ReplicaSupervisor
+        from moshray.jobs.replica_launch import ReplicaSupervisor
 
         self.ray = ray
         self.cluster, self.config = cluster, config

@@ -63,6 +63,7 @@ __all__ = [
 Mode = Literal["collaborative", "local_sgd"]
 OuterOptimizer = Literal["none", "nesterov"]
 Compression = Literal["none", "fp16", "uint8", "blockwise8"]
+NoticeSourceName = Literal["auto", "aws", "gcp", "none"]
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
@@ -384,29 +385,47 @@ class DataSection(_Section):
 class ClusterSection(_Section):
     """Which Ray cluster to use, or how to simulate one.
 
-    ``address`` of ``None`` starts a local cluster of ``local_nodes`` nodes;
-    ``trace`` replays a spot-availability trace at ``time_scale`` trace
-    seconds per wall second; the autoscaler never exceeds ``max_nodes``. A trace's
-    removal comes with a spot notice ``notice_s`` trace seconds ahead (AWS gives 120, GCP
-    30; scaled by ``time_scale`` like the trace), delivered through each node's watcher.
+    ``address`` of ``None`` starts a local cluster of ``local_nodes`` nodes (each with
+    ``local_gpus`` declared GPUs, for placement tests on CPU machines); ``trace`` replays a
+    spot-availability trace at ``time_scale`` trace seconds per wall second. The job wants
+    between ``min_nodes`` and ``max_nodes`` spot nodes: it asks Ray's autoscaler for
+    ``max_nodes``, trains on at most ``max_nodes`` of them, and with fewer than
+    ``min_nodes`` waits, at most ``wait_for_nodes_s`` seconds, before it fails.
+    ``replicas_per_node``: replicas on each node; 0 means one per GPU on a GPU node and
+    one on a CPU node. A trace's removal comes with a spot notice ``notice_s`` trace
+    seconds ahead (AWS gives 120, GCP 30; scaled by ``time_scale`` like the trace),
+    delivered through the node's metadata service. ``notice_source`` is how each node's
+    watcher hears notices: ``aws`` / ``gcp`` (the cloud's metadata service), ``none``, or
+    ``auto`` (the metadata service the node names in ``AWS_EC2_METADATA_SERVICE_ENDPOINT``
+    or ``GCE_METADATA_HOST``, as the embedded cluster does; else none).
     """
 
     _section = "cluster"
 
     address: str | None = None
     local_nodes: int = 2
+    local_gpus: int = 0
     trace: str | None = None
     time_scale: float = 60.0  # trace seconds per wall second
+    min_nodes: int = 1
     max_nodes: int = 4
-    replicas_per_node: int = 1
+    replicas_per_node: int = 0  # 0: one per GPU (GPU node) or one (CPU node)
+    wait_for_nodes_s: float = 600.0
     notice_s: float = 120.0  # trace seconds between a spot notice and the node's removal
+    notice_source: NoticeSourceName = "auto"
 
     def _validate(self) -> None:
         _non_empty(self._path("address"), self.address)
         _non_empty(self._path("trace"), self.trace)
-        for name in ("local_nodes", "max_nodes", "replicas_per_node"):
+        for name in ("local_nodes", "max_nodes", "min_nodes"):
             _positive_int(self._path(name), getattr(self, name))
+        for name in ("replicas_per_node", "local_gpus"):
+            _check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
+                   self._path(name), "must be an integer >= 0", getattr(self, name))
+        _check(self.min_nodes <= self.max_nodes, self._path("min_nodes"),
+               f"must be <= cluster.max_nodes ({self.max_nodes})", self.min_nodes)
         _positive(self._path("time_scale"), self.time_scale)
+        _positive(self._path("wait_for_nodes_s"), self.wait_for_nodes_s)
         _non_negative(self._path("notice_s"), self.notice_s)
 
     @property

@@ -1,20 +1,32 @@
 """The embedded local cluster: a head plus simulated spot nodes, all on 127.0.0.1.
 
-Each spot node is a real raylet (``ray.cluster_utils.Cluster``) with the ``spot`` custom
-resource. Removing one is a preemption (graceful) or a hard kill (``hard=True``: its
-processes are killed with SIGKILL and Ray finds out through its health checks). Everything
-binds to loopback: the node IP is pinned to 127.0.0.1.
+This is the embedded "cloud": it only acts on the cluster, as a cloud does, and never calls
+into a job. Each spot node is a real raylet (``ray.cluster_utils.Cluster``) with the ``spot``
+custom resource (the market marker Ray's autoscaler configs in ``infra/`` also give spot
+workers), the label ``moshray-slot`` and optionally declared GPUs (``gpus_per_node``, to test
+placement on machines without any). Each node is a separate machine as far as it can be on
+one host: its processes get their own ``HOME`` (a fresh directory per node), and its own
+instance-metadata service (an IMDSv2 emulator on 127.0.0.1, named in the node's environment
+as ``AWS_EC2_METADATA_SERVICE_ENDPOINT``, as AWS SDKs find it), through which ``notice``
+delivers a spot interruption notice exactly as EC2 does. Removing a node is a preemption
+(graceful) or a hard kill (``hard=True``: its processes are killed with SIGKILL and Ray
+finds out through its health checks). Everything binds to loopback (127.0.0.1).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import threading
+import time
 from dataclasses import dataclass
 
-from moshray.cluster.placement import SPOT_RESOURCE
+from moshray.autoscaler.metadata_emulator import IMDSv2Server
+from moshray.autoscaler.notices import AWS_ENDPOINT_ENV
+from moshray.cluster.placement import SLOT_LABEL, SPOT_RESOURCE
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +53,6 @@ def allow_slow_node_registration(timeout_s: float = NODE_REGISTRATION_S) -> None
     ``services.get_node`` until it answers: this makes each of those calls itself retry
     until ``timeout_s``, so the loop's 30 s limit is never reached early. Idempotent.
     """
-    import time
 
     from ray._private import services
 
@@ -142,6 +153,7 @@ class LocalClusterConfig:
     object_store_bytes: int = 200 * 1024 * 1024
     dashboard: bool = False
     dashboard_port: int | None = None
+    gpus_per_node: int = 0  # declared on each spot raylet (no real device behind them)
     # Ray token authentication: every Ray process, this driver and the job API require a
     # fresh token (see LocalCluster.auth_token_path); off by default.
     token_auth: bool = False
@@ -188,6 +200,8 @@ class LocalCluster:
                 head_args["dashboard_port"] = config.dashboard_port
         self.cluster = Cluster(initialize_head=True, head_node_args=head_args)
         self.nodes: dict[int, object] = {}
+        self.metadata: dict[int, object] = {}  # slot -> its IMDSv2 emulator
+        self._homes = tempfile.mkdtemp(prefix="moshray-nodes-")
         for slot in range(config.spot_nodes):
             self.add_node(slot)
         self._ray = ray
@@ -219,13 +233,25 @@ class LocalCluster:
                 slot = next(i for i in range(len(self.nodes) + 1) if i not in self.nodes)
             if slot in self.nodes:
                 raise ValueError(f"slot {slot} already has a node")
-            node = self.cluster.add_node(
-                node_ip_address=LOOPBACK,
-                num_cpus=self.config.cpus_per_node,
-                object_store_memory=self.config.object_store_bytes,
-                resources={SPOT_RESOURCE: 1000, f"slot-{slot}": 1},
-            )
+            imds = IMDSv2Server(instance_id=f"i-local{slot:012d}")
+            home = tempfile.mkdtemp(prefix=f"slot{slot}-", dir=self._homes)
+            try:
+                node = self.cluster.add_node(
+                    node_ip_address=LOOPBACK,
+                    num_cpus=self.config.cpus_per_node,
+                    num_gpus=self.config.gpus_per_node,
+                    object_store_memory=self.config.object_store_bytes,
+                    # slot-N: lets tests and benchmarks pin an actor to a slot; the training
+                    # job never uses it (it places by node affinity).
+                    resources={SPOT_RESOURCE: 1000, f"slot-{slot}": 1},
+                    labels={SLOT_LABEL: str(slot)},
+                    env_vars={"HOME": home, AWS_ENDPOINT_ENV: imds.url},
+                )
+            except BaseException:
+                imds.close()
+                raise
             self.nodes[slot] = node
+            self.metadata[slot] = imds
             log.info("spot node %d up (%s)", slot, node.node_id)
             return slot
 
@@ -237,11 +263,22 @@ class LocalCluster:
     def head_node_id(self) -> str:
         return self.cluster.head_node.node_id
 
+    def notice(self, slot: int, notice_s: float, action: str = "terminate") -> None:
+        """A spot interruption notice for ``slot``'s node, due in ``notice_s`` seconds,
+        published on the node's metadata service (whoever watches the node hears it there)."""
+        with self._lock:
+            imds = self.metadata[slot]
+        imds.interrupt(action, time.time() + notice_s)
+        log.info("spot node %d noticed (%s in %.1f s)", slot, action, notice_s)
+
     def remove_node(self, slot: int, hard: bool = False) -> None:
         """Stop the raylet of ``slot``; ``hard`` kills its processes without grace."""
         with self._lock:
             node = self.nodes.pop(slot)
+            imds = self.metadata.pop(slot, None)
         self.cluster.remove_node(node, allow_graceful=not hard)
+        if imds is not None:
+            imds.close()
         log.info("spot node %d %s", slot, "killed" if hard else "removed")
 
     def live_slots(self) -> tuple[int, ...]:
@@ -254,6 +291,11 @@ class LocalCluster:
         if ray.is_initialized():
             ray.shutdown()
         self.cluster.shutdown()
+        with self._lock:
+            servers, self.metadata = list(self.metadata.values()), {}
+        for imds in servers:
+            imds.close()
+        shutil.rmtree(self._homes, ignore_errors=True)
         if self._auth is not None:
             self._auth.undo()
             self._auth = None

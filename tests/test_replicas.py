@@ -17,7 +17,7 @@ import ray
 from moshray.cluster import coordinator as coordinator_mod
 from moshray.cluster.membership import MembershipConfig
 from moshray.jobs.config import add_config_arguments, config_from_args
-from moshray.jobs.train import ReplicaSupervisor
+from moshray.jobs.replica_launch import ReplicaSupervisor
 
 pytestmark = pytest.mark.cluster
 

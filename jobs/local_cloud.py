@@ -1,0 +1,96 @@
+"""The embedded cluster as a cloud: nodes come and go; the job is never called.
+
+``run_embedded(config, job)`` starts a ``LocalCluster`` (a head plus ``cluster.local_nodes``
+spot raylets on 127.0.0.1, or the nodes a trace has at its start), runs ``job(address)`` —
+the same driver a ``RAY_ADDRESS`` cluster runs — in a thread, and meanwhile plays the cloud
+on the main thread (Ray starts raylets only from there): with ``cluster.trace`` it replays the
+spot trace, where an ``add`` is a new raylet, a ``notice`` is an interruption notice published
+on the node's own metadata service (``cluster.notice_s`` trace seconds before its removal),
+a ``remove`` stops the raylet and a ``kill`` SIGKILLs it. Whatever the job learns about
+nodes, it learns from Ray and from the notices its watchers read, as on a real cluster.
+
+``ChaosCloud``-style schedules are traces too (``autoscaler/chaos.py`` writes them).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger("moshray.local_cloud")
+
+
+class LocalCloud:
+    """The cloud side of the embedded cluster: carries out trace events on its nodes."""
+
+    def __init__(self, cluster, notice_s: float):
+        self.cluster, self.notice_s = cluster, notice_s
+
+    def add(self, slot: int) -> None:
+        if slot not in self.cluster.live_slots():
+            self.cluster.add_node(slot)
+
+    def notice(self, slot: int) -> None:
+        if slot in self.cluster.live_slots():
+            self.cluster.notice(slot, max(self.notice_s, 0.1))
+
+    def remove(self, slot: int) -> None:
+        if slot in self.cluster.live_slots():
+            self.cluster.remove_node(slot)
+
+    def kill(self, slot: int) -> None:
+        if slot in self.cluster.live_slots():
+            self.cluster.remove_node(slot, hard=True)
+
+
+def _trace_events(config):
+    from moshray.autoscaler.trace import load_trace, schedule, with_notices
+
+    c = config.cluster
+    return with_notices(schedule(load_trace(c.trace), c.time_scale, c.max_nodes),
+                        c.wall_notice_s)
+
+
+def run_embedded(config, job: Callable[[str], dict]) -> dict:
+    """Start the embedded cluster, run ``job(address)`` on it while replaying the trace,
+    stop everything; returns what ``job`` returned (re-raises what it raised)."""
+    from moshray.autoscaler.trace import TraceReplayer, initial_slots
+    from moshray.jobs.local_cluster import LocalCluster, LocalClusterConfig, pin_loopback
+
+    c = config.cluster
+    pin_loopback()
+    events = _trace_events(config) if c.trace else ()
+    slots = initial_slots(events) if c.trace else tuple(range(c.local_nodes))
+    cluster = LocalCluster(LocalClusterConfig(spot_nodes=0, cpus_per_node=2,
+                                              gpus_per_node=c.local_gpus))
+    result: dict = {}
+    done = threading.Event()
+    try:
+        for slot in slots:
+            cluster.add_node(slot)
+        cluster.connect()  # from the main thread; the job's driver shares the connection
+
+        def driver() -> None:
+            try:
+                result["summary"] = job(cluster.address)
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                result["error"] = exc
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=driver, name="moshray-job", daemon=True)
+        thread.start()
+        if events:
+            cloud = LocalCloud(cluster, c.wall_notice_s)
+            replay = TraceReplayer(events, cloud.add, cloud.remove, skip_initial=True,
+                                   kill_node=cloud.kill, notice_node=cloud.notice)
+            replay.run(stop=done)
+        while not done.wait(0.5):
+            pass
+        thread.join(timeout=30)
+    finally:
+        cluster.shutdown()
+    if "error" in result:
+        raise result["error"]
+    return result["summary"]

@@ -1,0 +1,105 @@
+"""What a training run shows its user: one progress line per global step, and the run's
+outputs (``summary.json`` and ``training.png`` in ``run_dir``). Pure except for the file
+writes in ``write_outputs``."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+log = logging.getLogger("moshray.train")
+
+BAR_WIDTH = 20
+
+
+def run_fraction(epoch: int, elapsed: float, max_steps: int | None,
+                 max_seconds: float | None) -> float | None:
+    """How far the run is towards its bound (the nearer of steps and seconds), or None."""
+    parts = []
+    if max_steps:
+        parts.append(epoch / max_steps)
+    if max_seconds:
+        parts.append(elapsed / max_seconds)
+    return min(max(parts), 1.0) if parts else None
+
+
+def progress_line(h, total_samples: int, elapsed: float, live: int, preemptions: int,
+                  fraction: float | None = None) -> str:
+    """One console line for a committed global step; with a bar when the run is bounded.
+
+    ``h`` is a history row ``(epoch, at_s, samples, loss, peers)``.
+    """
+    epoch, _, samples, loss, peers = h
+    loss_s = f"{loss:.4f}" if loss is not None else "  -   "
+    rate = total_samples / elapsed if elapsed > 0 else 0.0
+    bar = ""
+    if fraction is not None:
+        done = int(round(fraction * BAR_WIDTH))
+        bar = f"[{'#' * done}{'.' * (BAR_WIDTH - done)}] {fraction * 100:3.0f}% | "
+    return (f"step {epoch:5d} | {bar}loss {loss_s} | {rate:8.1f} samples/s | peers {peers} "
+            f"(live {live}) | preemptions {preemptions}")
+
+
+def write_outputs(run_dir: str, history: list, summary: dict, marks: dict) -> str | None:
+    """``<run_dir>/summary.json`` and ``<run_dir>/training.png`` (loss, samples/s and peers
+    over time, lost nodes and joins marked); returns the plot's path, None if it failed."""
+    from pathlib import Path
+
+    from moshray.jobs import plots
+
+    out_dir = Path(run_dir).expanduser()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps({**summary, "history": history}) + "\n")
+        tmp.replace(out_dir / "summary.json")
+        return str(plots.plot_training_run(history, out_dir / "training.png", **marks))
+    except (OSError, ValueError) as exc:
+        log.warning("run outputs not written to %s: %s", out_dir, exc)
+        return None
+
+
+
+
+def summarize(stats: dict, statuses: list[dict], leaving: set[str], wall_s: float,
+              hard_losses: int) -> dict:
+    """The run's summary from the Coordinator's ``stats`` and the replicas' final statuses.
+
+    Replicas in ``leaving`` (their node got a notice) are reported but not held to the
+    staying replicas' consistency. ``lost_steps`` counts committed steps the final state
+    skipped or went through twice (0 expected)."""
+    history = stats.get("history", [])
+    staying = [s for s in statuses if s["peer"] not in leaving]
+    top_epoch = max((s["epoch"] for s in staying), default=0)
+    finals = {s["checksum"] for s in staying if s["epoch"] == top_epoch}
+    losses = [h[3] for h in history if h[3] is not None]
+    samples = sum(h[2] for h in history)
+    return {
+        "steps": stats.get("epoch", 0),
+        "samples": samples,
+        "wall_s": wall_s,
+        "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
+        "preemptions": stats.get("preemptions", 0),
+        "initial_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "replicas": len(statuses),
+        "replicas_consistent": len(finals) == 1 and all(s["epoch"] == top_epoch
+                                                        for s in staying),
+        "leaving_replicas": len(statuses) - len(staying),
+        "replica_states": [[s["peer"], s["epoch"], s["checksum"]] for s in statuses],
+        "devices": sorted({s.get("device", "cpu") for s in statuses}),
+        "rejected_contributions": sum(s["rejected"] for s in statuses),
+        "notices": stats.get("notices", 0),
+        "hard_losses": hard_losses,
+        "rollbacks": stats.get("rollbacks", 0),  # steps lost with every peer holding them
+        "lost_steps": max((s["lost_steps"] + s["repeated_steps"] for s in statuses), default=0),
+        "rebalance_s_max": max(stats.get("rebalance_s") or [0.0]),
+    }
+
+
+def done_line(summary: dict) -> str:
+    return (f"done: {summary['steps']} steps, {summary['samples']} samples in "
+            f"{summary['wall_s']:.1f} s ({summary['samples_per_s']:.1f} samples/s), "
+            f"{summary['preemptions']} preemptions survived, loss "
+            f"{summary['initial_loss']} -> {summary['final_loss']}, replicas consistent: "
+            f"{summary['replicas_consistent']}")

@@ -130,7 +130,7 @@ def test_trace_preempts_and_adds_nodes_while_training(tmp_path: Path):
     assert last["moshray_samples_processed_total{}"] > 0
     assert last["moshray_allreduce_round_duration_seconds_count{}"] > 0
     assert last["moshray_allreduce_sent_bytes_total{}"] > 0
-    assert last["moshray_preemption_notices_total{cloud=simulated,pool=unknown}"] >= 1
+    assert last["moshray_preemption_notices_total{cloud=aws,pool=unknown}"] >= 1
     assert last["moshray_nodes_lost_total{notice=true}"] >= 1
     assert last["moshray_rebalance_seconds_count{}"] >= 1
     assert last["moshray_join_to_first_contribution_seconds_count{}"] >= 3  # incl. the joiner

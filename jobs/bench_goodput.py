@@ -314,10 +314,10 @@ def run_moshray(config) -> tuple[dict, list[Progress], list[int]]:
     captured: dict = {}
     original = train_job._supervise
 
-    def supervise_and_capture(cfg, coordinator, *rest):
-        summary = original(cfg, coordinator, *rest)
+    def supervise_and_capture(cfg, controller, *rest):
+        summary = original(cfg, controller, *rest)
         try:
-            captured["stats"] = ray.get(coordinator.stats.remote(), timeout=30)
+            captured["stats"] = ray.get(controller.coordinator.stats.remote(), timeout=30)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             log.warning("could not read the coordinator's history: %s", type(exc).__name__)
         return summary

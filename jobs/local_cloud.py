@@ -69,7 +69,9 @@ def run_embedded(config, job: Callable[[str], dict]) -> dict:
     try:
         for slot in slots:
             cluster.add_node(slot)
-        cluster.connect()  # from the main thread; the job's driver shares the connection
+        # From the main thread; the job's driver shares the connection (and, as under
+        # `ray job submit`, sees its replicas' logs).
+        cluster.connect(log_to_driver=True)
 
         def driver() -> None:
             try:

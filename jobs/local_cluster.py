@@ -220,11 +220,11 @@ class LocalCluster:
         url = getattr(self.cluster, "webui_url", None)
         return f"http://{url}" if url else None
 
-    def connect(self, namespace: str = "moshray") -> None:
+    def connect(self, namespace: str = "moshray", log_to_driver: bool = False) -> None:
         import ray
 
         ray.init(address=self.address, namespace=namespace, ignore_reinit_error=True,
-                 log_to_driver=False)
+                 log_to_driver=log_to_driver)
 
     def add_node(self, slot: int | None = None) -> int:
         """Start a spot raylet for ``slot`` (next free slot if None); returns the slot."""

@@ -88,6 +88,7 @@ def summarize(stats: dict, statuses: list[dict], leaving: set[str], wall_s: floa
         "leaving_replicas": len(statuses) - len(staying),
         "replica_states": [[s["peer"], s["epoch"], s["checksum"]] for s in statuses],
         "devices": sorted({s.get("device", "cpu") for s in statuses}),
+        "replica_gpus": [s.get("gpu_ids", []) for s in statuses],
         "rejected_contributions": sum(s["rejected"] for s in statuses),
         "notices": stats.get("notices", 0),
         "hard_losses": hard_losses,

@@ -59,6 +59,35 @@ def _node_ports() -> list[str]:
 
 
 @dataclass
+class SpotNode:
+    """One spot worker started by ``RayStartCluster.add_spot_node`` (the test is its cloud)."""
+
+    name: str
+    proc: subprocess.Popen
+    imds: object  # its IMDSv2 emulator: ``imds.interrupt(...)`` is the spot notice
+    root: Path
+
+    def notice(self, seconds: float) -> None:
+        """Publish a spot interruption notice due in ``seconds`` on the node's metadata."""
+        self.imds.interrupt("terminate", time.time() + seconds)
+
+    def terminate(self, timeout: float = 60) -> None:
+        """Stop the node gracefully (``ray start --block`` stops its processes)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the node's whole process group: a hard loss, no goodbye."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+@dataclass
 class RayStartCluster:
     """A head (with the dashboard / job server) plus ``workers`` spot nodes.
 
@@ -72,6 +101,7 @@ class RayStartCluster:
     object_store_bytes: int = 150 * 1024 * 1024
     token: str | None = field(default_factory=lambda: secrets.token_hex(32))  # None: auth off
     procs: list[subprocess.Popen] = field(default_factory=list)
+    spot_nodes: list["SpotNode"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.gcs_port = free_port()
@@ -119,6 +149,40 @@ class RayStartCluster:
                     self.procs.pop()
         return self
 
+    def add_spot_node(self, name: str, cpus: int = 2, gpus: int = 0, timeout: float = 180):
+        """Start one more spot worker as a separate machine would be: its own working
+        directory and HOME, its own instance-metadata service (an IMDSv2 emulator named in
+        ``AWS_EC2_METADATA_SERVICE_ENDPOINT``). Returns a ``SpotNode``; waits until it is alive."""
+        from moshray.autoscaler.metadata_emulator import IMDSv2Server
+
+        root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.logdir))
+        (root / "home").mkdir()
+        imds = IMDSv2Server(instance_id=f"i-{name}")
+        env = dict(self.env, HOME=str(root / "home"), AWS_EC2_METADATA_SERVICE_ENDPOINT=imds.url)
+        alive_before = self._alive_count()
+        log = open(self.logdir / f"{name}.log", "w")
+        proc = subprocess.Popen(
+            ["ray", "start", "--block", "--node-ip-address", LOOPBACK, "--disable-usage-stats",
+             "--address", self.gcs_address, "--num-cpus", str(cpus), "--num-gpus", str(gpus),
+             "--resources", '{"spot": 1000}', "--labels", f"moshray-test-node={name}",
+             "--object-store-memory", str(self.object_store_bytes), *_node_ports()],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
+        self.procs.append(proc)
+        node = SpotNode(name, proc, imds, root)
+        self.spot_nodes.append(node)
+        self._wait_nodes(alive_before + 1, timeout)
+        return node
+
+    def _alive_count(self) -> int:
+        import json
+
+        try:
+            with self._get("/nodes?view=summary") as r:
+                nodes = json.load(r)["data"]["summary"]
+            return sum(1 for x in nodes if x["raylet"].get("state") == "ALIVE")
+        except (OSError, KeyError, ValueError):
+            return 0
+
     def _wait_dashboard(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -153,6 +217,8 @@ class RayStartCluster:
                 raise RuntimeError(f"`ray start` exited with {p.returncode}; see {self.logdir}")
 
     def stop(self, timeout: float = 60) -> None:
+        for node in self.spot_nodes:
+            node.imds.close()
         for p in reversed(self.procs):  # workers first, the head last
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)

@@ -173,3 +173,28 @@ def test_progress_line_has_a_bar_when_the_run_is_bounded():
     assert "step    25" in line and "[#####...............]  25%" in line
     assert "loss 2.3456" in line and "640.0 samples/s" in line and "preemptions 1" in line
     assert "[" not in progress_line(row, 6400, 10.0, live=3, preemptions=1)
+
+
+def test_declared_gpus_get_one_replica_each_with_cpu_fallback():
+    """A node that declares 2 GPUs runs two replicas, each given one GPU by Ray (its own
+    device id); this machine has no CUDA, so they train on the CPU and stay consistent."""
+    proc, summary = train("--local-nodes", "1", "--set", "cluster.local_gpus=2",
+                          "--max-steps", "5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary["replicas"] == 2
+    assert sorted(map(tuple, summary["replica_gpus"])) == [("0",), ("1",)]
+    assert summary["devices"] == ["cpu"] and summary["replicas_consistent"] is True
+    assert "torch sees no CUDA device" in proc.stderr  # the fallback is said, not silent
+
+
+def test_refuses_node_local_checkpoint_on_several_machines():
+    from moshray.jobs.config import ConfigError, load_config
+    from moshray.jobs.train import check_durable
+
+    config = load_config(None, {"checkpoint.uri": "/tmp/ckpt"})
+    check_durable(config, machines=1)  # one machine: its disk is everyone's
+    with pytest.raises(ConfigError, match="checkpoint.uri.*durable storage"):
+        check_durable(config, machines=3)
+    check_durable(load_config(None, {"checkpoint.uri": "s3://bucket/run"}), machines=3)
+    with pytest.raises(ConfigError, match="data.paths"):
+        check_durable(load_config(None, {"data.paths": '["/data/x.parquet"]'}), machines=2)

@@ -1,0 +1,106 @@
+"""The training job on a cluster it did not start (``RAY_ADDRESS``), the test playing the cloud.
+
+The cluster is real ``ray start`` processes on 127.0.0.1; every spot node is started by the
+test with its own working directory, HOME and instance-metadata service, so nothing on the
+driver's disk is visible to a replica. The job starts with no worker node at all (it must
+say it waits, then train when nodes come), two more nodes join mid-run, one gets a spot
+notice through its metadata service and leaves at its deadline, one is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raystart import RayStartCluster, free_port
+from test_train import SMALL, _scrape
+
+pytestmark = pytest.mark.cluster
+
+
+def _wait(what: str, check, timeout: float, proc: subprocess.Popen, err: Path):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"job ended while waiting for {what}: "
+                                 f"{err.read_text()[-3000:]}")
+        time.sleep(1.0)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}; job stderr: "
+                         f"{err.read_text()[-3000:]}")
+
+
+def _metric(port: int, name: str) -> float:
+    return (_scrape(port) or {}).get(name, 0.0)
+
+
+@pytest.mark.timeout(900)
+def test_job_follows_nodes_that_come_and_go(tmp_path: Path):
+    driver_home = tmp_path / "driver-home"
+    driver_home.mkdir()
+    port = free_port()
+    with RayStartCluster(workers=0) as cluster:
+        env = dict(cluster.env, RAY_ADDRESS=cluster.gcs_address, HOME=str(driver_home))
+        out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+        with open(out, "w") as stdout, open(err, "w") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "moshray.jobs.train", *SMALL, "--json",
+                 "--max-seconds", "170", "--metrics-port", str(port),
+                 "--set", "cluster.max_nodes=4", "--set", "cluster.wait_for_nodes_s=300",
+                 "--set", f"run_dir={tmp_path / 'run'}"],
+                stdout=stdout, stderr=stderr, text=True, env=env, cwd=tmp_path)
+            try:
+                # No worker node yet: the job says so on one line and waits.
+                _wait("the waiting line", lambda: "waiting for worker nodes: 0 of at least 1"
+                      in err.read_text(), 120, proc, err)
+                a = cluster.add_spot_node("a")
+                b = cluster.add_spot_node("b")
+                _wait("training on a and b", lambda: _metric(
+                    port, "moshray_global_step{}") >= 5, 240, proc, err)
+                c = cluster.add_spot_node("c")
+                d = cluster.add_spot_node("d")
+                # Every replica (a, b and the two that joined) contributed to a step.
+                _wait("the joiners' first contributions", lambda: _metric(
+                    port, "moshray_join_to_first_contribution_seconds_count{}") >= 4,
+                    240, proc, err)
+                assert _metric(port, "moshray_replicas{state=training}") == 4
+                assert _metric(port, "moshray_nodes{market=spot}") == 4
+                c.notice(6.0)  # through c's own metadata service, as EC2 does
+                _wait("the notice to drain c", lambda: _metric(
+                    port, "moshray_preemption_notices_total{cloud=aws,pool=unknown}") >= 1,
+                    60, proc, err)
+                time.sleep(6.0)
+                c.terminate()
+                d.kill()
+                at_loss = _metric(port, "moshray_global_step{}")
+                _wait("progress after the losses", lambda: _metric(
+                    port, "moshray_global_step{}") >= at_loss + 10, 120, proc, err)
+                last = _scrape(port)
+                proc.wait(timeout=300)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=30)
+        assert proc.returncode == 0, err.read_text()[-3000:]
+        summary = json.loads([x for x in out.read_text().splitlines() if x.startswith("{")][-1])
+        assert a.proc.poll() is None and b.proc.poll() is None
+    assert summary["lost_steps"] == 0 and summary["rollbacks"] == 0
+    assert summary["replicas"] == 2  # the staying replicas, on a and b
+    assert summary["replicas_consistent"] is True
+    assert summary["hard_losses"] == 1 and summary["notices"] >= 1
+    assert summary["preemptions"] >= 2
+    assert summary["nodes_joined"] == 4  # all came after the job started
+    assert summary["replica_lifecycle"]["gone"] == 2
+    assert summary["steps"] > at_loss
+    assert last["moshray_nodes_lost_total{notice=true}"] >= 1
+    assert last["moshray_nodes_lost_total{notice=false}"] >= 1
+    assert last["moshray_nodes_joined_total{market=spot}"] == 4
+    assert last["moshray_replicas{state=training}"] == 2

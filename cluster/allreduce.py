@@ -7,16 +7,27 @@ Protocol (group of members M = (m_0..m_{k-1}) plus receivers):
    not own. It sends one ``Contribution`` (the tuple of part refs, never the bytes) to
    every other member.
 2. The owner of part j starts fetching part j of each contribution the moment it lands
-   (streaming: no barrier), validates it, and adds it to a weighted mean. When all live
-   members have been heard, or the contribution deadline passes, it encodes the mean,
-   puts it, and sends a ``PartResult`` ref to everyone in the group.
-3. Every peer fetches the results and writes them into its output vector.
+   (streaming: no barrier, all fetches in flight at once), validates it, and adds it to a
+   weighted mean *in the group's member order* (a value waits until the members before it
+   are settled). When all live members have been heard, or the contribution deadline
+   passes, it encodes the mean, puts it, and sends a ``PartResult`` ref to everyone.
+3. Every peer fetches the results and writes them straight into its output vector.
 
-Failures: every wait has a deadline. A member that misses the contribution deadline drops
-out of that part's average. If a part's owner is dead (its actor call fails) or its result
-misses the round deadline (or is malformed), each survivor re-reduces that part itself from
-the contributions it received (plus its own), so the part is not lost. Receivers, who hold
-no contributions, keep their local values for such a part.
+Bitwise equality: every member's value enters the mean exactly as the others receive it
+(its own part goes through the codec too), in member order, which ``grid.plan_grid`` lays
+out by grid coordinate. So every group of a round whose inputs are equal computes equal
+bytes whichever member owns which part, and after a multi-round Moshpit grid every peer
+holds bitwise identical values (no failures), not only the members of one last-round group.
+
+Failures: every wait has a deadline, each fetch included. While a peer waits it probes the
+other members (a ``Probe`` call every ``PROBE_S``): a call to a dead actor fails as soon as
+Ray knows (process exit: about a second; a lost node: its health checks), and the waiter
+stops waiting for that peer then instead of at the deadline. A member that misses the
+contribution deadline drops out of that part's average. If a part's owner is dead or its
+result misses the round deadline (or is malformed), each surviving member re-reduces that
+part itself from the contributions it received (plus its own) in member order, so all
+survivors compute the same bytes; receivers keep their local values for such a part.
+Values of a result are trusted as its owner validated every input (no second pass).
 """
 
 from __future__ import annotations
@@ -25,82 +36,21 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import ray
 
 from . import compression as comp
-from .messages import Contribution, Group, PartResult, Rejection, RejectReason, RoundPlan
+from .mailbox import GroupMailbox, RoundKey
+from .messages import Contribution, Group, PartResult, Probe, Rejection, RejectReason, RoundPlan
 from .partition import WeightedMean, check_contribution, part_sizes, part_slices
 
 log = logging.getLogger(__name__)
 
-RoundKey = tuple[int, int, int]  # (epoch, round_index, group_index)
+__all__ = ["Deadlines", "GroupMailbox", "GroupRound", "RoundKey", "RoundOutcome", "PROBE_S"]
 
-
-@dataclass
-class GroupMailbox:
-    """What has arrived for one group round: contributions, results and deaths.
-
-    Filled by the transport (actor method calls) on the event loop; the round waits on
-    ``changed``. Fetch tasks start as soon as the part index is known, so bytes move while
-    the round is still encoding its own parts.
-    """
-
-    key: RoundKey
-    contributions: dict[str, Contribution] = field(default_factory=dict)
-    results: dict[int, PartResult] = field(default_factory=dict)
-    dead: set[str] = field(default_factory=set)
-    own_part: int | None = None  # set when this peer's round starts (None: receiver)
-    reduced: bool = False  # own part published: later contributions are late
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    version: int = 0  # bumped by every notify: waiters compare it with what they last saw
-    fetches: dict[tuple[str, int], asyncio.Task] = field(default_factory=dict)
-    result_fetches: dict[int, asyncio.Task] = field(default_factory=dict)
-
-    def notify(self) -> None:
-        self.version += 1
-        self.changed.set()
-
-    def fetch_part(self, sender: str, part: int) -> asyncio.Task:
-        """Task fetching part ``part`` of ``sender``'s contribution (started once)."""
-        task = self.fetches.get((sender, part))
-        if task is None:
-            ref = self.contributions[sender].part_refs[part]
-            task = asyncio.ensure_future(_fetch(ref))
-            self.fetches[(sender, part)] = task
-        return task
-
-    def fetch_result(self, part: int) -> asyncio.Task:
-        task = self.result_fetches.get(part)
-        if task is None:
-            task = asyncio.ensure_future(_fetch(self.results[part].ref))
-            self.result_fetches[part] = task
-        return task
-
-    async def wait_changed(self, seen: int, deadline: float, clock: Callable[[], float]) -> bool:
-        """Wait until something arrived after the caller saw ``version == seen``.
-
-        Returns True at once if anything arrived since (even while the caller was busy
-        awaiting a fetch, so no wake-up is lost), False when ``deadline`` passes first.
-        """
-        while self.version == seen:
-            remaining = deadline - clock()
-            if remaining <= 0:
-                return False
-            # Safe to clear: notify runs on this event loop, so nothing can arrive between
-            # the version check above and the wait below.
-            self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                return self.version != seen
-        return True
-
-
-async def _fetch(ref) -> comp.Encoded:
-    return await ref
+PROBE_S = 0.5  # how often a waiting peer checks that the members it waits on are alive
 
 
 @dataclass
@@ -122,6 +72,11 @@ class RoundOutcome:
 class Deadlines:
     contributions: float  # owners stop waiting for contributions
     results: float  # peers stop waiting for results and re-reduce what is missing
+    final: float  # fetching a result or re-reducing a dead owner's part ends here
+
+    def __post_init__(self) -> None:
+        if not self.contributions <= self.results <= self.final:
+            raise ValueError(f"deadlines out of order: {self}")
 
 
 class GroupRound:
@@ -151,6 +106,7 @@ class GroupRound:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.numel = 0
+        self._probing: set[str] = set()  # peers with a probe in flight
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -161,30 +117,51 @@ class GroupRound:
             self.plan.epoch, self.round_index, sender, part, reason.value, detail,
         )
 
-    def _watch_call(self, peer: str, call_ref) -> None:
+    def _watch_call(self, peer: str, call_ref, done: Callable[[], None] | None = None) -> None:
         """Mark ``peer`` dead in the mailbox if the call to it fails."""
 
         async def watch() -> None:
             try:
                 await call_ref
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                self.box.dead.add(peer)
-                self.box.notify()
+                self.box.mark_dead(peer)
             except Exception as exc:  # noqa: BLE001 - any failed delivery means "not heard"
                 log.warning("call to %s failed: %s", peer, exc)
-                self.box.dead.add(peer)
-                self.box.notify()
+                self.box.mark_dead(peer)
+            finally:
+                if done is not None:
+                    done()
 
         asyncio.ensure_future(watch())
+
+    async def _probe_members(self) -> None:
+        """Until cancelled: one probe in flight to each other member not known dead."""
+        probe = Probe(self.plan.epoch, self.round_index, self.group_index, self.me)
+        others = [m for m in self.group.members if m != self.me]
+        while True:
+            await asyncio.sleep(PROBE_S)
+            for peer in others:
+                if peer in self.box.dead or peer in self._probing:
+                    continue
+                self._probing.add(peer)
+                ref = self.send(peer, "receive_contribution", probe)
+                self._watch_call(peer, ref, done=lambda p=peer: self._probing.discard(p))
 
     # -- the round -----------------------------------------------------------------------
 
     async def run(self, flat: np.ndarray, weight: float, deadlines: Deadlines) -> RoundOutcome:
+        prober = asyncio.ensure_future(self._probe_members())
+        try:
+            return await self._run(flat, weight, deadlines)
+        finally:
+            prober.cancel()
+
+    async def _run(self, flat: np.ndarray, weight: float, deadlines: Deadlines) -> RoundOutcome:
         members = self.group.members
         self.numel = flat.size
         sizes = part_sizes(flat.size, [self.plan.share_of(m) for m in members])
         slices = part_slices(sizes)
-        out = np.array(flat, dtype=np.float32, copy=True)
+        out = np.empty(flat.size, dtype=np.float32)  # every part is written exactly once
         per_part: dict[int, tuple[str, ...]] = {}
         failed: list[str] = []
         weights: dict[int, float] = {}
@@ -201,37 +178,38 @@ class GroupRound:
         if self.me in members:
             own = members.index(self.me)
             self.box.own_part = own
+            for sender in self.box.contributions:  # arrived before our round started
+                self.box.fetch_part(sender, own)
             await self._contribute(flat, weight, slices, own)
             lap("put")
             values, total, contributors = await self._reduce_part(
-                own, flat[slices[own]], weight, sizes[own], deadlines.contributions
+                own, flat[slices[own]], weight, sizes[own], deadlines.contributions,
+                deadlines.contributions,
             )
             self.box.reduced = True
             lap("reduce")
-            await self._publish(own, values, total, contributors)
-            out[slices[own]] = values
+            await self._publish(own, values, total, contributors, out[slices[own]])
             per_part[own], weights[own] = contributors, total
             lap("publish")
 
         for j, owner in enumerate(members):
             if j in per_part:
                 continue
-            got = await self._await_result(j, owner, sizes[j], deadlines.results)
-            if got is None:
-                failed.append(owner)
-                if self.me in members:  # re-reduce from the contributions we hold
-                    values, total, contributors = await self._reduce_part(
-                        j, flat[slices[j]], weight, sizes[j], deadlines.contributions,
-                        exclude=owner,
-                    )
-                    out[slices[j]] = values
-                    per_part[j], weights[j] = contributors, total
-                else:  # a receiver keeps its local value for the part
-                    per_part[j], weights[j] = (), weight
-            else:
-                values, result = got
-                out[slices[j]] = values
+            result = await self._await_result(j, owner, sizes[j], out[slices[j]], deadlines)
+            if result is not None:
                 per_part[j], weights[j] = result.contributors, result.total_weight
+                continue
+            failed.append(owner)
+            if self.me in members:  # re-reduce from the contributions we hold
+                values, total, contributors = await self._reduce_part(
+                    j, flat[slices[j]], weight, sizes[j], deadlines.contributions,
+                    deadlines.final, exclude=owner,
+                )
+                out[slices[j]] = values
+                per_part[j], weights[j] = contributors, total
+            else:  # a receiver keeps its local value for the part
+                out[slices[j]] = flat[slices[j]]
+                per_part[j], weights[j] = (), weight
 
         lap("gather")
         everyone = [set(c) for j, c in per_part.items() if sizes[j] > 0] or [set()]
@@ -261,7 +239,7 @@ class GroupRound:
                 if j == own:
                     refs.append(None)
                     continue
-                enc = comp.encode(flat[s], self.codec)
+                enc = comp.encode(flat[s], self.codec)  # none: a view, put copies it once
                 self.bytes_sent += enc.nbytes
                 refs.append(ray.put(enc))
             return refs
@@ -280,91 +258,107 @@ class GroupRound:
             if peer != self.me:
                 self._watch_call(peer, self.send(peer, "receive_contribution", message))
 
+    def _accept(self, sender: str, part: int, enc: comp.Encoded, size: int, weight: float):
+        """The values of a fetched part ready to add (the wire buffer itself where the
+        codec allows), or None if rejected. Runs in a worker thread."""
+        expected = comp.WIRE_DTYPE[self.codec]
+        if enc.data.dtype != expected or enc.codec is not self.codec:
+            return (RejectReason.DTYPE_MISMATCH,
+                    f"got {enc.codec.value}/{enc.data.dtype}, expected "
+                    f"{self.codec.value}/{expected}")
+        values = comp.received_values(enc)
+        return check_contribution(values, size, values.dtype, weight) or values
+
     async def _reduce_part(
         self,
         part: int,
         local: np.ndarray,
         weight: float,
         size: int,
-        deadline: float,
+        arrive_by: float,
+        fetch_by: float,
         exclude: str | None = None,
     ) -> tuple[np.ndarray, float, tuple[str, ...]]:
         """Weighted mean of part ``part`` over our own value and the contributions that
-        arrive before ``deadline``.
+        arrive before ``arrive_by`` and are fetched before ``fetch_by`` (``exclude``: a dead
+        owner whose part we re-reduce after the contribution deadline: then exactly the
+        contributions that had arrived count, and only their fetches are waited for).
 
-        The owner adds contributions as they are fetched (streaming). A re-reduction of a
-        dead owner's part (``exclude`` set) runs on every survivor at once: it adds the
-        values in the group's member order, so survivors holding the same contributions
-        compute bitwise identical results.
+        All fetches run at once; values enter the mean in the group's member order, each
+        as soon as every member before it is settled (added, rejected or known absent), so
+        any peer reducing the same inputs computes bitwise identical results.
         """
-        expected = comp.WIRE_DTYPE[self.codec]
+        order = [m for m in self.group.members if m != exclude]
         mean = WeightedMean(size)
-        contributors: list[str] = []
-        held: dict[str, tuple[np.ndarray, float]] = {}  # re-reduction: added at the end
-        problem = check_contribution(local, size, np.dtype(np.float32), weight)
+        held: dict[str, tuple[np.ndarray, float]] = {}
+        settled: set[str] = {self.me}
+        mine = await asyncio.to_thread(comp.round_trip, local, self.codec)
+        problem = check_contribution(mine, size, mine.dtype, weight)
         if problem is None:
-            if exclude is None:
-                mean.add(local, weight)
-            else:
-                held[self.me] = (local, weight)
-            contributors.append(self.me)
+            held[self.me] = (mine, weight)
         else:
             self._reject(self.me, part, *problem)
-
-        others = [m for m in self.group.members if m not in (self.me, exclude)]
-        done: set[str] = set()
+        fetching: dict[str, asyncio.Task] = {}
+        contributors: list[str] = []
+        added = 0  # members of ``order`` whose turn has passed
         while True:
             seen = self.box.version  # arrivals during the awaits below wake the wait at once
-            for sender in others:
-                if sender in done or sender not in self.box.contributions:
+            closed = self.clock() >= arrive_by  # no more waiting for absent contributions
+            for sender in order:
+                if sender in settled or sender in fetching:
                     continue
-                done.add(sender)
-                c = self.box.contributions[sender]
-                if c.numel != self.numel:
+                c = self.box.contributions.get(sender)
+                if c is None:
+                    if closed or sender in self.box.dead:
+                        settled.add(sender)
+                elif c.numel != self.numel:
                     self._reject(sender, part, RejectReason.SHAPE_MISMATCH,
                                  f"tensor of {c.numel} values")
+                    settled.add(sender)
+                else:
+                    fetching[sender] = self.box.fetch_part(sender, part)
+            for sender, task in list(fetching.items()):
+                if not task.done():
                     continue
+                del fetching[sender]
+                settled.add(sender)
                 try:
-                    enc = await self.box.fetch_part(sender, part)
+                    enc = task.result()
                 except Exception as exc:  # noqa: BLE001 - object lost with its owner
                     self._reject(sender, part, RejectReason.FETCH_FAILED, type(exc).__name__)
                     continue
                 self.bytes_received += enc.nbytes
-                if enc.data.dtype != expected or enc.codec is not self.codec:
-                    self._reject(sender, part, RejectReason.DTYPE_MISMATCH,
-                                 f"got {enc.codec.value}/{enc.data.dtype}, expected "
-                                 f"{self.codec.value}/{expected}")
-                    continue
-                values = await asyncio.to_thread(comp.decode, enc)
-                problem = await asyncio.to_thread(
-                    check_contribution, values, size, np.dtype(np.float32), c.weight
-                )
-                if problem is not None:
-                    self._reject(sender, part, *problem)
-                    continue
-                if exclude is None:
-                    await asyncio.to_thread(mean.add, values, c.weight)
+                weight_of = self.box.contributions[sender].weight
+                got = await asyncio.to_thread(self._accept, sender, part, enc, size, weight_of)
+                if isinstance(got, tuple):
+                    self._reject(sender, part, *got)
                 else:
-                    held[sender] = (values, c.weight)
-                contributors.append(sender)
-            waiting = [s for s in others if s not in done and s not in self.box.dead]
-            if not waiting:
+                    held[sender] = (got, weight_of)
+            while added < len(order) and order[added] in settled:
+                member = order[added]
+                added += 1
+                if member in held:
+                    await asyncio.to_thread(mean.add, *held.pop(member))
+                    contributors.append(member)
+            if added == len(order):
                 break
-            if not await self.box.wait_changed(seen, deadline, self.clock):
-                break  # deadline: whoever has not contributed yet drops out of this part
-        for member in self.group.members:
+            if not await self.box.wait_changed(seen, fetch_by if closed else arrive_by,
+                                               self.clock) and closed:
+                break  # fetch deadline: whoever has not been fetched drops out of this part
+        for member in order[added:]:  # past the deadline: what did arrive, in order
             if member in held:
-                await asyncio.to_thread(mean.add, *held[member])
+                await asyncio.to_thread(mean.add, *held.pop(member))
+                contributors.append(member)
         if mean.count == 0:  # nothing valid, not even our own value: keep it as is
             return np.array(local, dtype=np.float32), 0.0, ()
         values, total = await asyncio.to_thread(mean.result)
         return values, total, tuple(sorted(contributors))
 
-    async def _publish(self, part: int, values: np.ndarray, total: float, contributors) -> None:
+    async def _publish(self, part: int, values: np.ndarray, total: float, contributors,
+                       dest: np.ndarray) -> None:
         enc = await asyncio.to_thread(comp.encode, values, self.codec)
-        if self.codec is not comp.Compression.NONE:
-            # Keep exactly what the others will decode, so every peer holds equal values.
-            values[:] = await asyncio.to_thread(comp.decode, enc)
+        # Keep exactly what the others will decode, so every peer holds equal values.
+        await asyncio.to_thread(comp.decode_into, enc, dest)
         ref = await asyncio.to_thread(ray.put, enc)
         result = PartResult(
             epoch=self.plan.epoch,
@@ -383,13 +377,14 @@ class GroupRound:
                 self._watch_call(peer, self.send(peer, "receive_result", result))
 
     async def _await_result(
-        self, part: int, owner: str, size: int, deadline: float
-    ) -> tuple[np.ndarray, PartResult] | None:
-        """The owner's result for ``part``; None if the owner died, is late or sent junk."""
+        self, part: int, owner: str, size: int, dest: np.ndarray, deadlines: Deadlines
+    ) -> PartResult | None:
+        """Write the owner's result for ``part`` into ``dest``; None (``dest`` untouched)
+        if the owner died, is late or sent junk."""
         while part not in self.box.results:
             if owner in self.box.dead:
                 return None
-            if not await self.box.wait_changed(self.box.version, deadline, self.clock):
+            if not await self.box.wait_changed(self.box.version, deadlines.results, self.clock):
                 log.warning("epoch %d round %d: no result for part %d from %s by the "
                             "deadline", self.plan.epoch, self.round_index, part, owner)
                 return None
@@ -398,18 +393,16 @@ class GroupRound:
             log.warning("result of part %d from %s is for a tensor of %d values, not %d; "
                         "re-reducing", part, owner, result.numel, self.numel)
             return None
-        try:
-            remaining = max(deadline - self.clock(), 0.0) + 1.0
-            enc = await asyncio.wait_for(asyncio.shield(self.box.fetch_result(part)), remaining)
+        try:  # a result that came in time may still be fetched until the final deadline
+            task = self.box.fetch_result(part)
+            enc = await self.box.await_fetch(task, owner, deadlines.final, self.clock)
         except Exception as exc:  # noqa: BLE001 - result lost or too slow: re-reduce
             log.warning("result of part %d from %s could not be fetched: %r", part, owner, exc)
             return None
         self.bytes_received += enc.nbytes
-        if enc.codec is not self.codec:
-            log.warning("result of part %d from %s has codec %s", part, owner, enc.codec.value)
+        if enc.codec is not self.codec or enc.numel != size or enc.data.shape != (size,):
+            log.warning("result of part %d from %s is malformed (%s, %d values); "
+                        "re-reducing", part, owner, enc.codec.value, enc.numel)
             return None
-        values = await asyncio.to_thread(comp.decode, enc)
-        if check_contribution(values, size, np.dtype(np.float32), result.total_weight) is not None:
-            log.warning("result of part %d from %s is malformed; re-reducing", part, owner)
-            return None
-        return values, result
+        await asyncio.to_thread(comp.decode_into, enc, dest)
+        return result

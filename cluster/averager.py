@@ -14,8 +14,12 @@ Contract of ``all_reduce``:
 - with no failures every participant gets the exact weighted average (float32 rounding,
   plus the documented codec error when compression is on);
 - each round waits at most ``timeout`` seconds (contributions for the first 60% of it,
-  results until its end) plus the time to re-reduce parts of dead owners locally; it
-  never raises because another peer failed, and never waits forever;
+  results until its end), plus at most 25% more to finish fetching a result that came in
+  time or to re-reduce the part of a dead owner locally; every fetch is bounded by those
+  deadlines, and a dead member is noticed by probing (see ``allreduce``) rather than by a
+  deadline; it never raises because another peer failed, and never waits forever;
+- with no failures, every participant ends with bitwise identical values, also after a
+  multi-round grid (see ``allreduce``: canonical member order);
 - bad contributions (shape, dtype, stale epoch, non-finite, bad weight) are rejected,
   logged and counted in ``rejection_counts`` and in the report.
 Only one ``all_reduce`` runs at a time per averager.
@@ -32,16 +36,25 @@ from typing import Any
 
 import numpy as np
 
-from .allreduce import Deadlines, GroupMailbox, GroupRound, RoundKey
-from .messages import AllReduceReport, Contribution, PartResult, Rejection, RejectReason, RoundPlan
+from .allreduce import Deadlines, GroupRound
+from .mailbox import GroupMailbox, RoundKey
+from .messages import (
+    AllReduceReport, Contribution, PartResult, Probe, Rejection, RejectReason, RoundPlan,
+)
 
 log = logging.getLogger(__name__)
 
 CONTRIBUTION_FRACTION = 0.6
+FINAL_FRACTION = 1.25  # fetching a result in time, or re-reducing a dead owner's part
 
 
 def flatten(tensors: Sequence[Any]) -> np.ndarray:
-    """Concatenate tensors (torch or numpy) into one float32 vector on the CPU."""
+    """Concatenate tensors (torch or numpy) into one float32 vector on the CPU.
+
+    A single float32 numpy array comes back as a flat view (no copy; the averager never
+    writes to it, so a read-only buffer such as an object-store argument is fine)."""
+    if len(tensors) == 1 and isinstance(tensors[0], np.ndarray) and tensors[0].dtype == np.float32:
+        return tensors[0].reshape(-1)
     parts = []
     for t in tensors:
         if hasattr(t, "detach"):  # torch.Tensor; the object store needs CPU memory
@@ -52,17 +65,21 @@ def flatten(tensors: Sequence[Any]) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def unflatten(flat: np.ndarray, like: Sequence[Any]) -> list[Any]:
-    """Split ``flat`` back into tensors shaped, typed and placed like ``like``."""
+def unflatten(flat: np.ndarray, like: Sequence[Any], owned: bool = False) -> list[Any]:
+    """Split ``flat`` back into tensors shaped, typed and placed like ``like``.
+
+    ``owned``: ``flat`` is a fresh, writable buffer nobody else holds, so the outputs may be
+    views of it (no copy when dtype and device already match)."""
     out, offset = [], 0
     for t in like:
         n = int(np.prod(t.shape)) if len(t.shape) else 1
         chunk = flat[offset : offset + n].reshape(t.shape)
         offset += n
         if hasattr(t, "detach"):
-            out.append(_torch().from_numpy(np.array(chunk)).to(device=t.device, dtype=t.dtype))
+            chunk = chunk if owned else np.array(chunk)
+            out.append(_torch().from_numpy(chunk).to(device=t.device, dtype=t.dtype))
         else:
-            out.append(chunk.astype(t.dtype, copy=True))
+            out.append(chunk.astype(t.dtype, copy=not owned))
     return out
 
 
@@ -103,7 +120,9 @@ class Averager:
             box = self._boxes[key] = GroupMailbox(key)
         return box
 
-    def deliver_contribution(self, c: Contribution) -> None:
+    def deliver_contribution(self, c: Contribution | Probe) -> None:
+        if isinstance(c, Probe):
+            return  # a member checking that we are alive: answering is the whole reply
         key = (c.epoch, c.round_index, c.group_index)
         if c.epoch < self._floor_epoch:
             self._record(Rejection(c.sender, -1, RejectReason.STALE_EPOCH,
@@ -148,6 +167,7 @@ class Averager:
         started = self.clock()
         self._advance_floor(plan.epoch)
         flat = flatten(tensors)
+        given = flat
         handles = dict(plan.handles)
 
         def send(peer: str, method: str, message: object):
@@ -167,7 +187,8 @@ class Averager:
             key = (plan.epoch, r, g)
             box = self._box(key)
             t0 = self.clock()
-            deadlines = Deadlines(t0 + CONTRIBUTION_FRACTION * timeout, t0 + timeout)
+            deadlines = Deadlines(t0 + CONTRIBUTION_FRACTION * timeout, t0 + timeout,
+                                  t0 + FINAL_FRACTION * timeout)
             runner = GroupRound(self.peer_id, plan, r, g, group, box, send, self.clock)
             outcome = await runner.run(flat, weight, deadlines)
             self._finish(key)
@@ -196,7 +217,7 @@ class Averager:
             total_weight=float(weight),
             phases=tuple(sorted(phases.items())),
         )
-        return unflatten(flat, tensors), report
+        return unflatten(flat, tensors, owned=flat is not given), report
 
     def _finish(self, key: RoundKey) -> None:
         box = self._boxes.pop(key, None)

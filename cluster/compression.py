@@ -80,6 +80,28 @@ def decode(enc: Encoded) -> np.ndarray:
     return _decode_uint8(enc, max(block, 1))
 
 
+def received_values(enc: Encoded) -> np.ndarray:
+    """The values of ``enc`` for arithmetic, without a copy where the wire format allows:
+    ``none`` gives the (possibly read-only, object-store backed) buffer itself, ``fp16`` the
+    half-precision array, which numpy widens exactly to float32 inside each operation;
+    8-bit codecs are decoded. Equal to ``decode(enc)`` value for value."""
+    if enc.codec in (Compression.NONE, Compression.FP16):
+        return enc.data
+    return decode(enc)
+
+
+def round_trip(values: np.ndarray, codec: Compression | str) -> np.ndarray:
+    """``values`` as a receiver of ``encode(values, codec)`` sees them (``received_values``)."""
+    return received_values(encode(values, codec))
+
+
+def decode_into(enc: Encoded, out: np.ndarray) -> None:
+    """Decode ``enc`` into the float32 array ``out`` (same length) in one pass."""
+    if out.shape != (enc.numel,):
+        raise ValueError(f"out has shape {out.shape}, payload {enc.numel} values")
+    np.copyto(out, received_values(enc), casting="same_kind")
+
+
 def _encode_uint8(values: np.ndarray, block: int, codec: Compression) -> Encoded:
     n = values.size
     blocks = -(-n // block) if n else 0

@@ -179,3 +179,19 @@ class AllReduceReport:
     @property
     def complete(self) -> bool:
         return not self.rejections and not self.failed_owners and not self.partial_contributors
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A liveness check between members of one group round, sent through the transport's
+    ``receive_contribution`` (so hosts forward it with no change); the callee ignores it.
+
+    A peer waiting on another sends one while it waits: if the call fails (Ray reports the
+    actor or its node dead), the waiter stops waiting for that peer at once instead of at
+    the round's deadline.
+    """
+
+    epoch: int
+    round_index: int
+    group_index: int
+    sender: str

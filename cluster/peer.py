@@ -34,6 +34,7 @@ class AveragingPeer:
     def __init__(self, peer_id: str):
         self.peer_id = peer_id
         self.averager = Averager(peer_id)
+        self._synthetic: dict[tuple[int, int], np.ndarray] = {}
 
     async def receive_contribution(self, c: Contribution) -> None:
         self.averager.deliver_contribution(c)
@@ -58,6 +59,13 @@ class AveragingPeer:
         arrays, weight, plan = await faults.apply(fault, arrays, weight, plan)
         return await self.averager.all_reduce(arrays, weight, plan, timeout)
 
+    async def prepare_synthetic(self, numel: int, peer_index: int) -> None:
+        """Generate (and keep) the ``synthetic`` vector, so that a timed round that follows
+        measures the collective, not the peers' skew in generating their inputs."""
+        key = (numel, peer_index)
+        if key not in self._synthetic:
+            self._synthetic = {key: await asyncio.to_thread(synthetic, numel, peer_index)}
+
     async def all_reduce_synthetic(
         self,
         numel: int,
@@ -69,7 +77,8 @@ class AveragingPeer:
         fault: str | None = None,
     ) -> tuple[np.ndarray, AllReduceReport]:
         """All-reduce a ``synthetic`` vector; returns every ``sample_stride``-th value."""
-        data = await asyncio.to_thread(synthetic, numel, peer_index)
+        await self.prepare_synthetic(numel, peer_index)
+        data = self._synthetic[(numel, peer_index)]
         arrays, weight, plan = await faults.apply(fault, [data], weight, plan)
         out, report = await self.averager.all_reduce(arrays, weight, plan, timeout)
         return out[0][::sample_stride].copy(), report

@@ -13,6 +13,7 @@ import pytest
 import ray
 
 from moshray.cluster import coordinator as coordinator_mod
+from moshray.cluster.averager import CONTRIBUTION_FRACTION
 from moshray.cluster.compression import max_abs_error_bound
 from moshray.cluster.membership import Membership, MembershipConfig
 from moshray.cluster.messages import PeerInfo, RejectReason
@@ -71,7 +72,7 @@ def cluster(local_cluster):
 
 @pytest.mark.parametrize(
     "n,max_group",
-    [(1, 16), (2, 16), (5, 16), (4, 2), (6, 4), (7, 4), (8, 2)],
+    [(1, 16), (2, 16), (5, 16), (4, 2), (6, 4), (7, 4), (8, 2), (9, 3), (11, 4)],
 )
 def test_exact_weighted_average(cluster, n, max_group):
     peers = spawn(n, f"x{n}-{max_group}-")
@@ -88,11 +89,10 @@ def test_exact_weighted_average(cluster, n, max_group):
             np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-5)
             assert report.rejections == () and report.failed_owners == ()
             assert report.total_weight == pytest.approx(sum(weights.values()), rel=1e-6)
-        # In one group every participant holds bitwise identical values; across the groups
-        # of a multi-round grid the last round's sums are rounded in different orders.
-        if len(plan.grid.rounds) == 1:
-            first = results[0][0][0]
-            assert all(np.array_equal(first, out[0]) for out, _ in results)
+        # Every participant holds bitwise identical values, also across the groups of a
+        # multi-round grid (each group adds its members' values in grid-coordinate order).
+        first = results[0][0][0]
+        assert all(np.array_equal(first, out[0]) for out, _ in results)
     finally:
         kill_all(peers)
 
@@ -156,6 +156,10 @@ def test_peer_killed_mid_round(cluster):
             np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-6)
             assert report.contributors == tuple(survivors)
             assert "kill-3" in report.failed_owners
+            # The dead peer is found by probing, not by waiting out the contribution deadline.
+            assert report.seconds < CONTRIBUTION_FRACTION * TIMEOUT
+        # Survivors hold bitwise equal values (the dead owner's part re-reduced in order).
+        assert all(np.array_equal(results["kill-0"][0][0], out[0]) for out, _ in results.values())
         assert elapsed < TIMEOUT + MARGIN
     finally:
         kill_all(peers)

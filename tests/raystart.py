@@ -160,17 +160,28 @@ class RayStartCluster:
         imds = IMDSv2Server(instance_id=f"i-{name}")
         env = dict(self.env, HOME=str(root / "home"), AWS_EC2_METADATA_SERVICE_ENDPOINT=imds.url)
         alive_before = self._alive_count()
-        log = open(self.logdir / f"{name}.log", "w")
-        proc = subprocess.Popen(
-            ["ray", "start", "--block", "--node-ip-address", LOOPBACK, "--disable-usage-stats",
-             "--address", self.gcs_address, "--num-cpus", str(cpus), "--num-gpus", str(gpus),
-             "--resources", '{"spot": 1000}', "--labels", f"moshray-test-node={name}",
-             "--object-store-memory", str(self.object_store_bytes), *_node_ports()],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
-        self.procs.append(proc)
+        for attempt in range(2):
+            # `ray start` gives its raylet a fixed 30 s to register, which a loaded 2-core
+            # machine can miss: one retry, as in ``start``.
+            log = open(self.logdir / f"{name}-{attempt}.log", "w")
+            proc = subprocess.Popen(
+                ["ray", "start", "--block", "--node-ip-address", LOOPBACK,
+                 "--disable-usage-stats", "--address", self.gcs_address, "--num-cpus",
+                 str(cpus), "--num-gpus", str(gpus), "--resources", '{"spot": 1000}',
+                 "--labels", f"moshray-test-node={name}",
+                 "--object-store-memory", str(self.object_store_bytes), *_node_ports()],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
+            self.procs.append(proc)
+            try:
+                self._wait_nodes(alive_before + 1, timeout)
+                break
+            except RuntimeError:
+                self.procs.remove(proc)
+                if attempt == 1:
+                    imds.close()
+                    raise
         node = SpotNode(name, proc, imds, root)
         self.spot_nodes.append(node)
-        self._wait_nodes(alive_before + 1, timeout)
         return node
 
     def _alive_count(self) -> int:

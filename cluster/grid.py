@@ -27,7 +27,12 @@ from collections.abc import Sequence
 
 from .messages import GridPlan, Group, RoundSchedule
 
-DEFAULT_MAX_GROUP = 16
+# Groups of at most 8: a swarm of 9+ peers averages over a multi-round grid (9 -> 3x3,
+# 16 -> 4x4, 64 -> 8x8), so a peer exchanges parts with O(sqrt N) others per round instead
+# of N-1 and a failure only disturbs its own group of that round. The price is bandwidth:
+# each round moves 2(m-1)/m of the tensor per peer, so 16 peers as 4x4 move 3.0x the tensor
+# against 1.9x in one group of 16. Every peer still ends bitwise identical (see allreduce).
+DEFAULT_MAX_GROUP = 8
 
 
 def choose_dims(n: int, max_group: int = DEFAULT_MAX_GROUP) -> tuple[int, ...]:

@@ -326,3 +326,10 @@ def test_max_group_2_non_power_of_two_terminates() -> None:
     for n, v in outcome.items():
         if v == "ok":
             _assert_valid_plan(plan_grid(_peers(n), 2), _peers(n), 2)
+
+
+@pytest.mark.parametrize("n,dims", [(9, (3, 3)), (12, (3, 4)), (16, (4, 4)), (64, (8, 8))])
+def test_default_max_group_engages_the_grid_at_swarm_sizes(n: int, dims: tuple) -> None:
+    """Above 8 peers the default plan has a second round (Moshpit's grid, not one all-to-all)."""
+    assert choose_dims(n) == dims
+    assert len(_plan(DEFAULT_MAX_GROUP, n).rounds) == 2

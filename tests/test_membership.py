@@ -8,7 +8,7 @@ import math
 import pytest
 
 from moshray.cluster.coordinator import CoordinatorCore
-from moshray.cluster.grid import plan_grid
+from moshray.cluster.grid import DEFAULT_MAX_GROUP, plan_grid
 from moshray.cluster.membership import Membership, MembershipConfig
 from moshray.cluster.messages import PeerInfo
 
@@ -55,7 +55,7 @@ def test_config_rejects_nan_ttl() -> None:
 
 def test_config_defaults_and_frozen() -> None:
     config = MembershipConfig()
-    assert config.max_group == 16 and config.peer_ttl_s == 30.0
+    assert config.max_group == DEFAULT_MAX_GROUP == 8 and config.peer_ttl_s == 30.0
     assert config.compression == "none" and config.seed == 0
     assert MembershipConfig(max_group=2, peer_ttl_s=0.001).max_group == 2
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -55,6 +55,8 @@ def test_job_follows_nodes_that_come_and_go(tmp_path: Path):
                 [sys.executable, "-m", "moshray.jobs.train", *SMALL, "--json",
                  "--max-seconds", "170", "--metrics-port", str(port),
                  "--set", "cluster.max_nodes=4", "--set", "cluster.wait_for_nodes_s=300",
+                 # Steps of 128 samples: a joiner's state copy keeps up with the steps.
+                 "--set", "training.target_batch_size=128",
                  "--set", f"run_dir={tmp_path / 'run'}"],
                 stdout=stdout, stderr=stderr, text=True, env=env, cwd=tmp_path)
             try:
@@ -71,7 +73,9 @@ def test_job_follows_nodes_that_come_and_go(tmp_path: Path):
                 _wait("the joiners' first contributions", lambda: _metric(
                     port, "moshray_join_to_first_contribution_seconds_count{}") >= 4,
                     240, proc, err)
-                assert _metric(port, "moshray_replicas{state=training}") == 4
+                # The controller sees them ready on its next tick.
+                _wait("four training replicas", lambda: _metric(
+                    port, "moshray_replicas{state=training}") == 4, 120, proc, err)
                 assert _metric(port, "moshray_nodes{market=spot}") == 4
                 c.notice(6.0)  # through c's own metadata service, as EC2 does
                 _wait("the notice to drain c", lambda: _metric(

@@ -9,8 +9,9 @@ counts) and medians are printed. With ``--kill-one`` a further moshray round run
 one peer's process exits mid-round, and the survivors' time is reported.
 
 With ``--json`` the last line is one JSON object: peers, size_mb, compression, moshray_s,
-gloo_s, ratio_vs_gloo (gloo_s / moshray_s, higher is better), max_rel_error, and with
---kill-one kill_one_s.
+gloo_s, ratio_vs_gloo (gloo_s / moshray_s, higher is better), max_rel_error, max_abs_error
+against the codec's documented error_bound (within_bound), the 1-minute load average, and
+with --kill-one kill_one_s.
 """
 
 from __future__ import annotations
@@ -154,6 +155,16 @@ def run(args: argparse.Namespace) -> dict:
         scale = float(np.abs(expected).max())
         max_rel = max(float(np.abs(s - expected).max()) / scale for s in moshray_samples)
         gloo_rel = max(float(np.abs(r[1] - expected).max()) / scale for r in results)
+        # The codec's documented bound (compression.max_abs_error_bound) for two encodings,
+        # the contributions and the result, taken over the sampled values.
+        from moshray.cluster.compression import max_abs_error_bound
+        from moshray.cluster.peer import synthetic
+
+        idx = np.arange(0, numel, stride)
+        bound = max(max_abs_error_bound(synthetic(numel, i)[idx], args.compression)
+                    for i in range(args.peers))
+        bound += max_abs_error_bound(expected.astype(np.float32), args.compression)
+        max_abs = max(float(np.abs(s - expected).max()) for s in moshray_samples)
 
         summary = {
             "peers": args.peers,
@@ -164,6 +175,10 @@ def run(args: argparse.Namespace) -> dict:
             "gloo_s": statistics.median(gloo_times),
             "max_rel_error": max_rel,
             "gloo_max_rel_error": gloo_rel,
+            "max_abs_error": max_abs,
+            "error_bound": bound,
+            "within_bound": max_abs <= bound,
+            "load_average": os.getloadavg()[0],
             "moshray_phases_s": {k: statistics.median(p.get(k, 0.0) for p in moshray_phases)
                                  for k in moshray_phases[0]},
         }

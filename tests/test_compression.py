@@ -190,3 +190,37 @@ def test_unknown_codec_raises() -> None:
         encode(np.zeros(3, np.float32), "int4")
     with pytest.raises(ValueError):
         max_abs_error_bound(np.zeros(3, np.float32), "int4")
+
+
+@pytest.mark.parametrize("codec", list(Compression))
+def test_received_values_and_decode_into_match_decode(codec: Compression) -> None:
+    """The zero-copy paths the all-reduce uses give exactly ``decode``'s values."""
+    from moshray.cluster.compression import decode_into, received_values, round_trip
+
+    values = np.random.default_rng(4).normal(size=10_001).astype(np.float32)
+    enc = encode(values, codec)
+    expected = decode(enc)
+    got = received_values(enc)
+    assert np.array_equal(got.astype(np.float32), expected)
+    assert np.array_equal(round_trip(values, codec).astype(np.float32), expected)
+    if codec is Compression.NONE:
+        assert np.shares_memory(got, values)  # no copy on the wire path
+    out = np.full(values.size, np.nan, np.float32)
+    decode_into(enc, out)
+    assert np.array_equal(out, expected)
+    with pytest.raises(ValueError):
+        decode_into(enc, np.empty(values.size + 1, np.float32))
+
+
+def test_fp16_gradient_like_error_within_bound() -> None:
+    """Gradient-like values (heavy tails, many tiny ones) averaged as the all-reduce does:
+    each peer's value encoded, the mean of the decoded values encoded again. The error
+    stays within the sum of the two documented bounds (what the cluster test asserts)."""
+    rng = np.random.default_rng(11)
+    grads = [(rng.standard_t(3, size=200_000) * 1e-3).astype(np.float32) for _ in range(4)]
+    exact = np.mean([g.astype(np.float64) for g in grads], axis=0)
+    mean = np.mean([decode(encode(g, Compression.FP16)) for g in grads], axis=0, dtype=np.float32)
+    got = decode(encode(mean, Compression.FP16))
+    bound = max(max_abs_error_bound(g, Compression.FP16) for g in grads)
+    bound += max_abs_error_bound(exact.astype(np.float32), Compression.FP16)
+    assert np.abs(got - exact).max() <= bound

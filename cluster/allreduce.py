@@ -135,14 +135,18 @@ class GroupRound:
         asyncio.ensure_future(watch())
 
     async def _probe_members(self) -> None:
-        """Until cancelled: one probe in flight to each other member not known dead."""
+        """Until cancelled: one probe in flight to each other member we still wait on
+        (its contribution, if we are a member, or its part's result) and not known dead."""
         probe = Probe(self.plan.epoch, self.round_index, self.group_index, self.me)
-        others = [m for m in self.group.members if m != self.me]
+        members = self.group.members
+        member = self.me in members
         while True:
             await asyncio.sleep(PROBE_S)
-            for peer in others:
-                if peer in self.box.dead or peer in self._probing:
+            for j, peer in enumerate(members):
+                if peer == self.me or peer in self.box.dead or peer in self._probing:
                     continue
+                if j in self.box.results and (not member or peer in self.box.contributions):
+                    continue  # nothing more to wait for from this peer
                 self._probing.add(peer)
                 ref = self.send(peer, "receive_contribution", probe)
                 self._watch_call(peer, ref, done=lambda p=peer: self._probing.discard(p))

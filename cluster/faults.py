@@ -4,6 +4,9 @@ Each fault changes what the peer feeds into an unmodified ``Averager`` or ends t
 process, so the code path under test is the production one.
 
 - ``die``: the process exits before contributing (a crashed peer mid-round).
+- ``die_mid_round``: the process answers the transport for ``DIE_AFTER_S`` (the other
+  members' calls to it succeed: they cannot learn of its death from them) and then exits
+  without contributing. Only a probe or a deadline can tell the others.
 - ``stall``: the peer sleeps for a long time before contributing (a frozen or
   partitioned peer; the test removes its node meanwhile).
 - ``nan``: its tensors are NaN.
@@ -22,9 +25,10 @@ import numpy as np
 
 from .messages import RoundPlan
 
-FAULTS = ("die", "stall", "nan", "wrong_shape", "stale_epoch", "wrong_dtype")
+FAULTS = ("die", "die_mid_round", "stall", "nan", "wrong_shape", "stale_epoch", "wrong_dtype")
 STALL_S = 3600.0
 STALE_BY = 1000
+DIE_AFTER_S = 1.0
 
 
 async def apply(fault: str | None, arrays: list, weight: float, plan: RoundPlan):
@@ -33,6 +37,9 @@ async def apply(fault: str | None, arrays: list, weight: float, plan: RoundPlan)
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; choose one of {', '.join(FAULTS)}")
     if fault == "die":
+        os._exit(1)
+    if fault == "die_mid_round":
+        await asyncio.sleep(DIE_AFTER_S)
         os._exit(1)
     if fault == "stall":
         await asyncio.sleep(STALL_S)

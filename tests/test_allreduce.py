@@ -137,7 +137,8 @@ def test_compression_error_within_documented_bound(cluster, codec):
         kill_all(peers)
 
 
-def test_peer_killed_mid_round(cluster):
+@pytest.mark.parametrize("fault", ["die", "die_mid_round"])
+def test_peer_killed_mid_round(cluster, fault):
     peers = spawn(4, "kill-")
     try:
         rng = np.random.default_rng(1)
@@ -145,7 +146,7 @@ def test_peer_killed_mid_round(cluster):
         weights = {p: float(i + 1) for i, p in enumerate(peers)}
         plan = make_plan(peers)
         t0 = time.monotonic()
-        refs = run(peers, plan, arrays, weights, faults={"kill-3": "die"})
+        refs = run(peers, plan, arrays, weights, faults={"kill-3": fault})
         survivors = ["kill-0", "kill-1", "kill-2"]
         results = dict(zip(survivors, ray.get([refs[p] for p in survivors], timeout=60)))
         elapsed = time.monotonic() - t0

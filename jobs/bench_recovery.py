@@ -1,43 +1,48 @@
-"""`moshray bench recovery`: how fast the swarm recovers from the four events of spot life.
+"""`moshray bench recovery`: how fast the real training job recovers from the four events of
+spot life.
 
-Starts an embedded local cluster (head + ``--nodes`` spot raylets on 127.0.0.1), one
-training replica per spot node (the training job's ``ReplicaSupervisor``, the default model
-unless ``--set`` says otherwise), a ``NoticeWatcher`` per spot node (``WatcherFleet``, the
-simulated source) and a DMoE expert set (one ``ExpertSupervisor``, one shard of experts
-per spot node, experts shaped ``model.d_model -> model.d_ff``). Then, ``--trials`` times:
+Starts an embedded local cluster (head + ``--nodes`` spot raylets on 127.0.0.1) and runs the
+training job's driver on it, ``moshray.jobs.train.run_job`` (the elastic controller, the
+default model unless ``--set`` says otherwise), in a thread as ``moshray train`` does on the
+embedded cluster. This process then only plays the cloud (``jobs/recovery_trials.py``): it
+adds nodes, publishes spot notices on a node's own metadata service, removes a noticed node
+at its deadline, SIGKILLs a node. The job does the rest on its own, as on a real cluster:
+its controller starts a replica and a notice watcher on every node that joins, its watchers
+tell the Coordinator, its replicas sync and train. The figures are read from the job's
+Coordinator and Ray's node table. Then, ``--trials`` times, each event from a steady swarm
+(every node's replica has contributed to a committed step):
 
-1. **notice -> rebalanced** (``notice_to_rebalanced_s``): a simulated termination notice
-   is delivered to a node hosting a replica and experts, through the watcher's own path
-   (``deliver_notice`` -> ``drain_for_notice`` -> ``Coordinator.note_notice``); the figure is
-   the Coordinator's ``notice_stats()[node]["rebalance_s"]`` (notice -> first plan without
-   the node). The node is removed at the notice's deadline (``--notice-s``).
-2. **expert respawn** (``expert_respawn_s``), same notice: the watcher hands the notice to the
-   ``ExpertSupervisor``, which re-spawns that node's shards elsewhere. The figure is the
-   notice's receipt -> the moment every uid of those shards is served again: the
-   Coordinator's registry lists it on a new instance on another node and a forward call
-   through that record's handle returns.
-3. **join -> first contribution** (``join_to_contribution_s``): a replacement node is added
-   and a replica started on it; from the node being up (``add_node`` returned; the raylet's
-   own start is reported apart as ``node_start_s``) to the commit of the first global step
-   the new replica took part in (``Coordinator.step_timings``: a step is committed when one
-   of its participants reports having applied it).
-4. **hard kill -> progress** (``hard_kill_to_progress_s``): another replica's node is killed
-   with SIGKILL (``LocalCluster.remove_node(slot, hard=True)``), no notice; the figure is the
-   kill -> the commit of the first global step without the dead replica (the swarm moved on
-   without it; ``hard_kill_to_any_commit_s`` lists the kill -> the first commit of any step,
-   which may be a round in flight finishing with or without the dead peer's part). A
-   replacement node joins after it (a second join sample).
+1. **notice -> rebalanced** (``notice_to_rebalanced_s``): a termination notice for a node,
+   ``--notice-s`` ahead; the figure is the Coordinator's
+   ``notice_stats()[node]["rebalance_s"]``: from the node's watcher receiving the notice to
+   the first plan without the node's replica. The node is removed at the deadline.
+2. **join -> first contribution** (``join_to_contribution_s``): a replacement node is added;
+   from the node being alive in Ray's node table (its raylet's start is reported apart as
+   ``node_start_s``) to the commit of the first global step its replica (``replica-<slot>-<n>``,
+   started by the controller) took part in (``Coordinator.step_timings``).
+3. **hard kill -> progress** (``hard_kill_to_progress_s``): another node is SIGKILLed, no
+   notice; from the kill to the commit of the first step without its replica committed after
+   the kill (``hard_kill_to_any_commit_s``: to the first commit of any step, which may be a
+   round in flight). A replacement node joins after it (a second join sample).
+4. **expert re-spawn** (``expert_respawn_s``): a second run of the job, with DMoE layers
+   (the ``--moe`` default: every other block, ``model.moe_grid``), on the same cluster. A
+   notice for the node hosting the most expert shards; the job's watcher hands it to the
+   job's ExpertSupervisor, which re-spawns those shards elsewhere. From the notice's
+   publication to every one of those shards listed in the Coordinator's registry on a new
+   instance off the node, a forward call through it answering. The node is removed at the
+   deadline and a replacement added.
 
-Before each event the swarm is steady (every live replica has contributed to a committed
-step). Times of the Coordinator's clock are mapped onto this process's monotonic clock by
-one round trip; wall clocks are compared only between processes of this one machine
-(notice receipt -> expert served).
+Each job is bounded by ``training.max_seconds`` and ended by the bench once its trials are
+done; the cluster is shut down at the end. Coordinator times are mapped onto this
+process's monotonic clock by the best of three round trips.
 
 With ``--json`` the last stdout line is one JSON object: the four medians, their worst
 cases (``_max`` suffix), every sample (``samples``), the targets and whether each median
-meets it; the same object goes to ``<out>/recovery.json`` and a bar plot (median and worst
-per measure) to ``<out>/recovery.png``. Targets (for the printout, default model):
-notice -> rebalanced <= 1 s, hard kill -> progress <= 5 s, join -> first contribution <= 15 s.
+meets it, and the two jobs' own figures (``job``, ``job_moe``); the same object goes to
+``<out>/recovery.json`` and a bar plot (median and worst per measure) to
+``<out>/recovery.png``; the jobs write their runs under ``<out>/job`` and ``<out>/job-moe``.
+Targets (default model): notice -> rebalanced <= 1 s, hard kill -> progress <= 5 s,
+join -> first contribution <= 15 s.
 
 Bad arguments exit with status 2 and one line on stderr; a recovery that does not happen
 within ``--timeout`` seconds exits with status 1 and one line naming it.
@@ -54,8 +59,9 @@ import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
+
+from moshray.jobs.recovery_trials import RecoveryTimeout, median_step_s
 
 log = logging.getLogger("moshray.bench_recovery")
 
@@ -77,16 +83,10 @@ TARGETS: dict[str, float] = {
     "hard_kill_to_progress_s": 5.0,
     "join_to_contribution_s": 15.0,
 }
-EXPERTS_PER_HOST = 2
-POLL_S = 0.05
 
 
 class BenchError(ValueError):
     """Bad benchmark input; the message is one line saying what to fix (exit 2)."""
-
-
-class RecoveryTimeout(RuntimeError):
-    """A recovery did not happen within ``--timeout`` (exit 1, one line)."""
 
 
 # =========================================================================== pure logic
@@ -123,39 +123,6 @@ def summarize(samples: Mapping[str, Sequence[float]], meta: Mapping | None = Non
     }
 
 
-Step = Sequence  # (epoch, planned_at_s, committed_at_s | None, participants)
-
-
-def first_commit_with(steps: Sequence[Step], peer: str) -> float | None:
-    """Commit time of the first committed step ``peer`` took part in (None: none yet)."""
-    times = [s[2] for s in steps if s[2] is not None and peer in s[3]]
-    return min(times) if times else None
-
-
-def first_commit_without(steps: Sequence[Step], peer: str, after_s: float) -> float | None:
-    """Commit time of the first step without ``peer`` committed after ``after_s`` (or None)."""
-    times = [s[2] for s in steps if s[2] is not None and s[2] > after_s and peer not in s[3]]
-    return min(times) if times else None
-
-
-def first_commit_after(steps: Sequence[Step], after_s: float) -> float | None:
-    """Commit time of the first step committed after ``after_s``, whoever took part."""
-    times = [s[2] for s in steps if s[2] is not None and s[2] > after_s]
-    return min(times) if times else None
-
-
-def all_contributed(steps: Sequence[Step], peers: Sequence[str]) -> bool:
-    """True once every one of ``peers`` took part in some committed step."""
-    return all(first_commit_with(steps, p) is not None for p in peers)
-
-
-def median_step_s(steps: Sequence[Step]) -> float | None:
-    """Median seconds between consecutive plans (None with fewer than two steps): the
-    pace that bounds notice -> rebalanced, since a node is rebalanced at the next plan."""
-    times = sorted(s[1] for s in steps)
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    return statistics.median(gaps) if gaps else None
-
 
 def check_args(args: argparse.Namespace) -> None:
     """Raise ``BenchError`` (one line naming the flag) for out-of-range arguments."""
@@ -170,282 +137,60 @@ def check_args(args: argparse.Namespace) -> None:
             raise BenchError(f"--{name.replace('_', '-')} must be > 0, got {value}")
 
 
-def _wait(predicate, timeout_s: float, what: str, poll_s: float = POLL_S):
-    """``predicate()``'s first truthy value, polled; ``RecoveryTimeout`` after ``timeout_s``."""
-    end = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= end:
-            raise RecoveryTimeout(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(poll_s)
-
-
 # =========================================================================== the run
 
 
-@dataclass
-class _Samples:
-    values: dict[str, list[float]]
-    node_start_s: list[float]
+def job_config(config, nodes: int, bound_s: float, run_dir: str, moe: bool = False):
+    """The ``TrainConfig`` of one job under test: ``config`` with room for ``nodes`` nodes,
+    ``training.max_seconds = bound_s`` (a safety net; the bench ends the job sooner),
+    metrics on any free port, the job's lines on stderr, and DMoE layers if ``moe``."""
+    from dataclasses import replace
+
+    return replace(
+        config,
+        model=config.model.with_default_moe() if moe else config.model,
+        training=replace(config.training, max_seconds=bound_s),
+        cluster=replace(config.cluster, address=None, min_nodes=1,
+                        max_nodes=max(config.cluster.max_nodes, nodes)),
+        metrics=replace(config.metrics, port=0), run_dir=run_dir, json=True)
 
 
-class RecoveryBench:
-    """The cluster-side half: owns the swarm on a connected local cluster, times each event.
+def _job_figures(summary: Mapping | None) -> dict | None:
+    """The scalar figures of a job's summary (steps, samples, losses, ...) for the JSON."""
+    if summary is None:
+        return None
+    return {k: v for k, v in summary.items()
+            if isinstance(v, (int, float, str, bool)) or v is None}
 
-    ``cluster`` is a connected ``LocalCluster``; ``config`` a ``TrainConfig``. Every wait is
-    bounded by ``timeout_s``; ``close`` stops what this object started.
-    """
 
-    def __init__(self, cluster, config, timeout_s: float, notice_s: float, log_fn):
-        import ray
+def _run_job(cluster, config, args, log_fn, body) -> tuple[object, dict | None]:
+    """Start the job, ``body(trials)`` while it trains, end it; ``(body's value, the job's
+    figures)``. Ray is connected on entry (``run_job`` disconnects this process when done)."""
+    from moshray.jobs.recovery_trials import CloudTrials, JobThread
 
-        from moshray.actors.data import resolve_data
-        from moshray.actors.expert import ExpertSetConfig, ExpertSpec, ExpertSupervisor
-        from moshray.autoscaler.watch import WatcherConfig, WatcherFleet
-        from moshray.cluster import coordinator as coordinator_mod
-        from moshray.cluster import placement
-        from moshray.cluster.membership import MembershipConfig
-        from moshray.jobs.replica_launch import ReplicaSupervisor
-
-        self.ray = ray
-        self.cluster, self.config = cluster, config
-        self.timeout_s, self.notice_s, self.log = timeout_s, notice_s, log_fn
+    cluster.connect()
+    previous = _current_coordinator()
+    job = JobThread(config, cluster.address)
+    value, summary = None, None
+    try:
+        trials = CloudTrials(cluster, job, args.timeout, args.notice_s, log_fn, previous)
+        value = body(trials)
+    finally:
         t = config.training
-        self.name = f"moshray-coordinator-bench-recovery-{os.getpid()}"
-        self.coordinator = coordinator_mod.get_or_create(
-            MembershipConfig(compression=t.compression, peer_ttl_s=max(3.0, t.round_timeout_s)),
-            target_batch_size=t.target_batch_size, name=self.name)
-        ray.get(self.coordinator.stats.remote(), timeout=timeout_s)
-        self.fleet = WatcherFleet(WatcherConfig(source="simulated", poll_s=0.1,
-                                                rpc_timeout_s=30.0, coordinator_name=self.name))
-        files = resolve_data(list(config.data.paths) or None,
-                             os.path.expanduser(config.data.cache_dir))
-        self.replicas = ReplicaSupervisor(config, files, self.coordinator, None)
-        nodes = len(cluster.live_slots())
-        m = config.model
-        self.layer = "recovery"
-        self.expert_config = ExpertSetConfig(
-            layers=(self.layer,), grid=(nodes, EXPERTS_PER_HOST),
-            spec=ExpertSpec(d_model=m.d_model, d_hidden=m.d_ff),
-            experts_per_host=EXPERTS_PER_HOST, snapshot_interval_s=3600.0, num_cpus=0.25)
-        self.experts = ExpertSupervisor.options(max_concurrency=1000, **placement.on_head()) \
-            .remote(self.expert_config, self.coordinator)
-        self.offset = 0.0
-        self.any_commit_s: list[float] = []  # hard kill -> first commit of any step
+        summary = job.end(t.round_timeout_s * 3 * (args.nodes + 1) + 120)
+    return value, _job_figures(summary)
 
-    # -- helpers ---------------------------------------------------------------------------
 
-    def _get(self, ref):
-        return self.ray.get(ref, timeout=self.timeout_s)
+def _current_coordinator():
+    """The Coordinator left on the cluster (None), so a new job's is told apart from it."""
+    import ray
 
-    def _steps(self) -> list:
-        return self._get(self.coordinator.step_timings.remote())["steps"]
+    from moshray.cluster import placement
 
-    def _sync_clock(self) -> None:
-        """``offset``: Coordinator time (seconds since it started) + offset = our monotonic."""
-        best = None
-        for _ in range(3):
-            t0 = time.monotonic()
-            now_s = self._get(self.coordinator.step_timings.remote(10**12))["now_s"]
-            t1 = time.monotonic()
-            if best is None or t1 - t0 < best[0]:
-                best = (t1 - t0, (t0 + t1) / 2 - now_s)
-        self.offset = best[1]
-
-    def _peer(self, slot: int) -> str:
-        return self.replicas.replicas[slot][0]
-
-    def _shards_on(self, node_id: str) -> dict[str, dict]:
-        hosts = self._get(self.experts.hosts.remote())
-        return {h: info for h, info in hosts.items() if info["node_id"] == node_id}
-
-    def _wait_steady(self, what: str) -> None:
-        peers = [p for p, _, _ in self.replicas.handles()]
-        _wait(lambda: all_contributed(self._steps(), peers), self.timeout_s,
-              f"every replica to contribute ({what})", poll_s=0.2)
-
-    def _watch(self, slot: int) -> None:
-        """A watcher on ``slot``'s node that hands notices to the expert supervisor."""
-        self.fleet.sync(timeout_s=self.timeout_s, only=[slot])
-        self.fleet.register(slot, self.experts, "experts")
-
-    # -- start ------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        slots = self.cluster.live_slots()
-        for slot in slots:
-            self.replicas.start(slot)
-        self._get(self.experts.start.remote())
-        if not self._get(self.experts.wait_healthy.remote(self.timeout_s)):
-            raise RecoveryTimeout(f"expert shards not all serving after {self.timeout_s:.0f} s")
-        for slot in slots:
-            self._watch(slot)
-        self.log(f"{len(slots)} replicas and {len(slots)} expert shards started; waiting for "
-                 "every replica's first contribution ...")
-        t0 = time.monotonic()
-        self._wait_steady("start-up")
-        self._sync_clock()
-        self.log(f"swarm steady after {time.monotonic() - t0:.1f} s more "
-                 f"({len(self._steps())} global steps so far)")
-
-    # -- the events ---------------------------------------------------------------------------
-
-    def notice(self) -> tuple[float, float | None]:
-        """Notice a node hosting a replica and experts; ``(rebalance_s, expert_respawn_s)``
-        (the latter None if no expert shard was on the node).
-
-        The node is removed at the notice's deadline (or once both are measured, if later).
-        """
-        hosts = self._get(self.experts.hosts.remote())
-        per_node = {s: sum(1 for h in hosts.values() if h["node_id"] == self.cluster.node_id(s))
-                    for s in self.replicas.replicas}
-        slot = max(sorted(per_node), key=lambda s: per_node[s])
-        node = self.cluster.node_id(slot)
-        moving = self._shards_on(node)
-        self.log(f"notice for spot node {slot} (replica {self._peer(slot)}, expert shards "
-                 f"{sorted(moving) or 'none'})")
-        outcome = self.fleet.notify(slot, self.notice_s, timeout_s=self.timeout_s)
-        if not outcome.coordinator_ok:
-            raise RecoveryTimeout(f"the watcher could not tell the Coordinator: {outcome.error}")
-        received = outcome.notice.received_unix_s
-        deadline_mono = time.monotonic() + outcome.notice.seconds_left(time.time())
-        rebalance_s = respawn_s = None
-        want_respawn = bool(moving)  # no shard on the node: only the rebalance is timed
-        removed = False
-        end = time.monotonic() + self.timeout_s + self.notice_s
-        while rebalance_s is None or (want_respawn and respawn_s is None) or not removed:
-            if rebalance_s is None:
-                record = self._get(self.coordinator.notice_stats.remote()).get(node)
-                if record is not None and record["rebalance_s"] is not None:
-                    rebalance_s = float(record["rebalance_s"])
-            if want_respawn and respawn_s is None and self._served_elsewhere(moving, node):
-                respawn_s = time.time() - received
-            if not removed and time.monotonic() >= deadline_mono:
-                self.replicas.lost(slot)
-                self.cluster.remove_node(slot)
-                self.fleet.node_gone(slot)
-                removed = True
-            if time.monotonic() > end:
-                what = "the first plan without the noticed node" if rebalance_s is None \
-                    else "the noticed node's experts to be served again"
-                raise RecoveryTimeout(f"timed out after {self.timeout_s:.0f} s waiting for {what}")
-            time.sleep(POLL_S)
-        return rebalance_s, respawn_s
-
-    def _served_elsewhere(self, moving: Mapping[str, dict], node: str) -> bool:
-        """Every uid of ``moving`` (host -> old info) registered on a new instance off
-        ``node``, and a forward call through the registry's handle answers."""
-        import numpy as np
-
-        records = {r.host_id: r for r in self._get(
-            self.coordinator.lookup_experts.remote(f"{self.layer}."))}
-        d = self.expert_config.spec.d_model
-        for host_id, old in moving.items():
-            r = records.get(host_id)
-            if r is None or r.node_id == node or r.instance == old["instance"] \
-                    or set(r.uids) != set(old["uids"]):
-                return False
-        x = np.zeros((1, d), dtype=np.float32)
-        try:
-            for host_id in moving:
-                r = records[host_id]
-                self.ray.get(r.handle.forward.remote(r.uids, (x,) * len(r.uids)), timeout=10)
-        except (self.ray.exceptions.RayError, TimeoutError):
-            return False
-        return True
-
-    def join(self) -> tuple[float, float]:
-        """Add a node and start a replica there; ``(node_start_s, join_to_contribution_s)``."""
-        t0 = time.monotonic()
-        slot = self.cluster.add_node()
-        up = time.monotonic()
-        self.replicas.start(slot)
-        peer = self._peer(slot)
-        self._watch(slot)
-        committed = _wait(lambda: first_commit_with(self._steps(), peer), self.timeout_s,
-                          f"the first contribution of {peer} on the new node {slot}")
-        join_s = committed + self.offset - up
-        self.log(f"node {slot} up in {up - t0:.1f} s; {peer}'s first contribution after "
-                 f"{join_s:.2f} s")
-        return up - t0, join_s
-
-    def hard_kill(self) -> float:
-        """SIGKILL a replica's node (one without experts if any); returns kill -> progress."""
-        hosts = self._get(self.experts.hosts.remote())
-        with_experts = {h["node_id"] for h in hosts.values()}
-        slots = sorted(self.replicas.replicas)
-        bare = [s for s in slots if self.cluster.node_id(s) not in with_experts]
-        slot = (bare or slots)[0]
-        peer = self._peer(slot)
-        _, _, run_ref = self.replicas.replicas[slot]
-        self.log(f"hard kill of spot node {slot} (replica {peer})")
-        killed_at = time.monotonic()
-        self.cluster.remove_node(slot, hard=True)
-        after = killed_at - self.offset
-        committed = _wait(lambda: first_commit_without(self._steps(), peer, after),
-                          self.timeout_s, f"a committed step after the hard kill of {peer}")
-        progress_s = committed + self.offset - killed_at
-        # For reference: the first commit of any step (a round in flight may still commit,
-        # with or without the dead peer's contribution, before the swarm has moved on).
-        self.any_commit_s.append(first_commit_after(self._steps(), after) + self.offset
-                                 - killed_at)
-        self.log(f"  next step without {peer} committed after {progress_s:.2f} s (first "
-                 f"commit of any step after {self.any_commit_s[-1]:.2f} s)")
-        # The training driver's part: the replica's run() fails, the slot is forgotten.
-        try:
-            self.ray.get(run_ref, timeout=self.timeout_s)
-        except (self.ray.exceptions.RayError, TimeoutError):
-            pass
-        self.replicas.lost(slot, hard=True)
-        self.fleet.node_gone(slot)
-        return progress_s
-
-    def trial(self, samples: _Samples, index: int) -> None:
-        """One trial: notice (+ expert re-spawn), a join, a hard kill, a join."""
-        self.log(f"trial {index + 1}")
-        rebalance_s, respawn_s = self.notice()
-        samples.values["notice_to_rebalanced_s"].append(rebalance_s)
-        if respawn_s is None:
-            self.log(f"  notice -> rebalanced {rebalance_s:.2f} s (no expert shard moved)")
-        else:
-            self.log(f"  notice -> rebalanced {rebalance_s:.2f} s, expert shards served again "
-                     f"after {respawn_s:.2f} s")
-            samples.values["expert_respawn_s"].append(respawn_s)
-        self._join(samples)
-        self._wait_steady("before the hard kill")
-        self._sync_clock()
-        samples.values["hard_kill_to_progress_s"].append(self.hard_kill())
-        self._join(samples)
-        self._wait_steady("end of trial")
-
-    def _join(self, samples: _Samples) -> None:
-        self._sync_clock()
-        start_s, join_s = self.join()
-        samples.node_start_s.append(start_s)
-        samples.values["join_to_contribution_s"].append(join_s)
-
-    def close(self) -> None:
-        """Stop replicas, experts, watchers and the Coordinator (each bounded)."""
-        ray = self.ray
-        try:
-            ray.get(self.coordinator.request_stop.remote(), timeout=30)
-            refs = [r for _, _, r in self.replicas.handles()]
-            if refs:
-                ray.wait(refs, num_returns=len(refs),
-                         timeout=self.config.training.round_timeout_s * 3 + 30)
-        except ray.exceptions.RayError as exc:
-            log.warning("stopping the replicas: %s", type(exc).__name__)
-        for _, handle, _ in self.replicas.handles():
-            ray.kill(handle)
-        try:
-            ray.get(self.experts.stop.remote(), timeout=60)
-        except (ray.exceptions.RayError, TimeoutError) as exc:
-            log.warning("stopping the experts: %s", type(exc).__name__)
-        ray.kill(self.experts)
-        self.fleet.stop()
-        ray.kill(self.coordinator, no_restart=True)
+    try:
+        return ray.get_actor(placement.COORDINATOR_NAME, namespace=placement.NAMESPACE)
+    except ValueError:
+        return None
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -458,29 +203,58 @@ def run(args: argparse.Namespace) -> dict:
     log_fn = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else \
         (lambda *a: print(*a, flush=True))
     pin_loopback()
-    samples = _Samples({m: [] for m in MEASURES}, [])
+    values: dict[str, list[float]] = {m: [] for m in MEASURES}
     started = time.monotonic()
     load_before = os.getloadavg()[0]
-    with LocalCluster(LocalClusterConfig(spot_nodes=args.nodes, cpus_per_node=2)) as cluster:
-        cluster.connect()
-        bench = RecoveryBench(cluster, config, args.timeout, args.notice_s, log_fn)
-        try:
-            bench.start()
+    out = Path(args.out).expanduser()
+    bound = args.timeout * (3 + 6 * args.trials) + args.notice_s * args.trials
+    dense = job_config(config, args.nodes, bound, str(out / "job"))
+    moe = job_config(config, args.nodes, bound, str(out / "job-moe"), moe=True)
+    meta: dict = {}
+    cluster = LocalCluster(LocalClusterConfig(spot_nodes=0, cpus_per_node=2))
+    try:
+        for slot in range(args.nodes):
+            cluster.add_node(slot)
+
+        def dense_trials(trials) -> dict:
+            log_fn(f"training job on {args.nodes} spot nodes; waiting for every node's "
+                   "replica to contribute ...")
+            t0 = time.monotonic()
+            trials.wait_steady("start-up")
+            log_fn(f"swarm steady after {time.monotonic() - t0:.1f} s")
             for i in range(args.trials):
-                bench.trial(samples, i)
-            step_s = median_step_s(bench._steps())
-            any_commit_s = bench.any_commit_s
-        finally:
-            bench.close()
+                log_fn(f"trial {i + 1}")
+                trials.trial(values)
+            return {"median_step_s": median_step_s(trials.steps()),
+                    "hard_kill_to_any_commit_s": trials.any_commit_s,
+                    "node_start_s": trials.node_start_s}
+
+        found, meta["job"] = _run_job(cluster, dense, args, log_fn, dense_trials)
+        meta.update(found)
+
+        def expert_trials(trials) -> list[int]:
+            log_fn(f"training job with DMoE layers {list(moe.model.moe_layers)} "
+                   f"(grid {list(moe.model.moe_grid)}); waiting for its experts ...")
+            moved = []
+            for i in range(args.trials):
+                respawn_s, experts = trials.expert_notice(moe.model.d_model)
+                values["expert_respawn_s"].append(respawn_s)
+                moved.append(experts)
+            return moved
+
+        meta["experts_moved"], meta["job_moe"] = _run_job(cluster, moe, args, log_fn,
+                                                          expert_trials)
+    finally:
+        cluster.shutdown()
     m = config.model
-    return summarize(samples.values, {
+    return summarize(values, {
         "trials": args.trials, "nodes": args.nodes, "notice_s": args.notice_s,
         "model": m.to_dict(), "target_batch_size": config.training.target_batch_size,
         "batch_size": config.training.batch_size,
         "round_timeout_s": config.training.round_timeout_s,
-        "experts_per_node": EXPERTS_PER_HOST, "median_step_s": step_s,
-        "hard_kill_to_any_commit_s": any_commit_s,
-        "node_start_s": samples.node_start_s, "wall_s": time.monotonic() - started,
+        "moe_layers": list(moe.model.moe_layers), "moe_grid": list(moe.model.moe_grid),
+        "experts_per_node": statistics.mean(meta["experts_moved"]),
+        **meta, "wall_s": time.monotonic() - started,
         # 1-minute load average of the machine at the start and the end (cores are shared)
         "load_avg": [load_before, os.getloadavg()[0]], "cpus": os.cpu_count(),
     })
@@ -551,9 +325,10 @@ def _table(summary: Mapping) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trials", type=int, default=3, metavar="N",
-                        help="repetitions of notice, join, hard kill, join")
+                        help="repetitions of notice, join, hard kill, join; and of "
+                             "the expert notice")
     parser.add_argument("--nodes", type=int, default=3, metavar="N",
-                        help="spot nodes (one replica and one expert shard each)")
+                        help="spot nodes (the job keeps one replica on each)")
     parser.add_argument("--notice-s", type=float, default=5.0, metavar="S",
                         help="seconds between a notice and the node's removal")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="S",

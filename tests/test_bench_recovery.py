@@ -1,8 +1,9 @@
 """`moshray bench recovery`: the figures' math and bad input without Ray, and one short real run.
 
 The real run is a subprocess (``python -m moshray.jobs.bench_recovery``) that starts its own
-local cluster (so it never clashes with the session fixture cluster) and runs one trial with
-a tiny model. Its checks are about the JSON's shape and sanity, never about the targets.
+local cluster (so it never clashes with the session fixture cluster), runs the training job
+on it (twice: dense, then with DMoE layers) and one trial of cloud events with a tiny model.
+Its checks are about the JSON's shape and sanity, never about the targets.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from moshray.cluster.coordinator import CoordinatorCore
 from moshray.cluster.membership import MembershipConfig
 from moshray.cluster.progress import ProgressReport
 from moshray.jobs import bench_recovery as br
+from moshray.jobs import recovery_trials as rt
 
 KEYS = [k for m in br.MEASURES for k in (m, f"{m}_max")]
 
@@ -71,19 +73,38 @@ STEPS = [  # (epoch, planned_at_s, committed_at_s, participants)
 
 
 def test_first_commit_with_and_without_a_peer():
-    assert br.first_commit_with(STEPS, "a") == 2.0
-    assert br.first_commit_with(STEPS, "d") is None
-    assert br.first_commit_without(STEPS, "c", after_s=5.0) == 10.0
-    assert br.first_commit_without(STEPS, "c", after_s=10.0) is None
-    assert br.first_commit_after(STEPS, 5.0) == 9.0  # step 2 still had c in it
-    assert br.first_commit_after(STEPS, 10.0) is None
-    assert br.all_contributed(STEPS, ["a", "b", "c"])
-    assert not br.all_contributed(STEPS, ["a", "d"])
+    assert rt.first_commit_with(STEPS, "a") == 2.0
+    assert rt.first_commit_with(STEPS, "d") is None
+    assert rt.first_commit_without(STEPS, "c", after_s=5.0) == 10.0
+    assert rt.first_commit_without(STEPS, "c", after_s=10.0) is None
+    assert rt.first_commit_after(STEPS, 5.0) == 9.0  # step 2 still had c in it
+    assert rt.first_commit_after(STEPS, 10.0) is None
+    assert rt.all_contributed(STEPS, ["a", "b", "c"])
+    assert not rt.all_contributed(STEPS, ["a", "d"])
+
+
+def test_replica_of_a_slot_is_its_newest_replica():
+    members = ["replica-1-2", "replica-10-3", "replica-1-7", "replica-2-4", "replica-1-x"]
+    assert rt.replica_of(1, members) == "replica-1-7"  # not replica-10-3, not a bad suffix
+    assert rt.replica_of(10, members) == "replica-10-3"
+    assert rt.replica_of(3, members) is None
+
+
+def test_job_config_bounds_the_job_and_adds_experts_only_for_the_moe_run():
+    from moshray.jobs.config import TrainConfig
+
+    base = TrainConfig()
+    dense = br.job_config(base, nodes=6, bound_s=120.0, run_dir="r/job")
+    moe = br.job_config(base, nodes=2, bound_s=120.0, run_dir="r/job-moe", moe=True)
+    assert dense.training.max_seconds == 120.0 and dense.metrics.port == 0 and dense.json
+    assert dense.cluster.max_nodes == 6 and dense.cluster.min_nodes == 1
+    assert not dense.model.moe and moe.model.moe and moe.cluster.max_nodes == 4
+    assert base.training.max_seconds is None  # the caller's config is left as it was
 
 
 def test_median_step_is_the_median_gap_between_plans():
-    assert br.median_step_s(STEPS) == 2.0  # gaps 2.0, 6.5, 1.0
-    assert br.median_step_s(STEPS[:1]) is None
+    assert rt.median_step_s(STEPS) == 2.0  # gaps 2.0, 6.5, 1.0
+    assert rt.median_step_s(STEPS[:1]) is None
 
 
 def test_coordinator_step_timings_record_plan_commit_and_participants():
@@ -165,3 +186,8 @@ def test_one_trial_reports_all_eight_figures(tmp_path: Path):
     [any_commit] = result["hard_kill_to_any_commit_s"]
     assert 0 < any_commit <= result["hard_kill_to_progress_s"]
     assert (out / "recovery.png").stat().st_size > 0
+    # The figures came from the real job: it trained through the events and ended cleanly.
+    job = result["job"]
+    assert job["steps"] > 0 and job["nodes_joined"] == 2 and job["hard_losses"] == 1
+    assert job["notices"] == 1 and job["replicas_consistent"], job
+    assert result["job_moe"]["steps"] >= 0 and result["experts_moved"][0] > 0

@@ -26,7 +26,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
 from moshray.jobs.config import (
@@ -39,6 +41,9 @@ from moshray.jobs.config import (
 
 log = logging.getLogger("moshray.train")
 POLL_S = 0.5
+# Set by SIGTERM (`ray job stop`, a scheduler, a test): the run stops as at its time limit,
+# with a checkpoint and a summary, instead of dying mid-step.
+STOP = threading.Event()
 
 
 def run(config: TrainConfig) -> dict:
@@ -220,9 +225,9 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
             _checkpoint(config, controller)
             last_ckpt = epoch
         if (t.max_steps is not None and epoch >= t.max_steps) or \
-                (t.max_seconds is not None and elapsed >= t.max_seconds):
+                (t.max_seconds is not None and elapsed >= t.max_seconds) or STOP.is_set():
             break
-        time.sleep(POLL_S)
+        STOP.wait(POLL_S)
     ray.get(coordinator.request_stop.remote(), timeout=30)
     statuses = []
     for peer_id, _, run_ref in controller.live():
@@ -271,6 +276,7 @@ def main(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: STOP.set())
     try:
         summary = run(config)
     except NoCapacityError as exc:

@@ -283,5 +283,5 @@ def test_notice_validation_and_make_source():
         PreemptionNotice(NODE, "azure", "terminate", 1.0, 0.0, "x")
     assert isinstance(make_source("gcp", NODE, metadata_url="http://127.0.0.1:9"), GCPMetadataSource)
     assert isinstance(make_source("simulated", NODE), SimulatedSource)
-    with pytest.raises(ValueError, match="aws, gcp or simulated"):
+    with pytest.raises(ValueError, match="aws, gcp, simulated or none"):
         make_source("azure", NODE)

@@ -79,11 +79,12 @@ def _scrape(port: int) -> dict | None:
 def test_trace_preempts_and_adds_nodes_while_training(tmp_path: Path):
     """A replayed trace with a notice, a removal and a join, watched through the job's own
     Prometheus exporter while it runs; the run's plot and summary land in run_dir."""
-    # Per-node trace: three nodes; node2 is preempted at 12 s (notice 3 s ahead), node3
-    # arrives at 20 s.
+    # Per-node trace: three nodes; node2 is preempted at 20 s (notice 3 s ahead: its
+    # watcher, started by the controller when the node joined, is up by then even on a
+    # loaded machine), node3 arrives at 28 s.
     trace = tmp_path / "trace.csv"
     trace.write_text("0,add,node0\n0,add,node1\n0,add,node2\n"
-                     "12000,remove,node2\n20000,add,node3\n")
+                     "20000,remove,node2\n28000,add,node3\n")
     port = _free_port()
     run_dir = tmp_path / "run"
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
@@ -93,7 +94,7 @@ def test_trace_preempts_and_adds_nodes_while_training(tmp_path: Path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "moshray.jobs.train", *SMALL, "--json", "--local-nodes", "3",
              "--max-nodes", "3", "--trace", str(trace), "--time-scale", "1",
-             "--max-seconds", "55", "--metrics-port", str(port), "--set", "cluster.notice_s=3",
+             "--max-seconds", "65", "--metrics-port", str(port), "--set", "cluster.notice_s=3",
              "--set", f"run_dir={run_dir}"],
             stdout=stdout, stderr=stderr, text=True, env=env)
         last = None
@@ -163,7 +164,7 @@ def test_resume_from_checkpoint_skips_corrupt_file(tmp_path: Path):
 
 
 def test_progress_line_has_a_bar_when_the_run_is_bounded():
-    from moshray.jobs.train import progress_line, run_fraction
+    from moshray.jobs.run_report import progress_line, run_fraction
 
     row = (25, 12.0, 64, 2.3456, 3)
     assert run_fraction(25, 10.0, max_steps=100, max_seconds=None) == 0.25

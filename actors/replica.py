@@ -55,6 +55,25 @@ def checksum(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+DIGEST_ELEMENTS = 1 << 16  # parameters sampled by the per-step digest
+
+
+def step_digest(model: torch.nn.Module, epoch: int) -> str:
+    """A cheap per-step digest: about ``DIGEST_ELEMENTS`` parameter values at a stride that
+    rotates with ``epoch``, plus every tensor's sum (a step changes every element, so a
+    replica that diverged differs in the sample and the sums). ``checksum`` is the full one
+    (end of run, on demand)."""
+    params = [p.detach().reshape(-1) for p in model.parameters()]
+    total = sum(p.numel() for p in params)
+    stride = max(1, total // DIGEST_ELEMENTS)
+    h = hashlib.sha256()
+    for p in params:
+        start = epoch % stride if p.numel() > stride else 0
+        h.update(p[start::stride].cpu().numpy().tobytes())
+        h.update(p.sum(dtype=torch.float64).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 @dataclass
 class Lineage:
     """Which global steps the state this replica holds has gone through.
@@ -124,7 +143,7 @@ class ReplicaActor:
         self.epoch = 0
         # Parameters right after the last global step: equal on every replica at the same
         # epoch in both modes (local SGD moves them on between averages, by design).
-        self.step_checksum = checksum(self.model)
+        self.step_checksum = step_digest(self.model, 0)
         self.lineage = Lineage()
         self.samples = 0
         self.micro = 0
@@ -137,6 +156,8 @@ class ReplicaActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.started_at = time.monotonic()  # join time is measured from here
         self.joined = False  # contributed to an averaged step yet?
+        self._plan: RoundPlan | None = None  # pushed by the Coordinator, not yet taken
+        self._inflight: list[tuple[int, asyncio.Future]] = []  # (epoch sent at, reply)
 
     # -- transport --------------------------------------------------------------------------
 
@@ -188,7 +209,11 @@ class ReplicaActor:
         return await asyncio.to_thread(CheckpointStore(uri).save, state, state["epoch"])
 
     def status(self) -> dict:
-        return {"peer": self.peer_id, "epoch": self.epoch, "checksum": self.step_checksum,
+        # Collaborative replicas change parameters only in global steps: the full digest of
+        # the current parameters is the step's. Local SGD moves them on between averages.
+        full = self.config.training.mode == "collaborative"
+        return {"peer": self.peer_id, "epoch": self.epoch,
+                "checksum": checksum(self.model) if full else self.step_checksum,
                 "current_checksum": checksum(self.model),
                 "node": self.node_id, "rejected": self.own_rejections, "pid": os.getpid(),
                 "device": str(self.device), "gpu_ids": self.gpu_ids, "amp": self.amp,
@@ -253,32 +278,77 @@ class ReplicaActor:
         if self.config.training.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.training.grad_clip)
 
+    async def receive_plan(self, plan: RoundPlan) -> None:
+        """The Coordinator pushes each plan this replica takes part in the moment it exists;
+        the training loop takes it after its current micro-batch."""
+        if plan.epoch == self.epoch + 1:
+            self._plan = plan
+
+    def _send_report(self, force: bool = False) -> None:
+        """Progress to the Coordinator without waiting for the reply (the loop goes on
+        computing); at most one routine report in flight, ``force`` sends anyway (right
+        after a step, so the Coordinator sees the new epoch at once)."""
+        if self._inflight and not force:
+            return
+        report = ProgressReport(self.peer_id, self.epoch, self.samples,
+                                self.loss_sum / self.samples if self.samples else None,
+                                self.step_checksum, self.own_rejections)
+        self._inflight.append((self.epoch, asyncio.ensure_future(self._ask(report))))
+
+    async def _ask(self, report: ProgressReport):
+        return await self.coordinator.report.remote(report)
+
+    def _replies(self) -> str | None:
+        """Handle the replies that arrived: ``"stop"`` or ``"resync"`` (if still meant for
+        this replica's epoch), a plan to take; None if nothing to do now."""
+        verdict = None
+        while self._inflight and self._inflight[0][1].done():
+            sent_at, future = self._inflight.pop(0)
+            try:
+                reply = future.result()
+            except ray.exceptions.RayError as exc:
+                log.info("%s: report failed (%s)", self.peer_id, type(exc).__name__)
+                continue
+            if reply.stop:
+                verdict = "stop"
+            elif reply.resync and sent_at == self.epoch and verdict is None:
+                verdict = "resync"
+            elif reply.plan is not None and reply.plan.epoch == self.epoch + 1:
+                self._plan = reply.plan
+        return verdict
+
     async def run(self) -> dict:
         """Train until the Coordinator says stop; returns this replica's final status."""
         await self.coordinator.register.remote(self.peer_id, self._self_handle(), self.node_id)
         await self._sync()
         heartbeat = asyncio.ensure_future(self._heartbeat())
+        self._send_report(force=True)
         try:
             while True:
+                verdict = self._replies()
+                if verdict == "stop":
+                    break
+                if verdict == "resync":
+                    await self._sync()
+                    self._send_report(force=True)
+                    continue
+                plan, self._plan = self._plan, None
+                if plan is not None and plan.epoch == self.epoch + 1:
+                    await self._global_step(plan)
+                    self._send_report(force=True)
+                    continue
                 loss, n = await asyncio.to_thread(self._micro_step)
                 self.samples += n
                 self.micro += 1
                 self.loss_sum += loss * n
                 if self.experts is not None:
                     self._report_expert_calls()
-                reply = await self.coordinator.report.remote(ProgressReport(
-                    self.peer_id, self.epoch, self.samples,
-                    self.loss_sum / self.samples if self.samples else None,
-                    self.step_checksum, self.own_rejections))
-                if reply.stop:
-                    break
-                if reply.resync:
-                    await self._sync()
-                    continue
-                if reply.plan is not None:
-                    await self._global_step(reply.plan)
+                self._send_report()
+                await asyncio.sleep(0)  # let pushed plans and replies in
         finally:
             heartbeat.cancel()
+            for _, future in self._inflight:
+                future.cancel()
         return self.status()
 
     def _report_metrics(self, report) -> None:
@@ -339,7 +409,7 @@ class ReplicaActor:
                         for anchor, p in zip(self.anchor, params):
                             p.copy_(anchor)
             self.lineage.apply(plan.epoch)
-            self.step_checksum = checksum(self.model)
+            self.step_checksum = step_digest(self.model, plan.epoch)
             self.epoch = plan.epoch
             self.samples, self.micro, self.loss_sum = 0, 0, 0.0
         self._report_metrics(report)

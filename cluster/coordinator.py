@@ -51,6 +51,9 @@ class CoordinatorCore:
         self.preemptions = 0
         self.notices: dict[str, NoticeRecord] = {}  # node id -> its first preemption notice
         self.experts = ExpertRegistry(clock=clock)  # DMoE expert hosts (replaces the DHT)
+        # Called with every new plan the moment it exists (the actor shell pushes it to the
+        # participants); None in pure tests, where plans travel only in report replies.
+        self.push_plan: Callable[[RoundPlan], None] | None = None
 
     def register(self, peer_id: str, handle, node_id: str = "", capacity: float = 1.0) -> int:
         self.membership.register(PeerInfo(peer_id, handle, node_id, capacity), self.clock())
@@ -75,8 +78,14 @@ class CoordinatorCore:
         now = self.clock()
         self._expire(now)
         reply = self.progress.report(r, now)
+        self._publish()
         self._note_rebalanced(now)
         return reply
+
+    def _publish(self) -> None:
+        plan = self.progress.take_new_plan()
+        if plan is not None and self.push_plan is not None:
+            self.push_plan(plan)
 
     def mark_ready(self, peer_id: str, state_epoch: int) -> bool:
         # Expire first: when every peer is syncing nobody reports, and a dead holder of the
@@ -147,16 +156,33 @@ class CoordinatorCore:
         ``deadline_s`` is seconds left; ``notice_age_s`` how long ago the node received the
         notice (both measured on that node, so no two machines' clocks are compared). The
         node counts as rebalanced at the first plan published after this call (every such
-        plan excludes its peers); a node without peers is rebalanced at once. A second
-        notice for the same node re-marks it draining but keeps the first record.
+        plan excludes its peers); a node without peers is rebalanced at once. When no step
+        is in flight, that plan is made at once over the staying peers with the samples
+        they have (not at the next full batch). A second notice for the same node re-marks
+        it draining but keeps the first record.
         """
         peers = self.mark_draining(node_id, deadline_s)
+        now = self.clock()
         if node_id not in self.notices:
-            now = self.clock()
             noticed_at = now - max(0.0, notice_age_s)
             self.notices[node_id] = NoticeRecord(noticed_at, self.membership.epoch, peers,
                                                  None if peers else now - noticed_at)
+        if peers and self._no_step_in_flight(now) and self.progress.plan_now(now):
+            self._publish()
+            self._note_rebalanced(now)
         return peers
+
+    def _no_step_in_flight(self, now: float) -> bool:
+        """Every ready live peer reported at the current epoch (none is inside a round)."""
+        live = {p.peer_id for p in self.membership.live(now)}
+        eligible = [p for p in self.progress.ready if p in live]
+        reports = self.progress.reports
+        return bool(eligible) and all(p in reports and reports[p].epoch == self.epoch
+                                      for p in eligible)
+
+    @property
+    def epoch(self) -> int:
+        return self.membership.epoch
 
     def notice_stats(self) -> dict[str, dict]:
         """Per noticed node: ``{"peers": [...], "epoch": e, "rebalance_s": s or None}``."""
@@ -259,10 +285,21 @@ class Coordinator(CoordinatorCore):
                  **kwargs):
         """``metrics_port`` None: events are counted but not served; 0: the OS picks."""
         super().__init__(*args, **kwargs)
+        self.push_plan = self._push_plan
         self._rebalances_seen: set[str] = set()  # noticed nodes already in the histogram
         self.metrics = metrics.MetricsExporter(prices or metrics.Prices(), self.metrics_state)
         if metrics_port is not None:
             self.metrics.serve(metrics_host, metrics_port)
+
+    @staticmethod
+    def _push_plan(plan: RoundPlan) -> None:
+        """Send ``plan`` to each participant (fire-and-forget: a dead one is the round's
+        problem, its deadline bounds it; the plan also rides on report replies)."""
+        for peer_id, handle in plan.handles:
+            try:
+                handle.receive_plan.remote(plan)
+            except Exception:  # noqa: BLE001 - a handle of a dead actor; never block here
+                pass
 
     def record(self, events: tuple) -> int:
         """Count metrics events (fire-and-forget); bad ones are logged and skipped."""

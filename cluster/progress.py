@@ -1,12 +1,16 @@
 """DeDLOC-style collaborative steps: pure bookkeeping behind the Coordinator.
 
 Replicas report, after each micro-batch, the last global step they applied (``epoch``),
-the samples accumulated since, the mean loss of those samples and a checksum of their
+the samples accumulated since, the mean loss of those samples and a digest of their
 parameters. When the samples reported by ready peers at the current epoch reach
 ``target_batch_size``, the tracker asks ``Membership`` for the plan of the next epoch over
-those peers; each of them receives it in the reply to its next report. Peers that hold
-another checksum than the majority at the same epoch, or that fell behind the last plan
-without being in it, are told to resync from a donor. Time is injected.
+*every* ready, live, non-draining peer at the current epoch, each contributing what it has
+(zero samples allowed). A ready peer still finishing the previous step gets a short grace
+(``grace_s``) to report at the current epoch before the plan is made without it. The plan
+goes to each participant as soon as it exists (the Coordinator pushes it; see
+``take_new_plan``) and in the reply to its next report. Peers that hold another digest than
+the majority at the same epoch, or that fell behind the last plan without being in it, are
+told to resync from a donor. Time is injected.
 """
 
 from __future__ import annotations
@@ -76,7 +80,15 @@ class ProgressTracker:
     stop: bool = False
     timings: dict[int, StepTiming] = field(default_factory=dict)  # epoch -> its timing
     rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (from, to) epochs
+    grace_s: float = 0.5  # how long a full batch waits for ready peers finishing a step
     _loss: dict[int, tuple[float, int]] = field(default_factory=dict)
+    _full_since: float | None = None  # when the current epoch's batch became full
+    _unpushed: RoundPlan | None = None  # made since the last take_new_plan
+
+    def take_new_plan(self) -> RoundPlan | None:
+        """The plan made since the last call (for the Coordinator to push), else None."""
+        plan, self._unpushed = self._unpushed, None
+        return plan
 
     @property
     def epoch(self) -> int:
@@ -169,13 +181,43 @@ class ProgressTracker:
                    if p in self.reports and self.reports[p].epoch == self.epoch]
         samples = sum(r.samples for r in current)
         if samples < self.target_batch_size:
+            self._full_since = None
             return
+        if self._full_since is None:
+            self._full_since = now
+        if self._finishing(eligible) and now - self._full_since < self.grace_s:
+            return  # a ready peer is still applying the last step: give it a moment
+        self.plan_now(now, current)
+
+    def _finishing(self, eligible: list[str]) -> bool:
+        """Some of ``eligible`` took part in the latest plan and still report the epoch
+        before it (they are applying that step)."""
+        if self.plan is None:
+            return False
+        return any(p in self.plan.participants and p in self.reports
+                   and self.reports[p].epoch == self.plan.epoch - 1 for p in eligible)
+
+    def plan_now(self, now: float, current: list[ProgressReport] | None = None) -> bool:
+        """Publish the next epoch's plan over the ready live peers at the current epoch
+        (``current``: their reports; default all of them), whatever their samples. Used when
+        the batch is full, and at once after a notice (the swarm re-plans without the
+        node). False if no peer or no sample is there to step with."""
+        if current is None:
+            live = {p.peer_id for p in self.membership.live(now)}
+            current = [self.reports[p] for p in sorted(self.ready)
+                       if p in live and p in self.reports and self.reports[p].epoch == self.epoch]
+        samples = sum(r.samples for r in current)
+        if not current or samples <= 0:
+            return False
         at_epoch = tuple(r.peer_id for r in current)
         total, n = self._loss.pop(self.epoch, (0.0, 0))
         plan = self.membership.plan(now, at_epoch)
         if plan is None:
-            return
+            return False
         self.plan = plan
+        self._unpushed = plan
+        self._full_since = None
         self.history.append(StepRecord(plan.epoch, now, samples, total / n if n else None,
                                        len(at_epoch)))
         self.timings[plan.epoch] = StepTiming(plan.epoch, now, tuple(plan.participants))
+        return True

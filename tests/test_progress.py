@@ -1,0 +1,85 @@
+"""Collaborative steps take every ready peer: a short grace for peers finishing the last
+step, plans pushed the moment they exist, and a notice that re-plans at once (pure)."""
+
+from __future__ import annotations
+
+from moshray.cluster.coordinator import CoordinatorCore
+from moshray.cluster.membership import MembershipConfig
+from moshray.cluster.progress import ProgressReport
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def swarm(peers=("a", "b", "c"), target=24, grace=0.5):
+    clock = Clock()
+    core = CoordinatorCore(MembershipConfig(peer_ttl_s=30.0), clock=clock,
+                           target_batch_size=target)
+    core.progress.grace_s = grace
+    pushed = []
+    core.push_plan = pushed.append
+    for i, p in enumerate(peers):
+        core.register(p, handle=p, node_id=f"node-{p}")
+        assert core.mark_ready(p, 0)
+    return core, clock, pushed
+
+
+def report(core, peer, epoch, samples):
+    return core.report(ProgressReport(peer, epoch, samples, 1.0, None))
+
+
+def test_every_ready_peer_at_the_epoch_takes_the_step_even_with_zero_samples():
+    core, clock, pushed = swarm()
+    report(core, "c", 0, 0)  # c has nothing yet: it still takes part, weight 0
+    report(core, "a", 0, 12)
+    reply = report(core, "b", 0, 12)
+    assert reply.plan is not None and reply.plan.participants == ("a", "b", "c")
+    assert pushed == [reply.plan]  # pushed to the participants the moment it exists
+
+
+def test_a_peer_finishing_the_last_step_gets_a_grace_not_a_resync():
+    core, clock, pushed = swarm(("a", "b"))
+    report(core, "a", 0, 12)
+    plan1 = report(core, "b", 0, 12).plan
+    assert plan1.participants == ("a", "b")
+    report(core, "a", 1, 0)  # a applied step 1 at once; b is still applying it
+    assert report(core, "a", 1, 24).plan is None  # full, but b is finishing: grace
+    clock.t += 0.2
+    reply = report(core, "b", 1, 0)  # b arrives within the grace
+    assert not reply.resync
+    plan2 = report(core, "a", 1, 30).plan
+    assert plan2 is not None and plan2.participants == ("a", "b")
+
+
+def test_the_grace_is_bounded():
+    core, clock, pushed = swarm(("a", "b"))
+    report(core, "a", 0, 12)
+    report(core, "b", 0, 12)
+    report(core, "a", 1, 24)  # b never shows up at epoch 1
+    clock.t += 0.6
+    plan2 = report(core, "a", 1, 28).plan
+    assert plan2 is not None and plan2.participants == ("a",)
+
+
+def test_a_notice_replans_at_once_without_the_node():
+    core, clock, pushed = swarm(("a", "b", "c"), target=1000)
+    for p in ("a", "b", "c"):
+        report(core, p, 0, 10)
+    assert core.note_notice("node-c", deadline_s=30.0) == ("c",)
+    assert len(pushed) == 1 and pushed[0].participants == ("a", "b")
+    assert core.notice_stats()["node-c"]["rebalance_s"] == 0.0
+
+
+def test_a_notice_during_a_step_waits_for_it():
+    core, clock, pushed = swarm(("a", "b"), target=20)
+    report(core, "a", 0, 10)
+    report(core, "b", 0, 10)  # step 1 planned over a and b, in flight
+    assert len(pushed) == 1
+    core.note_notice("node-b", deadline_s=30.0)
+    assert len(pushed) == 1  # no second plan while step 1 runs
+    assert core.notice_stats()["node-b"]["rebalance_s"] is None

@@ -191,6 +191,28 @@ def _rows(path: Path) -> Iterable[tuple[int, str, list[str]]]:
             yield lineno, raw, [x.strip() for x in s.split(",")]
 
 
+SHIPPED_DIR = Path(__file__).with_name("traces")
+DEFAULT_TRACE = "aws-g4dn-xlarge-us-east-1c-2020-11-20"
+
+
+def shipped_traces() -> tuple[str, ...]:
+    """Names of the traces that ship with moshray (file names without ``.csv``)."""
+    return tuple(sorted(p.stem for p in SHIPPED_DIR.glob("*.csv")))
+
+
+def resolve_trace(name_or_path: str) -> Path:
+    """A shipped trace by name (``DEFAULT_TRACE``...), else the path as given. Raises
+    ``TraceError`` (one line, listing the shipped names) when neither exists."""
+    shipped = SHIPPED_DIR / f"{name_or_path}.csv"
+    if "/" not in name_or_path and shipped.is_file():
+        return shipped
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    raise TraceError(f"trace {name_or_path!r} is neither a file nor a shipped trace "
+                     f"({', '.join(shipped_traces())})")
+
+
 def load_trace(path: str | Path) -> Trace:
     """Parse a trace file, auto-detecting count vs per-node event format.
 
@@ -203,7 +225,10 @@ def load_trace(path: str | Path) -> Trace:
             backwards, a node added twice or removed while not live, or no data
             rows. The message names the file and line number.
         OSError: the file cannot be read.
+
+    ``path`` may also name a shipped trace (see ``resolve_trace``).
     """
+    path = resolve_trace(str(path))
     path = Path(path)
     rows = iter(_rows(path))
     first = next(rows, None)

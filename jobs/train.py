@@ -270,11 +270,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
+def with_default_trace(config: TrainConfig) -> TrainConfig:
+    """``moshray train`` on the embedded cluster replays the shipped spot trace unless told
+    otherwise (``--trace FILE|NAME``, or ``--trace off`` for nodes that never go), so a
+    first run shows preemptions survived. A cluster address leaves the trace unset."""
+    from dataclasses import replace
+
+    from moshray.autoscaler.trace import DEFAULT_TRACE
+
+    c = config.cluster
+    if c.trace == "off":
+        return replace(config, cluster=replace(c, trace=None))
+    if c.trace is None and not (c.address or os.environ.get("RAY_ADDRESS")):
+        return replace(config, cluster=replace(c, trace=DEFAULT_TRACE))
+    return config
+
+
 @exit_on_config_error
 def main(args: argparse.Namespace) -> int:
     from moshray.jobs.controller import NoCapacityError
 
-    config = config_from_args(args)
+    config = with_default_trace(config_from_args(args))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: STOP.set())
     try:

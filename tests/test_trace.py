@@ -20,15 +20,12 @@ from moshray.autoscaler.trace import (
     with_notices,
 )
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-AWS = TRACES / "aws-g4dn-xlarge-us-east-1c-2020-11-20.csv"
-
-
 @pytest.fixture
 def aws() -> Trace:
-    if not AWS.exists():
-        pytest.skip(f"real trace not present at {AWS}")
-    return load_trace(AWS)
+    """The real AWS trace that ships with moshray."""
+    from moshray.autoscaler.trace import DEFAULT_TRACE
+
+    return load_trace(DEFAULT_TRACE)
 
 
 def replay_counts(events, until: float | None = None) -> list[tuple[float, int, frozenset[int]]]:
@@ -64,7 +61,7 @@ def live_after(events, t: float) -> int:
 
 
 def test_real_trace_parses(aws: Trace) -> None:
-    assert aws.name == AWS.stem
+    assert aws.name == "aws-g4dn-xlarge-us-east-1c-2020-11-20"
     assert aws.duration_s == 88194.0
     assert aws.max_count == 12
     assert not aws.per_node

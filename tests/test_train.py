@@ -22,6 +22,7 @@ SMALL = [
     "--set", "model.n_heads=2", "--set", "model.seq_len=64",
     "--set", "training.batch_size=8", "--set", "training.target_batch_size=32",
     "--set", "training.round_timeout_s=5",
+    "--trace", "off",  # nodes stay unless a test replays a trace (later --trace wins)
 ]
 
 
@@ -199,3 +200,18 @@ def test_refuses_node_local_checkpoint_on_several_machines():
     check_durable(load_config(None, {"checkpoint.uri": "s3://bucket/run"}), machines=3)
     with pytest.raises(ConfigError, match="data.paths"):
         check_durable(load_config(None, {"data.paths": '["/data/x.parquet"]'}), machines=2)
+
+
+def test_the_default_run_replays_the_shipped_trace():
+    from moshray.autoscaler.trace import DEFAULT_TRACE, load_trace, shipped_traces
+    from moshray.jobs.config import load_config
+    from moshray.jobs.train import with_default_trace
+
+    assert {DEFAULT_TRACE, DEFAULT_TRACE + "-nodes"} <= set(shipped_traces())
+    count, nodes = load_trace(DEFAULT_TRACE), load_trace(DEFAULT_TRACE + "-nodes")
+    assert not count.per_node and nodes.per_node
+    assert count.max_count == nodes.max_count == 12
+    assert all(count.live_at(t) == nodes.live_at(t) for t in range(0, 88000, 600))
+    assert with_default_trace(load_config(None)).cluster.trace == DEFAULT_TRACE
+    assert with_default_trace(load_config(None, {"cluster.trace": "off"})).cluster.trace is None
+    assert with_default_trace(load_config(None, {"cluster.address": "auto"})).cluster.trace is None

@@ -158,6 +158,7 @@ class ReplicaActor:
         self.joined = False  # contributed to an averaged step yet?
         self._plan: RoundPlan | None = None  # pushed by the Coordinator, not yet taken
         self._inflight: list[tuple[int, asyncio.Future]] = []  # (epoch sent at, reply)
+        self._saw_rejections: list[tuple[str, str, int]] = []  # others', for the Coordinator
 
     # -- transport --------------------------------------------------------------------------
 
@@ -292,7 +293,9 @@ class ReplicaActor:
             return
         report = ProgressReport(self.peer_id, self.epoch, self.samples,
                                 self.loss_sum / self.samples if self.samples else None,
-                                self.step_checksum, self.own_rejections)
+                                self.step_checksum, self.own_rejections,
+                                tuple(self._saw_rejections))
+        self._saw_rejections.clear()
         self._inflight.append((self.epoch, asyncio.ensure_future(self._ask(report))))
 
     async def _ask(self, report: ProgressReport):
@@ -413,6 +416,8 @@ class ReplicaActor:
             self.epoch = plan.epoch
             self.samples, self.micro, self.loss_sum = 0, 0, 0.0
         self._report_metrics(report)
+        self._saw_rejections.extend((r.sender, r.reason.value, plan.epoch)
+                                    for r in report.rejections if r.sender != self.peer_id)
         mine = [r for r in report.rejections if r.sender == self.peer_id]
         if mine:
             self.own_rejections += 1

@@ -127,6 +127,7 @@ class CoordinatorCore:
             "draining": len(self.membership.draining()),
             "preemptions": self.preemptions,
             "rollbacks": len(self.progress.rollbacks),  # steps lost with every holder
+            "quarantines": [(q.peer_id, q.reason) for q in self.progress.quarantine.records],
             "now_s": now - self.started,  # the clock of history's at_s (for plots)
             **self._notice_summary(),
             "history": [(h.epoch, h.at_s - self.started, h.samples, h.loss, h.peers)
@@ -300,6 +301,13 @@ class Coordinator(CoordinatorCore):
                 handle.receive_plan.remote(plan)
             except Exception:  # noqa: BLE001 - a handle of a dead actor; never block here
                 pass
+
+    def report(self, r: ProgressReport) -> ProgressReply:
+        seen = len(self.progress.quarantine.records)
+        reply = super().report(r)
+        for q in self.progress.quarantine.records[seen:]:
+            self.metrics.apply(metrics.QuarantineEvent(q.reason))
+        return reply
 
     def record(self, events: tuple) -> int:
         """Count metrics events (fire-and-forget); bad ones are logged and skipped."""

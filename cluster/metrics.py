@@ -224,8 +224,18 @@ class NodeJoinedEvent:
         _market(self.market)
 
 
+@dataclass(frozen=True)
+class QuarantineEvent:
+    """A peer left the plans because others kept rejecting its contributions."""
+
+    reason: str
+
+    def __post_init__(self) -> None:
+        _label("reason", self.reason)
+
+
 Event = Union[RoundEvent, NoticeEvent, NodeLostEvent, RebalanceEvent, JoinEvent,
-              ExpertCallEvent, LaunchEvent, CapacityEvent, ReplicaStatesEvent, NodeJoinedEvent]
+              ExpertCallEvent, LaunchEvent, CapacityEvent, ReplicaStatesEvent, NodeJoinedEvent, QuarantineEvent]
 
 
 # -- configuration and state ---------------------------------------------------------------
@@ -432,6 +442,9 @@ class MetricsExporter:
         self.nodes_joined = Counter(
             PREFIX + "nodes_joined", "Worker nodes that joined the cluster, by market.",
             ["market"], registry=r)
+        self.quarantines = Counter(
+            PREFIX + "quarantines", "Peers excluded from plans after repeated rejected "
+            "contributions, by the rejection reason.", ["reason"], registry=r)
         for state in REPLICA_STATES:
             self.replicas.labels(state)
         for outcome in EXPERT_OUTCOMES:  # export zeros so rate() works from the start
@@ -450,6 +463,7 @@ class MetricsExporter:
             CapacityEvent: self._capacity,
             ReplicaStatesEvent: self._replica_states,
             NodeJoinedEvent: lambda e: self.nodes_joined.labels(e.market).inc(),
+            QuarantineEvent: lambda e: self.quarantines.labels(e.reason).inc(),
         }
 
     # events
@@ -491,6 +505,9 @@ class MetricsExporter:
 
     def _replica_states(self, e: ReplicaStatesEvent) -> None:
         counts = dict(e.counts)
+        self.quarantines = Counter(
+            PREFIX + "quarantines", "Peers excluded from plans after repeated rejected "
+            "contributions, by the rejection reason.", ["reason"], registry=r)
         for state in REPLICA_STATES:
             self.replicas.labels(state).set(counts.get(state, 0))
 

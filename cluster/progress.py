@@ -15,11 +15,14 @@ told to resync from a donor. Time is injected.
 
 from __future__ import annotations
 
-import collections
+import logging
 from dataclasses import dataclass, field
 
 from .membership import Membership
 from .messages import RoundPlan
+from .quarantine import Quarantine
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class ProgressReport:
     loss: float | None = None  # mean loss over those samples
     checksum: str | None = None  # parameters after ``epoch``
     rejected: int = 0  # own contributions rejected so far (non-finite etc.)
+    # Others' contributions this peer rejected since its last report: (sender, reason, epoch).
+    saw_rejections: tuple[tuple[str, str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class ProgressTracker:
     timings: dict[int, StepTiming] = field(default_factory=dict)  # epoch -> its timing
     rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (from, to) epochs
     grace_s: float = 0.5  # how long a full batch waits for ready peers finishing a step
+    quarantine: Quarantine = field(default_factory=Quarantine)
     _loss: dict[int, tuple[float, int]] = field(default_factory=dict)
     _full_since: float | None = None  # when the current epoch's batch became full
     _unpushed: RoundPlan | None = None  # made since the last take_new_plan
@@ -111,6 +117,7 @@ class ProgressTracker:
             self.membership.epoch = state_epoch
             self.plan = None
         self.ready.add(peer_id)
+        self.quarantine.clear(peer_id)
         return True
 
     def forget(self, peer_id: str) -> None:
@@ -120,6 +127,12 @@ class ProgressTracker:
     def report(self, r: ProgressReport, now: float) -> ProgressReply:
         self.membership.heartbeat(r.peer_id, now)
         self.reports[r.peer_id] = r
+        for sender, reason, epoch in r.saw_rejections:
+            if self.quarantine.note(r.peer_id, sender, reason, epoch, now):
+                self.ready.discard(sender)  # in no further plan; resyncs before it rejoins
+                log.warning("quarantined %s: its contributions were rejected (%s) by others "
+                            "%d times within %.0f s", sender, reason,
+                            self.quarantine.threshold, self.quarantine.window_s)
         timing = self.timings.get(r.epoch)
         if timing is not None and timing.committed_at is None and r.peer_id in timing.participants:
             timing.committed_at = now
@@ -159,13 +172,19 @@ class ProgressTracker:
         return ProgressReply(None, global_epoch=self.epoch)
 
     def _disagrees(self, r: ProgressReport) -> bool:
+        """``r``'s digest loses to another held by ready peers at the same epoch: the
+        digest with most holders wins; a tie goes to the digest held by the smallest peer
+        id (deterministic, so a 1-vs-1 split resolves: exactly one side resyncs)."""
         if r.checksum is None:
             return False
-        same = [x.checksum for p, x in self.reports.items()
-                if x.epoch == r.epoch and x.checksum is not None and p in self.ready]
-        counts = collections.Counter(same)
-        top, n = counts.most_common(1)[0] if counts else (None, 0)
-        return top != r.checksum and n >= 2 and n > counts[r.checksum]
+        holders: dict[str, list[str]] = {}
+        for p, x in self.reports.items():
+            if x.epoch == r.epoch and x.checksum is not None and p in self.ready:
+                holders.setdefault(x.checksum, []).append(p)
+        if len(holders) < 2:
+            return False
+        winner = min(holders, key=lambda c: (-len(holders[c]), min(holders[c])))
+        return winner != r.checksum
 
     def _record_loss(self, r: ProgressReport) -> None:
         if r.loss is not None and r.samples > 0:

@@ -83,3 +83,26 @@ def test_a_notice_during_a_step_waits_for_it():
     core.note_notice("node-b", deadline_s=30.0)
     assert len(pushed) == 1  # no second plan while step 1 runs
     assert core.notice_stats()["node-b"]["rebalance_s"] is None
+
+
+def test_a_one_to_one_digest_split_resolves_to_the_smallest_peer():
+    core, clock, pushed = swarm(("a", "b"), target=1000)
+    core.report(ProgressReport("a", 0, 4, 1.0, "digest-a"))
+    core.report(ProgressReport("b", 0, 4, 1.0, "digest-b"))
+    assert core.report(ProgressReport("b", 0, 5, 1.0, "digest-b")).resync
+    assert not core.report(ProgressReport("a", 0, 5, 1.0, "digest-a")).resync
+
+
+def test_a_peer_others_keep_rejecting_is_quarantined_and_must_resync():
+    core, clock, pushed = swarm(("a", "b", "c"), target=1000)
+    core.progress.quarantine.threshold = 3
+    for epoch, reporter in ((1, "a"), (1, "b"), (1, "a")):  # a's second one counts once
+        core.report(ProgressReport(reporter, 0, 1, 1.0, None, 0, (("c", "non_finite", epoch),)))
+    assert "c" in core.progress.ready
+    core.report(ProgressReport("b", 0, 1, 1.0, None, 0, (("c", "late", 2),)))  # not c's fault
+    assert "c" in core.progress.ready
+    core.report(ProgressReport("a", 0, 1, 1.0, None, 0, (("c", "shape_mismatch", 2),)))
+    assert "c" not in core.progress.ready
+    assert core.stats()["quarantines"] == [("c", "shape_mismatch")]
+    assert core.report(ProgressReport("c", 0, 1, 1.0, None)).resync
+    assert core.mark_ready("c", 0)  # after the copy it is back, with a clean record

@@ -95,11 +95,15 @@ def wait_for(predicate, timeout_s: float, what: str, poll_s: float = POLL_S):
 
 class JobThread:
     """``run_job(config, cluster.address)`` in a daemon thread (connect Ray first, from the
-    main thread). ``config.training.max_seconds`` bounds the job; ``end`` ends it sooner."""
+    main thread). ``config.training.max_seconds`` bounds the job; ``end`` ends it sooner.
+    One job at a time per process (the driver's stop signal is process-wide)."""
 
     def __init__(self, config, address: str):
+        from moshray.jobs import train
         from moshray.jobs.train import run_job
 
+        self.stop = train.STOP
+        self.stop.clear()  # an earlier job's stop must not end this one
         self.config = config
         self.result: dict = {}
         self.done = threading.Event()
@@ -124,15 +128,10 @@ class JobThread:
                                   "(training.max_seconds too short?)")
 
     def end(self, timeout_s: float) -> dict | None:
-        """Let the job reach its time bound now and wait (at most ``timeout_s``) for it to stop
-        its replicas and return; returns its summary (None if it did not end in time).
-
-        The driver re-reads ``training.max_seconds`` every tick; this bench owns this config
-        object (built for this job alone), so it sets the bound to now. A stop call on the
-        driver would be the cleaner hook; the Coordinator's ``request_stop`` only stops the
-        replicas, and the controller would start new ones.
-        """
-        object.__setattr__(self.config.training, "max_seconds", 1e-6)
+        """Stop the job as ``ray job stop`` does (the driver's SIGTERM event: it stops its
+        replicas as at its time limit, then summarizes) and wait at most ``timeout_s`` for it
+        to return; returns its summary (None if it did not end in time)."""
+        self.stop.set()
         if not self.done.wait(timeout_s):
             log.warning("the training job did not end within %.0f s", timeout_s)
             return None

@@ -312,7 +312,9 @@ class ReplicaActor:
             except ray.exceptions.RayError as exc:
                 log.info("%s: report failed (%s)", self.peer_id, type(exc).__name__)
                 continue
-            if reply.stop:
+            if reply.unknown:
+                verdict = verdict or "rejoin"
+            elif reply.stop:
                 verdict = "stop"
             elif reply.resync and sent_at == self.epoch and verdict is None:
                 verdict = "resync"
@@ -333,6 +335,10 @@ class ReplicaActor:
                     break
                 if verdict == "resync":
                     await self._sync()
+                    self._send_report(force=True)
+                    continue
+                if verdict == "rejoin":
+                    await self._rejoin()
                     self._send_report(force=True)
                     continue
                 plan, self._plan = self._plan, None
@@ -380,9 +386,20 @@ class ReplicaActor:
         while True:
             await asyncio.sleep(1.0)
             try:
-                await self.coordinator.heartbeat.remote(self.peer_id)
+                if not await self.coordinator.heartbeat.remote(self.peer_id):
+                    await self._rejoin()
             except ray.exceptions.RayError:
                 pass
+
+    async def _rejoin(self) -> None:
+        """The Coordinator restarted and forgot this replica: re-register with the epoch
+        of the state held (it is ready at once if that is the newest)."""
+        async with self._state_lock:
+            epoch = self.epoch
+        ready = await self.coordinator.rejoin.remote(self.peer_id, self._self_handle(),
+                                                     self.node_id, epoch)
+        log.warning("%s: rejoined a restarted Coordinator at epoch %d (%s)", self.peer_id,
+                    epoch, "ready" if ready else "to resync")
 
     async def _global_step(self, plan: RoundPlan) -> None:
         t = self.config.training

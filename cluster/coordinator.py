@@ -1,5 +1,8 @@
 """The Coordinator actor: membership and round plans, on the head node.
 
+It may die: Ray restarts it (``max_restarts``) with empty memory, and the replicas rebuild
+it (``rejoin``: the newest step a live replica holds wins), the expert hosts re-register.
+
 A named, detached actor (``placement.COORDINATOR_NAME`` in namespace ``moshray``) that holds
 the ``Membership`` and publishes ``RoundPlan``s. It keeps no tensors and does no I/O; its
 methods are cheap and never block on a peer, so a dead peer can never stall it. Peers that
@@ -43,11 +46,13 @@ class CoordinatorCore:
         config: MembershipConfig,
         clock: Callable[[], float] = time.monotonic,
         target_batch_size: int = 256,
+        step_grace_s: float = 2.0,
     ):
         self.membership = Membership(config)
         self.clock = clock
         self.started = clock()
-        self.progress = ProgressTracker(self.membership, target_batch_size)
+        self.progress = ProgressTracker(self.membership, target_batch_size,
+                                        grace_s=step_grace_s)
         self.preemptions = 0
         self.notices: dict[str, NoticeRecord] = {}  # node id -> its first preemption notice
         self.experts = ExpertRegistry(clock=clock)  # DMoE expert hosts (replaces the DHT)
@@ -58,6 +63,13 @@ class CoordinatorCore:
     def register(self, peer_id: str, handle, node_id: str = "", capacity: float = 1.0) -> int:
         self.membership.register(PeerInfo(peer_id, handle, node_id, capacity), self.clock())
         return self.membership.epoch
+
+    def rejoin(self, peer_id: str, handle, node_id: str, state_epoch: int) -> bool:
+        """Re-register after a Coordinator restart (``heartbeat`` or a report answered
+        "unknown"): membership and the epoch are rebuilt from the replicas themselves. True
+        if the peer is ready at once (see ``ProgressTracker.rejoin``)."""
+        self.register(peer_id, handle, node_id)
+        return self.progress.rejoin(peer_id, state_epoch)
 
     def heartbeat(self, peer_id: str) -> bool:
         return self.membership.heartbeat(peer_id, self.clock())
@@ -343,19 +355,25 @@ class Coordinator(CoordinatorCore):
 def get_or_create(
     config: MembershipConfig | None = None, target_batch_size: int = 256, name: str | None = None,
     metrics_port: int | None = None, metrics_host: str = metrics.LOOPBACK,
-    prices: metrics.Prices | None = None,
+    prices: metrics.Prices | None = None, step_grace_s: float = 2.0,
 ) -> ray.actor.ActorHandle:
     """The cluster's Coordinator: created detached on the head node on first call.
 
     With ``metrics_port`` (0: any free port) it serves Prometheus metrics on
     ``metrics_host``; ``metrics_address.remote()`` tells where. Ignored if it exists already.
     """
+    # Restarted by Ray if its process dies; calls made meanwhile are retried once it is back
+    # (a service that can be briefly away). It keeps nothing the replicas cannot rebuild:
+    # they rejoin with their epoch (``rejoin``), experts re-register on an unknown heartbeat.
     return Coordinator.options(
         name=name or placement.COORDINATOR_NAME,
         namespace=placement.NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
         max_concurrency=64,
+        max_restarts=-1,
+        max_task_retries=-1,
         **placement.on_head(),
     ).remote(config or MembershipConfig(), target_batch_size=target_batch_size,
-             metrics_port=metrics_port, metrics_host=metrics_host, prices=prices)
+             metrics_port=metrics_port, metrics_host=metrics_host, prices=prices,
+             step_grace_s=step_grace_s)

@@ -45,6 +45,7 @@ class ProgressReply:
     stop: bool = False
     resync: bool = False  # reload state from a donor before going on
     global_epoch: int = 0
+    unknown: bool = False  # the Coordinator does not know this peer (it restarted): rejoin
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class ProgressTracker:
     stop: bool = False
     timings: dict[int, StepTiming] = field(default_factory=dict)  # epoch -> its timing
     rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (from, to) epochs
-    grace_s: float = 0.5  # how long a full batch waits for ready peers finishing a step
+    grace_s: float = 2.0  # how long a full batch waits for ready peers finishing a step
     quarantine: Quarantine = field(default_factory=Quarantine)
     _loss: dict[int, tuple[float, int]] = field(default_factory=dict)
     _full_since: float | None = None  # when the current epoch's batch became full
@@ -124,8 +125,26 @@ class ProgressTracker:
         self.ready.discard(peer_id)
         self.reports.pop(peer_id, None)
 
+    def rejoin(self, peer_id: str, state_epoch: int) -> bool:
+        """A registered peer that held the state of ``state_epoch`` before the Coordinator
+        lost its memory (a restart). The newest committed step held by a live peer wins: a
+        newer epoch is adopted; a peer at the current epoch is ready at once; one behind
+        it is not (it resyncs from a donor)."""
+        if state_epoch > self.epoch:
+            self.membership.epoch = state_epoch
+            self.plan = None
+        if state_epoch == self.epoch:
+            self.ready.add(peer_id)
+            return True
+        return False
+
     def report(self, r: ProgressReport, now: float) -> ProgressReply:
-        self.membership.heartbeat(r.peer_id, now)
+        if not self.membership.heartbeat(r.peer_id, now):
+            return ProgressReply(None, global_epoch=self.epoch, unknown=True)
+        if r.epoch > self.epoch and r.peer_id in self.ready:
+            # A step planned before a Coordinator restart completed among its peers.
+            self.membership.epoch = r.epoch
+            self.plan = None
         self.reports[r.peer_id] = r
         for sender, reason, epoch in r.saw_rejections:
             if self.quarantine.note(r.peer_id, sender, reason, epoch, now):

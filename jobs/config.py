@@ -62,7 +62,7 @@ __all__ = [
 
 Mode = Literal["collaborative", "local_sgd"]
 OuterOptimizer = Literal["none", "nesterov"]
-Compression = Literal["none", "fp16", "uint8", "blockwise8"]
+Compression = Literal["auto", "none", "fp16", "uint8", "blockwise8"]
 NoticeSourceName = Literal["auto", "aws", "gcp", "none"]
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
@@ -330,7 +330,12 @@ class TrainingSection(_Section):
     across replicas per optimizer step; ``local_sgd`` takes ``local_steps``
     local steps between averaging rounds, optionally followed by an outer
     Nesterov step (``outer_optimizer``). ``grad_clip = 0`` disables clipping.
-    ``max_steps`` / ``max_seconds`` of ``None`` mean unbounded.
+    ``max_steps`` / ``max_seconds`` of ``None`` mean unbounded. ``compression`` is the
+    wire codec of the averaging: ``auto`` sends fp16 gradients in collaborative mode
+    (within the bound documented in ``cluster/compression.py``) and full precision when
+    local SGD averages parameters. ``max_group``: largest Moshpit group (a swarm of more
+    peers averages over a multi-round grid). ``step_grace_s``: how long a full batch waits
+    for a replica still applying the previous step before the step is planned without it.
     """
 
     _section = "training"
@@ -349,9 +354,21 @@ class TrainingSection(_Section):
     max_steps: int | None = None
     max_seconds: float | None = None
     seed: int = 0
-    compression: Compression = "none"
+    compression: Compression = "auto"
+    max_group: int = 8
+    step_grace_s: float = 2.0
+
+    @property
+    def wire_codec(self) -> str:
+        """The codec ``compression`` resolves to for this mode."""
+        if self.compression != "auto":
+            return self.compression
+        return "fp16" if self.mode == "collaborative" else "none"
 
     def _validate(self) -> None:
+        _check(isinstance(self.max_group, int) and self.max_group >= 2, self._path("max_group"),
+               "must be an integer >= 2", self.max_group)
+        _non_negative(self._path("step_grace_s"), self.step_grace_s)
         for name in ("target_batch_size", "batch_size", "local_steps"):
             _positive_int(self._path(name), getattr(self, name))
         for name in ("lr", "outer_lr", "round_timeout_s"):

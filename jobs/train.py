@@ -150,9 +150,10 @@ def _fresh_coordinator(config: TrainConfig):
             time.sleep(0.1)
     # The exporter listens on the head node's loopback: Prometheus runs there too.
     coordinator = coordinator_mod.get_or_create(
-        MembershipConfig(compression=t.compression, peer_ttl_s=max(3.0, t.round_timeout_s)),
+        MembershipConfig(compression=t.wire_codec, peer_ttl_s=max(3.0, t.round_timeout_s),
+                         max_group=t.max_group),
         target_batch_size=t.target_batch_size, name=placement.COORDINATOR_NAME,
-        metrics_port=config.metrics.port)
+        metrics_port=config.metrics.port, step_grace_s=t.step_grace_s)
     try:
         ray.get(coordinator.metrics_address.remote(), timeout=60)
     except ray.exceptions.RayActorError:
@@ -204,7 +205,7 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
     t = config.training
     coordinator = controller.coordinator
     started = time.monotonic()
-    printed, samples, last_ckpt = 0, 0, 0
+    printed, samples, last_ckpt = 0, 0, 0  # printed: the last epoch shown
     stats: dict = {"history": [], "epoch": 0}
     while True:
         controller.step()
@@ -215,11 +216,13 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
         history = stats["history"]
         elapsed = time.monotonic() - started
         fraction = run_report.run_fraction(stats["epoch"], elapsed, t.max_steps, t.max_seconds)
-        for h in history[printed:]:
-            samples += h[2]
-            print(run_report.progress_line(h, samples, elapsed, stats["live"],
-                                           stats["preemptions"], fraction), file=out, flush=True)
-        printed = len(history)
+        for h in history:  # by epoch: a restarted Coordinator starts a new history
+            if h[0] > printed:
+                samples += h[2]
+                printed = h[0]
+                print(run_report.progress_line(h, samples, elapsed, stats["live"],
+                                               stats["preemptions"], fraction), file=out,
+                      flush=True)
         epoch = stats["epoch"]
         if config.checkpoint.uri and epoch - last_ckpt >= config.checkpoint.every_steps:
             _checkpoint(config, controller)
@@ -228,7 +231,7 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
                 (t.max_seconds is not None and elapsed >= t.max_seconds) or STOP.is_set():
             break
         STOP.wait(POLL_S)
-    ray.get(coordinator.request_stop.remote(), timeout=30)
+    _call(coordinator.request_stop, "stop the replicas")
     statuses = []
     for peer_id, _, run_ref in controller.live():
         try:
@@ -240,7 +243,7 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
     wall = time.monotonic() - started
     if config.checkpoint.uri:
         _checkpoint(config, controller)
-    stats = ray.get(coordinator.stats.remote(), timeout=30)
+    stats = _call(coordinator.stats, "read the final stats") or stats
     summary = run_report.summarize(stats, statuses, controller.leaving(), wall,
                                    controller.hard_losses)
     summary["replica_lifecycle"] = controller.states()
@@ -250,6 +253,20 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
         {"preemptions": controller.lost_at, "joins": controller.joined_at})
     print(run_report.done_line(summary), file=out, flush=True)
     return summary
+
+
+def _call(method, what: str, attempts: int = 6, timeout_s: float = 30.0):
+    """A Coordinator call that may meet it restarting: bounded retries, None if it never
+    answered (logged)."""
+    import ray
+
+    for attempt in range(attempts):
+        try:
+            return ray.get(method.remote(), timeout=timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            log.warning("could not %s (attempt %d: %s)", what, attempt + 1, type(exc).__name__)
+            time.sleep(1.0)
+    return None
 
 
 def _checkpoint(config: TrainConfig, controller) -> None:

@@ -106,3 +106,22 @@ def test_a_peer_others_keep_rejecting_is_quarantined_and_must_resync():
     assert core.stats()["quarantines"] == [("c", "shape_mismatch")]
     assert core.report(ProgressReport("c", 0, 1, 1.0, None)).resync
     assert core.mark_ready("c", 0)  # after the copy it is back, with a clean record
+
+
+def test_a_restarted_coordinator_is_rebuilt_from_the_replicas_epochs():
+    fresh, clock, pushed = swarm((), target=8)  # a Coordinator that lost its memory
+    assert fresh.report(ProgressReport("a", 7, 4, 1.0, None)).unknown  # "rejoin, please"
+    assert fresh.rejoin("b", "b", "node-b", 6) is True  # the first to come sets the epoch
+    assert fresh.rejoin("a", "a", "node-a", 7) is True  # the newest step held wins
+    assert fresh.membership.epoch == 7
+    assert fresh.rejoin("c", "c", "node-c", 5) is False  # behind: resyncs from a donor
+    assert fresh.report(ProgressReport("b", 6, 4, 1.0, None)).resync
+    plan = fresh.report(ProgressReport("a", 7, 8, 1.0, None)).plan
+    assert plan is not None and plan.epoch == 8
+
+
+def test_a_step_finished_during_a_restart_is_adopted():
+    core, clock, pushed = swarm(("a",), target=8)
+    core.rejoin("a", "a", "node-a", 3)
+    core.report(ProgressReport("a", 4, 0, None, None))  # its in-flight step 4 completed
+    assert core.membership.epoch == 4

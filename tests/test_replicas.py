@@ -146,3 +146,21 @@ def test_hard_killed_node_training_resumes_within_a_round_deadline(local_cluster
         if not killed:
             local_cluster.remove_node(slot)
     assert len(statuses) == 2 and consistent(statuses)
+
+
+def test_coordinator_killed_mid_run_is_rebuilt_by_the_replicas(local_cluster):
+    """``ray.kill(coordinator, no_restart=False)``: Ray restarts it with empty memory, the
+    replicas rejoin with their epochs, and training goes on from the newest step they hold:
+    no committed step lost or repeated, replicas identical."""
+    swarm = Swarm(small_config(), slots=[0, 1, 2])
+    try:
+        swarm.wait_epoch(5, timeout=180)
+        for _ in range(2):  # twice, a few steps apart
+            before = swarm.stats()["epoch"]
+            ray.kill(swarm.coordinator, no_restart=False)
+            after = swarm.wait_epoch(before + 5, timeout=180)
+            assert after["epoch"] >= before + 5  # the epoch went on, it did not restart at 0
+    finally:
+        statuses = swarm.stop()
+    assert len(statuses) == 3 and consistent(statuses)
+    assert all(s["lost_steps"] == 0 and s["repeated_steps"] == 0 for s in statuses)

@@ -505,9 +505,6 @@ class MetricsExporter:
 
     def _replica_states(self, e: ReplicaStatesEvent) -> None:
         counts = dict(e.counts)
-        self.quarantines = Counter(
-            PREFIX + "quarantines", "Peers excluded from plans after repeated rejected "
-            "contributions, by the rejection reason.", ["reason"], registry=r)
         for state in REPLICA_STATES:
             self.replicas.labels(state).set(counts.get(state, 0))
 

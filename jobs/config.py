@@ -467,14 +467,22 @@ class CheckpointSection(_Section):
 
 @dataclass(frozen=True)
 class MetricsSection(_Section):
-    """Prometheus exporter; ``port = 0`` lets the OS choose a free port."""
+    """Prometheus exporter; ``port = 0`` lets the OS choose a free port. The cost metrics
+    (per hour, per sample) multiply the worker nodes the controller sees on each market by
+    ``spot_price_per_hour`` / ``on_demand_price_per_hour`` (US$ per node-hour; defaults:
+    an AWS g4dn.xlarge in us-east-1, set your instance type's; the NodeProviders export
+    the cloud's live spot prices as ``moshray_provider_spot_price_dollars``)."""
 
     _section = "metrics"
 
     port: int = 9450
+    spot_price_per_hour: float = 0.16
+    on_demand_price_per_hour: float = 0.526
 
     def _validate(self) -> None:
         _check(0 <= self.port <= 65535, self._path("port"), "must be in [0, 65535]", self.port)
+        for name in ("spot_price_per_hour", "on_demand_price_per_hour"):
+            _non_negative(self._path(name), getattr(self, name))
 
 
 _SECTIONS: dict[str, type[_Section]] = {

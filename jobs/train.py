@@ -88,6 +88,12 @@ def run_job(config: TrainConfig, address: str) -> dict:
 
     out = sys.stderr if config.json else sys.stdout
     if not ray.is_initialized():
+        if address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
+            # A loopback cluster (tests, one machine): stay on loopback; Ray would otherwise
+            # swap 127.0.0.1 for this machine's network address.
+            from moshray.jobs.local_cluster import pin_loopback
+
+            pin_loopback()
         ray.init(address=address, namespace="moshray", log_to_driver=True)
     try:
         machines = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
@@ -130,6 +136,7 @@ def _fresh_coordinator(config: TrainConfig):
     import ray
 
     from moshray.cluster import coordinator as coordinator_mod
+    from moshray.cluster.metrics import Prices
     from moshray.cluster import placement
     from moshray.cluster.membership import MembershipConfig
 
@@ -153,7 +160,8 @@ def _fresh_coordinator(config: TrainConfig):
         MembershipConfig(compression=t.wire_codec, peer_ttl_s=max(3.0, t.round_timeout_s),
                          max_group=t.max_group),
         target_batch_size=t.target_batch_size, name=placement.COORDINATOR_NAME,
-        metrics_port=config.metrics.port, step_grace_s=t.step_grace_s)
+        metrics_port=config.metrics.port, step_grace_s=t.step_grace_s,
+        prices=Prices(config.metrics.spot_price_per_hour, config.metrics.on_demand_price_per_hour))
     try:
         ray.get(coordinator.metrics_address.remote(), timeout=60)
     except ray.exceptions.RayActorError:

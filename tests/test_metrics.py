@@ -311,3 +311,20 @@ def test_coordinator_without_a_port_counts_but_does_not_serve(local_cluster):
         assert ray.get(c.record.remote((m.JoinEvent(1.0),)), timeout=30) == 1
     finally:
         ray.kill(c)
+
+
+def test_controller_events_replica_states_joins_and_quarantines():
+    ex = m.MetricsExporter(m.Prices(), lambda: m.TrainingState())
+    assert ex.apply_all([
+        m.ReplicaStatesEvent((("training", 3), ("syncing", 1))),
+        m.NodeJoinedEvent("spot"), m.NodeJoinedEvent("spot"),
+        m.QuarantineEvent("non_finite"),
+    ]) == 4
+    ex.apply(m.ReplicaStatesEvent((("training", 2),)))  # a gauge: the last value wins
+    text = ex.render()
+    assert 'moshray_replicas{state="training"} 2.0' in text
+    assert 'moshray_replicas{state="syncing"} 0.0' in text
+    assert 'moshray_nodes_joined_total{market="spot"} 2.0' in text
+    assert 'moshray_quarantines_total{reason="non_finite"} 1.0' in text
+    with pytest.raises(ValueError, match="replica state"):
+        m.ReplicaStatesEvent((("flying", 1),))

@@ -57,6 +57,7 @@ from .notices import (
 log = logging.getLogger(__name__)
 
 WATCHER_PREFIX = "moshray-watcher-"
+POOL_ENV = "MOSHRAY_POOL"  # a node's pool (instance type, zone, market), set by its setup
 SOURCES = ("auto", "aws", "gcp", "simulated", "none")
 
 
@@ -95,7 +96,10 @@ class WatcherConfig:
                     ) -> NoticeSource:
         """The source for ``node_id``, resolved on that node (``environ``: its environment)."""
         kind, url = self.source, self.metadata_url
-        named_kind, named_url = node_metadata_service(os.environ if environ is None else environ)
+        environ = os.environ if environ is None else environ
+        named_kind, named_url = node_metadata_service(environ)
+        # The node's pool, as its setup names it (infra/ startup scripts export it).
+        pool = self.pool or environ.get(POOL_ENV, "")
         if kind == "auto":
             kind, url = named_kind, named_url
         elif kind == named_kind and url is None:
@@ -105,7 +109,7 @@ class WatcherConfig:
             options["interval_s"] = self.aws_interval_s
         elif kind == "gcp":
             options["notice_s"] = self.gcp_notice_s
-        return make_source(kind, node_id, metadata_url=url, pool=self.pool, **options)
+        return make_source(kind, node_id, metadata_url=url, pool=pool, **options)
 
 
 def watcher_name(node_id: str) -> str:

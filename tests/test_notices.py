@@ -285,3 +285,19 @@ def test_notice_validation_and_make_source():
     assert isinstance(make_source("simulated", NODE), SimulatedSource)
     with pytest.raises(ValueError, match="aws, gcp, simulated or none"):
         make_source("azure", NODE)
+
+
+def test_watcher_source_follows_what_the_node_names():
+    from moshray.autoscaler.notices import node_metadata_service
+    from moshray.autoscaler.watch import WatcherConfig
+
+    assert node_metadata_service({}) == ("none", None)
+    assert node_metadata_service({"AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:9/"}) \
+        == ("aws", "http://127.0.0.1:9")
+    assert node_metadata_service({"GCE_METADATA_HOST": "127.0.0.1:8"}) == \
+        ("gcp", "http://127.0.0.1:8")
+    env = {"AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:9", "MOSHRAY_POOL": "g5.xlarge/us-east-1a/spot"}
+    source = WatcherConfig(source="auto").make_source("ab" * 28, env)
+    assert source.cloud == "aws" and source.pool == "g5.xlarge/us-east-1a/spot"
+    source.close()
+    assert WatcherConfig(source="auto").make_source("ab" * 28, {}).describe() == "none"

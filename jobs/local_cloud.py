@@ -72,6 +72,9 @@ def run_embedded(config, job: Callable[[str], dict]) -> dict:
         # From the main thread; the job's driver shares the connection (and, as under
         # `ray job submit`, sees its replicas' logs).
         cluster.connect(log_to_driver=True)
+        from moshray.jobs.train import stop_on_sigterm
+
+        stop_on_sigterm()  # after Ray's own handler: SIGTERM ends the run cleanly
 
         def driver() -> None:
             try:

@@ -22,8 +22,9 @@ Rules, in order:
    ``max_nodes`` of them in the order they joined are *active*. Each active node gets
    ``replicas_per_node`` replicas (0: one per whole GPU on a GPU node, one on a CPU
    node), each with one GPU on a GPU node (a share of them if more replicas than GPUs).
-   A node whose replicas failed ``max_failures_per_node`` times while it stayed up gets
-   no more; after any failure it waits ``failure_backoff_s``.
+   A node whose replicas failed (raised, or died while the node was still listed alive)
+   ``max_failures_per_node`` times gets no more; after any failure it waits
+   ``failure_backoff_s`` (long enough for Ray to declare a dying node dead).
 4. Capacity. Ray's autoscaler is asked for ``max_nodes`` worker nodes (once; again only
    if the number changes).
 5. Waiting. With fewer than ``min_nodes`` active nodes and no replica training, the
@@ -48,7 +49,7 @@ class Policy:
     max_nodes: int = 4
     replicas_per_node: int = 0  # 0: one per GPU (GPU node) or one (CPU node)
     max_failures_per_node: int = 3
-    failure_backoff_s: float = 5.0
+    failure_backoff_s: float = 15.0
     start_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -218,8 +219,10 @@ def decide(obs: Observation, memory: Memory, policy: Policy) -> Decision:
             target = S.LEAVING  # leaving is one-way
         for step in path_between(state, target):
             actions.append(SetState(replica_id, step, reason))
-        if target is S.GONE and view is not None and view.outcome is RunOutcome.RAISED \
-                and node is not None and node.alive:
+        if target is S.GONE and view is not None and node is not None and node.alive \
+                and view.outcome in (RunOutcome.RAISED, RunOutcome.DIED):
+            # Raised, or died while Ray still lists its node (often a node that is dying
+            # and not yet declared dead): back off before placing another replica there.
             actions.append(NodeFailure(node_id))
             count, _ = failures.get(node_id, (0, 0.0))
             failures[node_id] = (count + 1, obs.now_s)

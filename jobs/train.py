@@ -77,6 +77,13 @@ def check_durable(config: TrainConfig, machines: int) -> None:
                               f"cluster has {machines}: use s3:// or gs:// URIs")
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM sets ``STOP`` (the run ends as at its time limit). Call after ``ray.init``,
+    which installs Ray's own handler, from the main thread (elsewhere it does nothing)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: STOP.set())
+
+
 def run_job(config: TrainConfig, address: str) -> dict:
     """The job's driver on the cluster at ``address``: the same on every cluster."""
     import ray
@@ -95,6 +102,7 @@ def run_job(config: TrainConfig, address: str) -> dict:
 
             pin_loopback()
         ray.init(address=address, namespace="moshray", log_to_driver=True)
+        stop_on_sigterm()
     try:
         machines = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
         check_durable(config, len(machines))
@@ -317,7 +325,7 @@ def main(args: argparse.Namespace) -> int:
 
     config = with_default_trace(config_from_args(args))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: STOP.set())
+    stop_on_sigterm()
     try:
         summary = run(config)
     except NoCapacityError as exc:

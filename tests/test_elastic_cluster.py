@@ -84,6 +84,10 @@ def test_job_follows_nodes_that_come_and_go(tmp_path: Path):
                 time.sleep(6.0)
                 c.terminate()
                 d.kill()
+                # Ray's node table shows both losses once its health checks give up on them.
+                _wait("both losses counted", lambda: _metric(
+                    port, "moshray_nodes_lost_total{notice=true}") >= 1 and _metric(
+                    port, "moshray_nodes_lost_total{notice=false}") >= 1, 180, proc, err)
                 at_loss = _metric(port, "moshray_global_step{}")
                 _wait("progress after the losses", lambda: _metric(
                     port, "moshray_global_step{}") >= at_loss + 10, 120, proc, err)
@@ -103,7 +107,8 @@ def test_job_follows_nodes_that_come_and_go(tmp_path: Path):
     assert summary["hard_losses"] == 1 and summary["notices"] >= 1
     assert summary["preemptions"] >= 2
     assert summary["nodes_joined"] == 4  # all came after the job started
-    assert summary["replica_lifecycle"]["gone"] == 2
+    # c's and d's replicas (and any replacement tried on d before Ray declared it dead)
+    assert summary["replica_lifecycle"]["gone"] >= 2
     assert summary["steps"] > at_loss
     assert last["moshray_nodes_lost_total{notice=true}"] >= 1
     assert last["moshray_nodes_lost_total{notice=false}"] >= 1

@@ -187,6 +187,7 @@ def test_hard_kill_drops_the_replica_and_counts_a_loss_without_notice():
     w.tick(1.0, [node("a"), node("b")], [ReplicaView(ra, member=True, ready=True)])
     d = w.tick(2.0, [node("a", alive=False), node("b")],
                [ReplicaView(ra, outcome=RunOutcome.DIED)])
+    assert d.of(NodeFailure) == ()  # the node is gone: not a failure on a live node
     assert w.records[ra].state is S.GONE
     assert d.of(NodeLost) == (NodeLost("a", with_notice=False),)
     assert d.of(StartReplica) == ()  # nowhere new to go
@@ -266,3 +267,13 @@ def test_decide_is_pure():
 def test_policy_rejects_bad_bounds():
     with pytest.raises(ValueError, match="min_nodes"):
         Policy(min_nodes=3, max_nodes=2)
+
+
+def test_replica_dead_on_a_node_ray_still_lists_backs_off_before_a_replacement():
+    w = World(Policy(failure_backoff_s=15.0))
+    w.tick(0.0, [node("a")])
+    (ra,) = w.on("a")
+    d = w.tick(1.0, [node("a")], [ReplicaView(ra, outcome=RunOutcome.DIED)])
+    assert d.of(NodeFailure) == (NodeFailure("a"),) and d.of(StartReplica) == ()
+    assert w.tick(10.0, [node("a")]).of(StartReplica) == ()  # still backing off
+    assert len(w.tick(17.0, [node("a")]).of(StartReplica)) == 1

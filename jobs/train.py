@@ -84,6 +84,16 @@ def stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda *_: STOP.set())
 
 
+def durability_warning(config: TrainConfig, machines: int) -> str | None:
+    """One line to print when a run on several machines keeps no checkpoints (a lost head
+    node then loses the run; with ``checkpoint.uri`` a resubmitted job resumes). Pure."""
+    if machines > 1 and not config.checkpoint.uri:
+        return (f"warning: checkpoints are off on a cluster of {machines} machines; set "
+                f"checkpoint.uri (s3://bucket/path or gs://bucket/path) so a resubmitted "
+                f"job resumes from the last one")
+    return None
+
+
 def run_job(config: TrainConfig, address: str) -> dict:
     """The job's driver on the cluster at ``address``: the same on every cluster."""
     import ray
@@ -106,6 +116,9 @@ def run_job(config: TrainConfig, address: str) -> dict:
     try:
         machines = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
         check_durable(config, len(machines))
+        warning = durability_warning(config, len(machines))
+        if warning:
+            print(warning, file=out, flush=True)
         if config.data.paths:
             files = resolve_data(list(config.data.paths), config.data.cache_dir)
         else:  # the built-in corpus, built on the driver, travels through the object store

@@ -200,6 +200,11 @@ def test_refuses_node_local_checkpoint_on_several_machines():
     check_durable(load_config(None, {"checkpoint.uri": "s3://bucket/run"}), machines=3)
     with pytest.raises(ConfigError, match="data.paths"):
         check_durable(load_config(None, {"data.paths": '["/data/x.parquet"]'}), machines=2)
+    from moshray.jobs.train import durability_warning
+
+    assert "checkpoint.uri" in durability_warning(load_config(None), machines=2)
+    assert durability_warning(load_config(None), machines=1) is None
+    assert durability_warning(load_config(None, {"checkpoint.uri": "s3://b/r"}), 4) is None
 
 
 def test_the_default_run_replays_the_shipped_trace():

@@ -145,10 +145,8 @@ class ElasticController:
         elif isinstance(action, SetState):
             record = self.records[action.replica_id]
             record.to(action.state, obs.now_s, action.reason)
-            if action.state in (ReplicaState.GONE, ReplicaState.LEAVING):
-                self.coordinator.leave.remote(action.replica_id) \
-                    if action.state is ReplicaState.GONE else None
             if action.state is ReplicaState.GONE:
+                self.coordinator.leave.remote(action.replica_id)
                 self.runs.pop(action.replica_id, None)
         elif isinstance(action, StopReplica):
             handle = self.runs.get(action.replica_id, (None,))[0]

@@ -301,8 +301,9 @@ def _call(method, what: str, attempts: int = 6, timeout_s: float = 30.0):
 def _checkpoint(config: TrainConfig, controller) -> None:
     import ray
 
+    leaving = controller.leaving()
     for peer_id, handle, _ in controller.live():
-        if peer_id in controller.leaving():
+        if peer_id in leaving:
             continue
         try:
             path = ray.get(handle.save_checkpoint.remote(config.checkpoint.uri), timeout=60)

@@ -225,7 +225,10 @@ class ReplicaActor:
         return dict(self.averager.rejection_counts)
 
     def inject_fault(self, fault: str | None) -> None:
-        """Test hook: ``"nan"`` makes every following gradient NaN (until reset to None)."""
+        """Test hook, until reset to None: ``"nan"`` makes every following gradient NaN;
+        ``"shape"`` sends contributions with one element too many (peers reject both)."""
+        if fault not in (None, "nan", "shape"):
+            raise ValueError(f"unknown fault {fault!r}: use 'nan', 'shape' or None")
         self.fault = fault
 
     # -- joining ------------------------------------------------------------------------------
@@ -408,6 +411,8 @@ class ReplicaActor:
             if t.mode == "collaborative":
                 grads = [(p.grad / max(self.micro, 1)) if p.grad is not None
                          else torch.zeros_like(p) for p in params]
+                if self.fault == "shape":
+                    grads.append(torch.zeros(1, device=self.device))
                 averaged, report = await self.averager.all_reduce(
                     grads, self.samples, plan, t.round_timeout_s)
                 for p, g in zip(params, averaged):

@@ -9,6 +9,7 @@ through ``pyarrow.fs`` so local and object-store paths take the same code path.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -241,8 +242,10 @@ def ship_files(paths: list[str]) -> list[ShippedFile]:
 DataFile = str | ShippedFile
 
 
+@functools.lru_cache(maxsize=64)
 def _read_bytes(uri: DataFile) -> bytes:
     """UTF-8 bytes of one data file: raw bytes for ``.txt``, the ``text`` column for Parquet.
+    Cached per process (a replica opens many shards of the same few files).
 
     ``uri`` is a path or URI the caller's machine can open (local, ``s3://``, ``gs://``),
     or a ``ShippedFile`` fetched from the object store."""

@@ -26,6 +26,7 @@ from .membership import Membership, MembershipConfig
 from .messages import PeerInfo, RoundPlan
 from .progress import ProgressReply, ProgressReport, ProgressTracker, StepRecord
 from .registry import ExpertRegistry, HeartbeatStatus, HostRecord
+from .shard_ledger import ShardLedger
 
 
 @dataclass
@@ -56,6 +57,7 @@ class CoordinatorCore:
         self.preemptions = 0
         self.notices: dict[str, NoticeRecord] = {}  # node id -> its first preemption notice
         self.experts = ExpertRegistry(clock=clock)  # DMoE expert hosts (replaces the DHT)
+        self.shards = ShardLedger()  # the job's data position (rebuilt from floors)
         # Called with every new plan the moment it exists (the actor shell pushes it to the
         # participants); None in pure tests, where plans travel only in report replies.
         self.push_plan: Callable[[RoundPlan], None] | None = None
@@ -121,6 +123,15 @@ class CoordinatorCore:
                 if info.peer_id != exclude and info.peer_id in self.progress.ready:
                     return info.peer_id, info.handle
         return None
+
+    def grant_shards(self, peer_id: str, count: int = 1, floor: int = 0) -> tuple[int, ...]:
+        """The next ``count`` data shard numbers for ``peer_id``; ``floor`` is the data
+        position the caller's state holds (a restarted Coordinator learns it from there)."""
+        return self.shards.grant(peer_id, count, floor)
+
+    def data_position(self, floor: int = 0) -> int:
+        """Every data shard below this number has been handed out (checkpoints keep it)."""
+        return self.shards.raise_floor(floor)
 
     def note_preemption(self, count: int = 1) -> int:
         self.preemptions += count

@@ -743,7 +743,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def exit_on_config_error(fn: F) -> F:
     """Decorate a CLI entry point: a :class:`ConfigError` prints
-    ``moshray: config error: <one line>`` to stderr and exits with status 2.
+    ``moshray: config error: <one line>`` to stderr and exits with status 2; so does a
+    ``UserError`` (the training code or data is at fault), with its own prefix.
     Other exceptions pass through unchanged.
     """
 
@@ -753,6 +754,13 @@ def exit_on_config_error(fn: F) -> F:
             return fn(*args, **kwargs)
         except ConfigError as exc:
             print(f"moshray: config error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        except ValueError as exc:
+            from moshray.actors.errors import UserError
+
+            if not isinstance(exc, UserError):
+                raise
+            print(f"moshray: error in the training code or data: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
 
     return wrapper  # type: ignore[return-value]

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import ray
 
+from moshray.actors.errors import find_user_error
 from moshray.cluster import metrics
 
 from .observations import Memory, Observation, ReplicaView, RunOutcome, node_view
@@ -66,7 +67,7 @@ class ElasticController:
         self.clock = clock
         self.t0 = clock()
         self.records: dict[str, ReplicaRecord] = {}
-        self.runs: dict[str, tuple[object, object, int]] = {}  # id -> (handle, run, shard)
+        self.runs: dict[str, tuple[object, object]] = {}  # id -> (handle, run)
         self.outcomes: dict[str, RunOutcome] = {}
         self.known_nodes: dict[str, float] = {}
         self.failures: dict[str, tuple[int, float]] = {}
@@ -93,6 +94,9 @@ class ElasticController:
             ray.get(run_ref, timeout=RPC_TIMEOUT_S)
             outcome = RunOutcome.FINISHED
         except ray.exceptions.RayTaskError as exc:
+            user_error = find_user_error(exc)
+            if user_error is not None:  # the same code fails on every node: stop the job
+                raise user_error from None
             cause = (str(exc).strip().splitlines() or [""])[-1]
             log.warning("replica %s failed: %s", replica_id, cause[:300])
             outcome = RunOutcome.RAISED
@@ -117,7 +121,7 @@ class ElasticController:
         replicas = tuple(
             ReplicaView(rid, self._outcome(rid, run), rid in members, rid in ready,
                         rid in draining_peers)
-            for rid, (_, run, _) in self.runs.items())
+            for rid, (_, run) in self.runs.items())
         return Observation(self.clock() - self.t0, nodes, replicas,
                            frozenset(view["noticed_nodes"]))
 
@@ -176,11 +180,8 @@ class ElasticController:
         node = obs.node(action.node_id)
         label = node.slot if node is not None and node.slot is not None else action.node_id[:8]
         replica_id = f"replica-{label}-{self._count}"
-        used = {shard for _, _, shard in self.runs.values()}
-        shard = next(i for i in range(len(used) + 1) if i not in used) % self.spec.num_shards
-        handle, run = launch_replica(self.spec, replica_id, action.node_id, action.num_gpus,
-                                     shard)
-        self.runs[replica_id] = (handle, run, shard)
+        handle, run = launch_replica(self.spec, replica_id, action.node_id, action.num_gpus)
+        self.runs[replica_id] = (handle, run)
         self.records[replica_id] = ReplicaRecord(replica_id, action.node_id, action.num_gpus,
                                                  obs.now_s)
         log.info("replica %s starting on node %s (%s GPU)", replica_id, action.node_id[:12],
@@ -264,7 +265,7 @@ class ElasticController:
 
     def live(self) -> list[tuple[str, object, object]]:
         """``(replica_id, handle, run_ref)`` of every replica not gone."""
-        return [(rid, h, run) for rid, (h, run, _) in self.runs.items()]
+        return [(rid, h, run) for rid, (h, run) in self.runs.items()]
 
     def leaving(self) -> set[str]:
         return {r.replica_id for r in self.records.values()

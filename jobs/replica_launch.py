@@ -18,19 +18,18 @@ from moshray.cluster.placement import SLOT_LABEL
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """What every replica of a job shares: the config dict, the data files (paths/URIs the
-    replica opens itself, or ``ShippedFile``s), the Coordinator and the optional initial
-    state (a checkpoint, as ``[ObjectRef]``)."""
+    """What every replica of a job shares: the config dict, the job (the user's loop and
+    data source, ``actors.replica.Job``), the Coordinator and the optional initial state
+    (a checkpoint, as ``[ObjectRef]``)."""
 
     config: dict
-    files: tuple
+    job: Any
     coordinator: Any
     init_state_ref: list | None = None
-    num_shards: int = 1
 
 
-def launch_replica(spec: ReplicaSpec, peer_id: str, node_id: str, num_gpus: float,
-                   shard_index: int) -> tuple[Any, Any]:
+def launch_replica(spec: ReplicaSpec, peer_id: str, node_id: str,
+                   num_gpus: float) -> tuple[Any, Any]:
     """Start ``peer_id`` on ``node_id``; returns ``(handle, run_ref)``. Never blocks: a node
     that died meanwhile shows up as a failed ``run_ref``."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -40,8 +39,7 @@ def launch_replica(spec: ReplicaSpec, peer_id: str, node_id: str, num_gpus: floa
     handle = ReplicaActor.options(
         num_cpus=1, num_gpus=num_gpus, max_concurrency=16,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(peer_id, spec.config, list(spec.files), shard_index, spec.coordinator,
-             spec.init_state_ref)
+    ).remote(peer_id, spec.config, spec.job, spec.coordinator, spec.init_state_ref)
     return handle, handle.run.remote()
 
 
@@ -60,8 +58,10 @@ class ReplicaSupervisor:
     themselves; the training job uses the elastic controller instead)."""
 
     def __init__(self, config, files, coordinator, init_state_ref):
-        self.spec = ReplicaSpec(config.to_dict(), tuple(files), coordinator, init_state_ref,
-                                max(config.cluster.max_nodes, 1))
+        from moshray.jobs.examples import lm
+
+        self.spec = ReplicaSpec(config.to_dict(), lm.job(config, files), coordinator,
+                                init_state_ref)
         self.coordinator = coordinator
         self.replicas: dict[int, tuple[str, object, object]] = {}  # slot -> (id, handle, run)
         self.generation = 0
@@ -73,8 +73,7 @@ class ReplicaSupervisor:
         with self.lock:
             self.generation += 1
             peer_id = f"replica-{slot}-{self.generation}"
-            handle, run = launch_replica(self.spec, peer_id, node_id, 0,
-                                         slot % self.spec.num_shards)
+            handle, run = launch_replica(self.spec, peer_id, node_id, 0)
             self.replicas[slot] = (peer_id, handle, run)
 
     def lost(self, slot: int, hard: bool = False) -> None:

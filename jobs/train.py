@@ -46,15 +46,16 @@ POLL_S = 0.5
 STOP = threading.Event()
 
 
-def run(config: TrainConfig) -> dict:
-    """Train on the cluster at ``cluster.address`` / ``RAY_ADDRESS``, else on the embedded
-    local cluster (started and stopped here); returns the run's summary."""
+def run(config: TrainConfig, job=None) -> dict:
+    """Train ``job`` (``actors.replica.Job``: the user's loop and data; None: the built-in
+    LM) on the cluster at ``cluster.address`` / ``RAY_ADDRESS``, else on the embedded local
+    cluster (started and stopped here); returns the run's summary."""
     address = config.cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
-        return run_job(config, address)
+        return run_job(config, address, job)
     from moshray.jobs.local_cloud import run_embedded
 
-    return run_embedded(config, lambda addr: run_job(config, addr))
+    return run_embedded(config, lambda addr: run_job(config, addr, job))
 
 
 def is_node_local(uri: str) -> bool:
@@ -94,8 +95,10 @@ def durability_warning(config: TrainConfig, machines: int) -> str | None:
     return None
 
 
-def run_job(config: TrainConfig, address: str) -> dict:
-    """The job's driver on the cluster at ``address``: the same on every cluster."""
+def run_job(config: TrainConfig, address: str, job=None) -> dict:
+    """The job's driver on the cluster at ``address``: the same on every cluster. ``job``
+    may be a callable of the connected driver returning the ``Job`` (data sources that
+    need Ray, such as a Ray Dataset's blocks, are made there)."""
     import ray
 
     from moshray.actors.checkpoint import CheckpointStore
@@ -119,10 +122,16 @@ def run_job(config: TrainConfig, address: str) -> dict:
         warning = durability_warning(config, len(machines))
         if warning:
             print(warning, file=out, flush=True)
-        if config.data.paths:
-            files = resolve_data(list(config.data.paths), config.data.cache_dir)
-        else:  # the built-in corpus, built on the driver, travels through the object store
-            files = ship_files(resolve_data(None, os.path.expanduser(config.data.cache_dir)))
+        if callable(job) and not hasattr(job, "loop"):
+            job = job()
+        if job is None:
+            from moshray.jobs.examples import lm
+
+            if config.data.paths:
+                files = resolve_data(list(config.data.paths), config.data.cache_dir)
+            else:  # the built-in corpus, built on the driver, travels through the object store
+                files = ship_files(resolve_data(None, os.path.expanduser(config.data.cache_dir)))
+            job = lm.job(config, files)
         init_state_ref = None
         if config.checkpoint.uri:
             found = CheckpointStore(config.checkpoint.uri).load_latest()
@@ -135,8 +144,7 @@ def run_job(config: TrainConfig, address: str) -> dict:
         if address_shown:
             print(f"metrics: http://{address_shown}/metrics", file=out, flush=True)
         experts = _start_experts(config, coordinator) if config.model.moe else None
-        spec = ReplicaSpec(config.to_dict(), tuple(files), coordinator, init_state_ref,
-                           max(config.cluster.max_nodes, 1))
+        spec = ReplicaSpec(config.to_dict(), job, coordinator, init_state_ref)
         controller = ElasticController(config, spec, experts, out)
         try:
             summary = _supervise(config, controller, out)
@@ -275,13 +283,35 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
     stats = _call(coordinator.stats, "read the final stats") or stats
     summary = run_report.summarize(stats, statuses, controller.leaving(), wall,
                                    controller.hard_losses)
+    final_state = _final_state(controller, summary) if controller.spec.job.return_state \
+        else None
     summary["replica_lifecycle"] = controller.states()
     summary["nodes_joined"] = len(controller.joined_at)
     summary["plot"] = run_report.write_outputs(
         config.run_dir, stats["history"], summary,
         {"preemptions": controller.lost_at, "joins": controller.joined_at})
     print(run_report.done_line(summary), file=out, flush=True)
+    if final_state is not None:
+        summary["final_state"] = final_state
     return summary
+
+
+def _final_state(controller, summary: dict) -> dict | None:
+    """The state of a staying replica that holds the run's final step (None if none
+    answers)."""
+    import ray
+
+    leaving = controller.leaving()
+    for peer_id, handle, _ in controller.live():
+        if peer_id in leaving:
+            continue
+        try:
+            epoch, [ref] = ray.get(handle.get_state.remote(), timeout=60)
+            if epoch == summary.get("steps", epoch):
+                return ray.get(ref, timeout=60)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            log.warning("final state of %s not read (%s)", peer_id, type(exc).__name__)
+    return None
 
 
 def _call(method, what: str, attempts: int = 6, timeout_s: float = 30.0):

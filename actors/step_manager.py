@@ -1,0 +1,248 @@
+"""The replica's side of the Coordinator protocol, in one object (torchft's ``Manager``).
+
+It registers the replica, copies state from a donor (or the initial checkpoint) until the
+Coordinator marks it ready, reports progress without the training loop waiting for the
+reply, takes the plans the Coordinator pushes, runs the step strategy's global step,
+commits it (epoch, lineage, digest), rejoins a restarted Coordinator and resyncs when told.
+
+It lives on the replica actor's event loop; the training loop's thread calls
+``after_micro_batch`` once per micro-batch (through the ``Session``) and waits for it.
+Failures of other peers never raise here (the averager's deadlines bound every round);
+a Coordinator that is briefly away is retried by Ray (its calls have task retries) and
+reports that fail are dropped (the next one carries the same progress).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import ray
+
+from moshray.cluster import metrics
+from moshray.cluster.averager import Averager
+from moshray.cluster.messages import RoundPlan
+from moshray.cluster.progress import ProgressReport
+
+from .replica_state import TrainState, step_digest
+
+log = logging.getLogger(__name__)
+
+MAX_OWN_REJECTIONS = 3  # consecutive steps with our contribution rejected -> resync
+SYNC_ATTEMPTS = 600
+
+
+class StepManager:
+    """See module docstring. ``handle`` is the replica actor's own handle (peers and the
+    Coordinator call it); ``init_state_ref`` an optional ``[ObjectRef]`` of a checkpoint."""
+
+    def __init__(self, peer_id: str, coordinator, handle, node_id: str, round_timeout_s: float,
+                 init_state_ref: list | None = None):
+        self.peer_id, self.coordinator, self.handle = peer_id, coordinator, handle
+        self.node_id, self.round_timeout_s = node_id, round_timeout_s
+        self.averager = Averager(peer_id)
+        self.state: TrainState | None = None
+        self.strategy: Any = None
+        self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+        self.own_rejections = 0
+        self.consecutive_bad = 0
+        self.fault: str | None = None
+        self.stopping = False
+        self.lock = asyncio.Lock()  # held while the state changes (steps, loads)
+        self.started_at = time.monotonic()  # join time is measured from here
+        self.joined = False  # contributed to an averaged step yet?
+        self._init_state_ref = init_state_ref
+        self._plan: RoundPlan | None = None  # pushed by the Coordinator, not yet taken
+        self._inflight: list[tuple[int, asyncio.Future]] = []  # (epoch sent at, reply)
+        self._saw_rejections: list[tuple[str, str, int]] = []  # others', for the Coordinator
+        self._heartbeat: asyncio.Future | None = None
+
+    # -- joining ---------------------------------------------------------------------------
+
+    async def start(self, state: TrainState, strategy) -> None:
+        """Register, take the state of the swarm (donor or checkpoint), start heartbeats."""
+        self.state, self.strategy = state, strategy
+        await self.coordinator.register.remote(self.peer_id, self.handle, self.node_id)
+        await self.sync()
+        self._heartbeat = asyncio.ensure_future(self._beat())
+        self.send_report(force=True)
+
+    async def sync(self) -> None:
+        """Copy state from a donor (or the initial checkpoint) and become ready. A
+        ``UserError`` in the loaded state (another model) propagates."""
+        for attempt in range(SYNC_ATTEMPTS):
+            donor = await self.coordinator.donor.remote(self.peer_id)
+            if donor is not None:
+                try:
+                    _, [ref] = await donor[1].get_state.remote()
+                    loaded = await ref
+                except ray.exceptions.RayError as exc:
+                    log.warning("%s: donor %s failed (%s); retrying", self.peer_id, donor[0],
+                                type(exc).__name__)
+                    await asyncio.sleep(0.2)
+                    continue
+                await self._load(loaded, from_donor=True)
+            elif self._init_state_ref:
+                await self._load(await self._init_state_ref[0], from_donor=False)
+                await self.coordinator.resume_from.remote(self.state.epoch)
+            if await self.coordinator.mark_ready.remote(self.peer_id, self.state.epoch):
+                log.info("%s ready at epoch %d (attempt %d)", self.peer_id, self.state.epoch,
+                         attempt)
+                return
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"{self.peer_id}: could not sync state after {SYNC_ATTEMPTS} attempts")
+
+    async def _load(self, loaded: dict, from_donor: bool) -> None:
+        async with self.lock:
+            self.state.load(loaded, from_donor)
+            self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+
+    async def snapshot(self) -> dict:
+        """The state between steps (never mid-step)."""
+        async with self.lock:
+            return self.state.snapshot()
+
+    # -- progress --------------------------------------------------------------------------
+
+    def receive_plan(self, plan: RoundPlan) -> None:
+        if self.state is not None and plan.epoch == self.state.epoch + 1:
+            self._plan = plan
+
+    def send_report(self, force: bool = False) -> None:
+        """Progress to the Coordinator without waiting for the reply; at most one routine
+        report in flight, ``force`` sends anyway (right after a step or a sync)."""
+        if self._inflight and not force:
+            return
+        s = self.state
+        report = ProgressReport(self.peer_id, s.epoch, self.samples,
+                                self.loss_sum / self.samples if self.samples else None,
+                                s.step_checksum, self.own_rejections,
+                                tuple(self._saw_rejections))
+        self._saw_rejections.clear()
+        ref = self.coordinator.report.remote(report)
+        self._inflight.append((s.epoch, asyncio.ensure_future(_awaited(ref))))
+
+    def _replies(self) -> str | None:
+        """Handle the replies that arrived: ``"stop"``, ``"resync"`` (if still meant for this
+        replica's epoch) or ``"rejoin"``; a plan to take is kept. None if nothing to do."""
+        verdict = None
+        while self._inflight and self._inflight[0][1].done():
+            sent_at, future = self._inflight.pop(0)
+            try:
+                reply = future.result()
+            except ray.exceptions.RayError as exc:
+                log.info("%s: report failed (%s)", self.peer_id, type(exc).__name__)
+                continue
+            if reply.unknown:
+                verdict = verdict or "rejoin"
+            elif reply.stop:
+                verdict = "stop"
+            elif reply.resync and sent_at == self.state.epoch and verdict is None:
+                verdict = "resync"
+            elif reply.plan is not None and reply.plan.epoch == self.state.epoch + 1:
+                self._plan = reply.plan
+        return verdict
+
+    async def after_micro_batch(self, samples: int, loss: float) -> bool:
+        """Count one micro-batch and act on what the Coordinator said; True if a global step
+        was taken. Sets ``stopping`` when the Coordinator says stop."""
+        self.samples += samples
+        self.micro += 1
+        self.loss_sum += loss * samples
+        self.send_report()
+        verdict = self._replies()
+        if verdict == "stop":
+            self.stopping = True
+            return False
+        if verdict in ("resync", "rejoin"):
+            await (self.sync() if verdict == "resync" else self.rejoin())
+            self.send_report(force=True)
+            return False
+        plan, self._plan = self._plan, None
+        if plan is None or plan.epoch != self.state.epoch + 1:
+            return False
+        await self.global_step(plan)
+        self.send_report(force=True)
+        return True
+
+    # -- the global step ---------------------------------------------------------------------
+
+    async def global_step(self, plan: RoundPlan) -> None:
+        s = self.state
+        async with self.lock:
+            report = await self.strategy.global_step(
+                s.model, s.optimizer, self.averager, plan, self.samples, self.micro,
+                self.round_timeout_s, self.fault)
+            s.lineage.apply(plan.epoch)
+            s.step_checksum = step_digest(s.model, plan.epoch)
+            s.epoch = plan.epoch
+            self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+        self._record(report)
+        self._saw_rejections.extend((r.sender, r.reason.value, plan.epoch)
+                                    for r in report.rejections if r.sender != self.peer_id)
+        mine = [r for r in report.rejections if r.sender == self.peer_id]
+        if not mine:
+            self.consecutive_bad = 0
+            return
+        self.own_rejections += 1
+        self.consecutive_bad += 1
+        log.warning("%s: own contribution rejected at epoch %d (%s)", self.peer_id, plan.epoch,
+                    mine[0].reason.value)
+        if self.consecutive_bad >= MAX_OWN_REJECTIONS:
+            log.warning("%s: %d bad steps in a row; restarting from a donor", self.peer_id,
+                        self.consecutive_bad)
+            self.consecutive_bad = 0
+            await self.coordinator.leave.remote(self.peer_id)
+            await self.coordinator.register.remote(self.peer_id, self.handle, self.node_id)
+            await self.sync()
+
+    def _record(self, report) -> None:
+        """Metrics events for one averaging round (fire-and-forget; cluster/metrics.py): the
+        round itself and, after this replica's first averaged step, its join time."""
+        events: list = [metrics.RoundEvent.from_report(report)]
+        if not self.joined and self.peer_id in report.contributors:
+            self.joined = True
+            events.append(metrics.JoinEvent(max(0.0, time.monotonic() - self.started_at)))
+        self.record(tuple(events))
+
+    def record(self, events: tuple) -> None:
+        """Metrics events to the Coordinator, fire-and-forget (nothing if it is gone)."""
+        if not events:
+            return
+        try:
+            self.coordinator.record.remote(events)
+        except ray.exceptions.RayError as exc:
+            log.info("%s: metrics not recorded (%s)", self.peer_id, type(exc).__name__)
+
+    # -- a Coordinator that restarted -----------------------------------------------------------
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                if not await self.coordinator.heartbeat.remote(self.peer_id):
+                    await self.rejoin()
+            except ray.exceptions.RayError:
+                pass
+
+    async def rejoin(self) -> None:
+        """The Coordinator restarted and forgot this replica: re-register with the epoch
+        of the state held (it is ready at once if that is the newest)."""
+        async with self.lock:
+            epoch = self.state.epoch
+        ready = await self.coordinator.rejoin.remote(self.peer_id, self.handle, self.node_id,
+                                                     epoch)
+        log.warning("%s: rejoined a restarted Coordinator at epoch %d (%s)", self.peer_id,
+                    epoch, "ready" if ready else "to resync")
+
+    def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        for _, future in self._inflight:
+            future.cancel()
+
+
+async def _awaited(ref):
+    return await ref

@@ -1,0 +1,135 @@
+"""The two step strategies: what a micro-batch does locally and what a global step does.
+
+- ``Collaborative`` (DeDLOC): micro-batches only accumulate gradients; a global step
+  averages every participant's mean gradient (weighted by its samples) and applies one
+  optimizer step, the same on every replica, so the replicas stay bitwise identical.
+- ``LocalSGD`` (Moshpit SGD / DiLoCo): every micro-batch is a local optimizer step; a global
+  step averages the parameters, optionally followed by an outer Nesterov step on the
+  averaged delta (``OuterNesterov``).
+
+Both run their global step on the replica's event loop while the training loop's thread
+waits; ``after_backward`` runs in that thread. A fault injected for tests (``"nan"``,
+``"shape"``) corrupts what this replica contributes; its peers reject it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moshray.cluster.averager import Averager
+from moshray.cluster.messages import RoundPlan
+
+
+def clip(model: torch.nn.Module, max_norm: float) -> None:
+    if max_norm > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def corrupt_grads(model: torch.nn.Module, fault: str | None) -> None:
+    if fault == "nan":
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.fill_(float("nan"))
+
+
+def _with_fault(tensors: list[torch.Tensor], fault: str | None) -> list[torch.Tensor]:
+    if fault == "shape":  # one element too many: peers reject it as a shape mismatch
+        return tensors + [torch.zeros(1)]
+    return tensors
+
+
+class Collaborative:
+    """DeDLOC steps (see module docstring)."""
+
+    outer_state = None
+
+    def __init__(self, grad_clip: float):
+        self.grad_clip = grad_clip
+
+    def after_backward(self, model, optimizer, fault: str | None) -> None:
+        corrupt_grads(model, fault)
+
+    @staticmethod
+    def zero_grad_allowed() -> bool:
+        """Gradients accumulate until the global step: the loop's ``zero_grad`` waits."""
+        return False
+
+    async def global_step(self, model, optimizer, averager: Averager, plan: RoundPlan,
+                          samples: int, micro: int, timeout_s: float, fault: str | None):
+        params = list(model.parameters())
+        grads = [(p.grad / max(micro, 1)) if p.grad is not None else torch.zeros_like(p)
+                 for p in params]
+        averaged, report = await averager.all_reduce(_with_fault(grads, fault), samples,
+                                                     plan, timeout_s)
+        for p, g in zip(params, averaged):
+            p.grad = g.to(p.device)
+        clip(model, self.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return report
+
+
+class OuterNesterov:
+    """DiLoCo's outer step: Nesterov SGD on the averaged delta from the last anchor."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, momentum: float):
+        self.anchor = [p.detach().clone() for p in model.parameters()]
+        self.optimizer = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=True)
+
+    @torch.no_grad()
+    def step(self, params: list[torch.Tensor]) -> None:
+        for anchor, p in zip(self.anchor, params):
+            anchor.grad = anchor - p  # outer gradient: the averaged delta
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for anchor, p in zip(self.anchor, params):
+            p.copy_(anchor)
+
+    def state_dict(self) -> dict:
+        return {"anchor": [a.detach().cpu() for a in self.anchor],
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for a, s in zip(self.anchor, state["anchor"]):
+                a.copy_(s)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class LocalSGD:
+    """Moshpit SGD / DiLoCo steps (see module docstring)."""
+
+    def __init__(self, grad_clip: float, outer: OuterNesterov | None = None):
+        self.grad_clip = grad_clip
+        self.outer_state = outer
+
+    def after_backward(self, model, optimizer, fault: str | None) -> None:
+        corrupt_grads(model, fault)
+        clip(model, self.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def zero_grad_allowed() -> bool:
+        return True
+
+    async def global_step(self, model, optimizer, averager: Averager, plan: RoundPlan,
+                          samples: int, micro: int, timeout_s: float, fault: str | None):
+        params = list(model.parameters())
+        averaged, report = await averager.all_reduce(
+            _with_fault([p.detach() for p in params], fault), samples, plan, timeout_s)
+        with torch.no_grad():
+            for p, a in zip(params, averaged):
+                p.copy_(a)
+            if self.outer_state is not None:
+                self.outer_state.step(params)
+        return report
+
+
+def make_strategy(training, model: torch.nn.Module):
+    """The strategy the config's ``training`` section names."""
+    if training.mode == "local_sgd":
+        outer = (OuterNesterov(model, training.outer_lr, training.outer_momentum)
+                 if training.outer_optimizer == "nesterov" else None)
+        return LocalSGD(training.grad_clip, outer)
+    return Collaborative(training.grad_clip)

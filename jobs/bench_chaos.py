@@ -43,6 +43,7 @@ from moshray.autoscaler.trace import TraceNodeEvent
 
 log = logging.getLogger("moshray.bench_chaos")
 
+BAD_WAIT_S = 15.0  # at most this long for 3 ready replicas, then for the quarantine
 STALL_S = 2.0  # a gap between global steps longer than this counts as stalled
 ACTOR_KINDS = ("coordinator", "nan", "shape")
 # The bench's model (small, so that a 2-core machine takes many steps); --set overrides.
@@ -235,7 +236,8 @@ class Injector:
         import ray
 
         coordinator = self._coordinator()
-        deadline = time.monotonic() + self.timeout_s
+        # Bounded well below --timeout: the schedule's later faults must not drift away.
+        deadline = time.monotonic() + min(self.timeout_s, BAD_WAIT_S)
         while True:  # a bad peer among at least two good ones (they are who reject it)
             ready = [p for p in self._get(coordinator.peer_view.remote())["ready"]
                      if p not in self.bad]
@@ -251,7 +253,7 @@ class Injector:
         self.injected[kind] += 1
         self.bad.append(peer)
         self.log(f"chaos: {peer} sends {kind} contributions")
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + min(self.timeout_s, BAD_WAIT_S)
         while peer not in self.quarantined and time.monotonic() < min(deadline, self.end_at):
             time.sleep(self.poll_s)
             self.observe()

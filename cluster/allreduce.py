@@ -27,7 +27,10 @@ contribution deadline drops out of that part's average. If a part's owner is dea
 result misses the round deadline (or is malformed), each surviving member re-reduces that
 part itself from the contributions it received (plus its own) in member order, so all
 survivors compute the same bytes; receivers keep their local values for such a part.
-Values of a result are trusted as its owner validated every input (no second pass).
+Values of a result are trusted as its owner validated every input (no second pass). An owner
+with no valid value at all (its own was NaN or misshapen, none arrived) publishes an empty
+result: it keeps zeros, and the members re-reduce the part as a dead owner's, so junk never
+spreads.
 """
 
 from __future__ import annotations
@@ -353,8 +356,12 @@ class GroupRound:
             if member in held:
                 await asyncio.to_thread(mean.add, *held.pop(member))
                 contributors.append(member)
-        if mean.count == 0:  # nothing valid, not even our own value: keep it as is
-            return np.array(local, dtype=np.float32), 0.0, ()
+        if mean.count == 0:
+            # Nothing valid, not even our own value (NaN, wrong shape): never hand junk on.
+            # Zeros for ourselves (a NaN gradient must not reach our parameters, nor through
+            # us as a donor everyone's); a published empty result makes the receivers
+            # re-reduce the part from what they hold (see ``_await_result``).
+            return np.zeros(size, dtype=np.float32), 0.0, ()
         values, total = await asyncio.to_thread(mean.result)
         return values, total, tuple(sorted(contributors))
 
@@ -393,6 +400,10 @@ class GroupRound:
                             "deadline", self.plan.epoch, self.round_index, part, owner)
                 return None
         result = self.box.results[part]
+        if not result.contributors:
+            log.warning("epoch %d round %d: %s had no valid value for part %d; re-reducing",
+                        self.plan.epoch, self.round_index, owner, part)
+            return None
         if result.numel != self.numel:
             log.warning("result of part %d from %s is for a tensor of %d values, not %d; "
                         "re-reducing", part, owner, result.numel, self.numel)

@@ -219,6 +219,14 @@ class CoordinatorCore:
             if r.rebalance_s is None and self.membership.epoch > r.epoch:
                 r.rebalance_s = max(0.0, now - r.noticed_at)
 
+    def peer_handle(self, peer_id: str):
+        """The actor handle ``peer_id`` registered with (None if it is not a member): for
+        operators and fault-injection harnesses that address one replica by its id."""
+        for info in self.membership.present(self.clock()):
+            if info.peer_id == peer_id:
+                return info.handle
+        return None
+
     def _notice_summary(self) -> dict:
         done = [r.rebalance_s for r in self.notices.values() if r.rebalance_s is not None]
         return {"notices": len(self.notices), "rebalance_s": done,

@@ -453,12 +453,17 @@ class ClusterSection(_Section):
 
 @dataclass(frozen=True)
 class CheckpointSection(_Section):
-    """Checkpoint location (local dir, s3:// or gs://); ``None`` disables checkpoints."""
+    """Checkpoint location (local dir, s3:// or gs://); ``None`` disables checkpoints on one
+    machine. On a cluster of several machines checkpoints are on by default: without ``uri``
+    the job uses the cluster's ``MOSHRAY_CHECKPOINT_URI`` (set where the head runs ``ray
+    start``) and refuses to start without either, unless ``optional`` is true (then a lost
+    head node loses the run)."""
 
     _section = "checkpoint"
 
     uri: str | None = None
     every_steps: int = 50
+    optional: bool = False
 
     def _validate(self) -> None:
         _non_empty(self._path("uri"), self.uri)

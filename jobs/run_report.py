@@ -67,7 +67,8 @@ def summarize(stats: dict, statuses: list[dict], leaving: set[str], wall_s: floa
 
     Replicas in ``leaving`` (their node got a notice) are reported but not held to the
     staying replicas' consistency. ``lost_steps`` counts committed steps the final state
-    skipped or went through twice (0 expected)."""
+    skipped or went through twice (0 expected); ``skipped_steps`` and ``repeated_steps``
+    are the two apart (worst replica each)."""
     history = stats.get("history", [])
     staying = [s for s in statuses if s["peer"] not in leaving]
     top_epoch = max((s["epoch"] for s in staying), default=0)
@@ -94,6 +95,8 @@ def summarize(stats: dict, statuses: list[dict], leaving: set[str], wall_s: floa
         "hard_losses": hard_losses,
         "rollbacks": stats.get("rollbacks", 0),  # steps lost with every peer holding them
         "lost_steps": max((s["lost_steps"] + s["repeated_steps"] for s in statuses), default=0),
+        "skipped_steps": max((s["lost_steps"] for s in statuses), default=0),
+        "repeated_steps": max((s["repeated_steps"] for s in statuses), default=0),
         "rebalance_s_max": max(stats.get("rebalance_s") or [0.0]),
     }
 

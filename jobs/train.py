@@ -78,6 +78,32 @@ def check_durable(config: TrainConfig, machines: int) -> None:
                               f"cluster has {machines}: use s3:// or gs:// URIs")
 
 
+CHECKPOINT_ENV = "MOSHRAY_CHECKPOINT_URI"  # the cluster's durable checkpoint location
+
+
+def with_durable_checkpoints(config: TrainConfig, machines: int,
+                             cluster_default: str | None) -> TrainConfig:
+    """Checkpoints on by default on a cluster of several machines (pure).
+
+    One machine, or a ``checkpoint.uri`` given: ``config`` unchanged. Else the cluster's
+    default location ``cluster_default`` (``MOSHRAY_CHECKPOINT_URI`` of the driver's
+    environment, which on a real cluster is the head's) becomes ``checkpoint.uri``, so a
+    resubmitted job finds the newest checkpoint there and resumes by itself. With neither,
+    ``ConfigError`` (one line saying how to set one) unless ``checkpoint.optional``."""
+    from dataclasses import replace
+
+    if machines <= 1 or config.checkpoint.uri:
+        return config
+    if cluster_default:
+        return replace(config, checkpoint=replace(config.checkpoint, uri=cluster_default))
+    if config.checkpoint.optional:
+        return config
+    raise ConfigError("checkpoint.uri", f"this cluster has {machines} machines and no durable "
+                      f"checkpoint location (a lost head would lose the run): pass --checkpoint "
+                      f"s3://bucket/path (or gs://), or set {CHECKPOINT_ENV} where the head "
+                      f"runs `ray start`; --set checkpoint.optional=true runs without")
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM sets ``STOP`` (the run ends as at its time limit). Call after ``ray.init``,
     which installs Ray's own handler, from the main thread (elsewhere it does nothing)."""
@@ -118,6 +144,7 @@ def run_job(config: TrainConfig, address: str, job=None) -> dict:
         stop_on_sigterm()
     try:
         machines = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+        config = with_durable_checkpoints(config, len(machines), os.environ.get(CHECKPOINT_ENV))
         check_durable(config, len(machines))
         warning = durability_warning(config, len(machines))
         if warning:

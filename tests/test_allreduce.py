@@ -226,6 +226,23 @@ def test_bad_contributions_rejected_with_reason(cluster):
         kill_all(peers)
 
 
+def test_an_owner_with_nothing_valid_hands_on_no_junk(cluster):
+    """A lone peer whose own value is NaN (no one else to average with) ends with zeros,
+    never NaN: its parameters, and every joiner copying them, stay finite."""
+    peers = spawn(1, "lone-")
+    try:
+        arrays = {"lone-0": np.ones(1000, dtype=np.float32)}
+        plan = make_plan(peers, epoch=3)
+        ref = run(peers, plan, arrays, {"lone-0": 1.0}, faults={"lone-0": "nan"},
+                  timeout=5.0)["lone-0"]
+        out, report = ray.get(ref, timeout=60)
+        assert np.isfinite(out[0]).all() and not out[0].any()
+        assert [r.reason for r in report.rejections] == [RejectReason.NON_FINITE]
+        assert report.contributors == ()
+    finally:
+        kill_all(peers)
+
+
 def test_coordinator_on_head_plans_without_draining_nodes(cluster):
     coord = coordinator_mod.get_or_create(MembershipConfig(max_group=2))
     head = cluster.head_node_id

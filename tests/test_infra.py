@@ -402,6 +402,8 @@ def test_startup_scripts_start_ray_with_token_auth_and_the_watcher(rendered, clo
     prometheus = head.split("<<'PROM'\n", 1)[1].split("\nPROM\n", 1)[0]
     assert prometheus.strip() == (INFRA / "prometheus" / "prometheus.yml").read_text().strip()
     assert "ray start --block" in worker and "--address=" in worker
+    # Jobs without checkpoint.uri checkpoint to the cluster's bucket (durable by default).
+    assert re.search(r"^MOSHRAY_CHECKPOINT_URI=(s3|gs)://demo-bucket/\S+$", head, re.M), head
     watch_unit = worker.split("moshray-watch.service <<'UNIT'\n", 1)[1].split("\nUNIT\n", 1)[0]
     assert "EnvironmentFile=/etc/moshray/pool.env" in watch_unit
     assert (f"moshray watch --source {WATCH_SOURCE[cloud]} --pool ${{MOSHRAY_POOL}}"

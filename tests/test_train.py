@@ -207,6 +207,24 @@ def test_refuses_node_local_checkpoint_on_several_machines():
     assert durability_warning(load_config(None, {"checkpoint.uri": "s3://b/r"}), 4) is None
 
 
+def test_checkpoints_are_on_by_default_on_several_machines():
+    from moshray.jobs.config import ConfigError, load_config
+    from moshray.jobs.train import with_durable_checkpoints
+
+    bare = load_config(None)
+    assert with_durable_checkpoints(bare, 1, "s3://b/run") is bare  # one machine: off
+    on = with_durable_checkpoints(bare, 3, "s3://b/run")  # the cluster's default location
+    assert on.checkpoint.uri == "s3://b/run"
+    given = load_config(None, {"checkpoint.uri": "gs://mine/x"})
+    assert with_durable_checkpoints(given, 3, "s3://b/run") is given  # the user's wins
+    with pytest.raises(ConfigError, match="checkpoint.uri.*MOSHRAY_CHECKPOINT_URI"):
+        with_durable_checkpoints(bare, 3, None)  # refused, one line saying how to set it
+    with pytest.raises(ConfigError, match="checkpoint.uri.*--checkpoint"):
+        with_durable_checkpoints(bare, 2, "")
+    optional = load_config(None, {"checkpoint.optional": "true"})
+    assert with_durable_checkpoints(optional, 3, None).checkpoint.uri is None
+
+
 def test_the_default_run_replays_the_shipped_trace():
     from moshray.autoscaler.trace import DEFAULT_TRACE, load_trace, shipped_traces
     from moshray.jobs.config import load_config

@@ -51,6 +51,7 @@ locals {
 module "bootstrap" {
   source = "./modules/bootstrap"
 
+  checkpoint_uri            = local.checkpoint_uri
   cluster_name              = var.name
   region                    = var.region
   pools                     = local.pools

@@ -34,6 +34,7 @@ resource "google_project_service" "apis" {
 module "bootstrap" {
   source = "./modules/bootstrap"
 
+  checkpoint_uri         = local.checkpoint_uri
   cluster_name           = var.name
   project_id             = var.project_id
   pools                  = var.worker_pools

@@ -116,6 +116,7 @@ locals {
   }
 
   head_user_data = templatefile("${path.module}/templates/head.sh.tftpl", merge(local.env, {
+    checkpoint_uri    = var.checkpoint_uri
     head_private_ip   = var.head_private_ip
     ray_port          = var.ray_port
     dashboard_port    = var.dashboard_port

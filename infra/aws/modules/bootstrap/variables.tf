@@ -106,3 +106,8 @@ variable "dashboard_port" {
   description = "Port of the Ray dashboard and job API on the head."
   type        = number
 }
+
+variable "checkpoint_uri" {
+  description = "Durable checkpoint location of the cluster's jobs (MOSHRAY_CHECKPOINT_URI on the head): a job without checkpoint.uri checkpoints there and a resubmitted job resumes from it."
+  type        = string
+}

@@ -22,11 +22,12 @@ class UserError(ValueError):
 
 
 def find_user_error(exc: BaseException) -> UserError | None:
-    """The ``UserError`` behind ``exc`` (a Ray task error wraps it as its cause), or None."""
-    seen = 0
-    while exc is not None and seen < 8:
+    """A plain ``UserError`` like the one behind ``exc`` (a Ray task error wraps it as its
+    cause, in a class that is both), or None."""
+    for _ in range(8):
+        if exc is None:
+            return None
         if isinstance(exc, UserError):
-            return exc
+            return UserError(exc.what, exc.message)
         exc = getattr(exc, "cause", None) or exc.__cause__
-        seen += 1
     return None

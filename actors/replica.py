@@ -24,7 +24,7 @@ from moshray.cluster.messages import Contribution, PartResult, RoundPlan
 
 from .checkpoint import CheckpointStore
 from .model import pick_device
-from .replica_state import checksum
+from .replica_state import checksum, extra_digest
 from .session import Session
 from .step_manager import StepManager
 
@@ -113,7 +113,8 @@ class ReplicaActor:
                 "pid": os.getpid(), "device": str(self.device), "gpu_ids": self.gpu_ids,
                 "lost_steps": s.lineage.gaps, "repeated_steps": s.lineage.repeats,
                 "data_position": s.feed.position, "shards_opened": s.feed.shards_opened,
-                "extra": {k: v for k, v in s.extra.items() if isinstance(v, (int, float, str))}}
+                "extra": {k: v for k, v in s.extra.items() if isinstance(v, (int, float, str))},
+                "extra_digest": extra_digest(s.extra)}
 
     def rejection_counts(self) -> dict[str, int]:
         """Contributions this replica rejected so far, by reason (from its averager)."""
@@ -135,6 +136,7 @@ class ReplicaActor:
         try:
             await asyncio.to_thread(self._loop_thread)
         finally:
+            await self.manager.loop_ended()
             self.manager.close()
         return self.status()
 

@@ -108,6 +108,28 @@ def _extra_load(extra: dict, saved: dict) -> None:
             extra[k] = copy.deepcopy(v)
 
 
+def extra_digest(extra: dict) -> str:
+    """Digest of the user's extra state (tensors by their bytes): equal on every replica
+    that holds the same step."""
+    h = hashlib.sha256()
+
+    def visit(value) -> None:
+        if isinstance(value, torch.Tensor):
+            h.update(value.detach().cpu().contiguous().numpy().tobytes())
+        elif isinstance(value, dict):
+            for k in sorted(value, key=str):
+                h.update(str(k).encode())
+                visit(value[k])
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+        else:
+            h.update(repr(value).encode())
+
+    visit(_extra_snapshot(extra))
+    return h.hexdigest()[:16]
+
+
 class TrainState:
     """The user's objects plus the step bookkeeping of one replica (see module docstring).
 

@@ -25,13 +25,13 @@ from .errors import UserError
 log = logging.getLogger(__name__)
 
 GRANT_TIMEOUT_S = 30.0  # one grant request (the Coordinator may be restarting)
-GRANT_ATTEMPTS = 6
+GRANT_PATIENCE_S = 120.0  # no grant within this long: the feed gives up
 
 
 class ShardFeed:
     """Batches from granted shards (see module docstring). ``next()`` raises ``UserError``
-    for a shard that yields nothing and ``RuntimeError`` if no grant came after
-    ``GRANT_ATTEMPTS`` bounded tries."""
+    for a shard that yields nothing and ``RuntimeError`` if no grant came within
+    ``GRANT_PATIENCE_S``."""
 
     def __init__(self, source: DataSource, seed: int, grant: Callable[[int], Future],
                  position: int = 0):
@@ -62,7 +62,12 @@ class ShardFeed:
             return batch
 
     def _take_grant(self) -> int:
-        for attempt in range(GRANT_ATTEMPTS):
+        """The next granted shard number; an empty grant (the Coordinator is learning the
+        position after a restart) or a failed one is asked again, for at most
+        ``GRANT_PATIENCE_S``."""
+        deadline = time.monotonic() + GRANT_PATIENCE_S
+        attempt = 0
+        while time.monotonic() < deadline:
             future, self._pending = self._pending or self.grant(self.position), None
             try:
                 ids = future.result(timeout=GRANT_TIMEOUT_S)
@@ -71,8 +76,9 @@ class ShardFeed:
             except Exception as exc:  # noqa: BLE001 - a Coordinator away: ask again
                 log.warning("data shard grant failed (attempt %d: %s)", attempt + 1,
                             type(exc).__name__)
-                time.sleep(min(2.0, 0.25 * 2 ** attempt))
-        raise RuntimeError(f"no data shard granted after {GRANT_ATTEMPTS} attempts")
+            attempt += 1
+            time.sleep(min(1.0, 0.05 * 2 ** attempt))
+        raise RuntimeError(f"no data shard granted in {GRANT_PATIENCE_S:.0f} s")
 
     def _open_next(self) -> None:
         number = self._take_grant()

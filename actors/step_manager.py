@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 MAX_OWN_REJECTIONS = 3  # consecutive steps with our contribution rejected -> resync
 SYNC_ATTEMPTS = 600
+SNAPSHOT_WAIT_S = 5.0  # a donor's state waits at most this long for the loop's sync point
 
 
 class StepManager:
@@ -58,6 +59,8 @@ class StepManager:
         self._inflight: list[tuple[int, asyncio.Future]] = []  # (epoch sent at, reply)
         self._saw_rejections: list[tuple[str, str, int]] = []  # others', for the Coordinator
         self._heartbeat: asyncio.Future | None = None
+        self.loop_running = False  # between the loop's prepare() and its end
+        self._snapshot_requests: list[asyncio.Future] = []
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -66,6 +69,7 @@ class StepManager:
         self.state, self.strategy = state, strategy
         await self.coordinator.register.remote(self.peer_id, self.handle, self.node_id)
         await self.sync()
+        self.loop_running = True
         self._heartbeat = asyncio.ensure_future(self._beat())
         self.send_report(force=True)
 
@@ -100,9 +104,35 @@ class StepManager:
             self.samples, self.micro, self.loss_sum = 0, 0, 0.0
 
     async def snapshot(self) -> dict:
-        """The state between steps (never mid-step)."""
+        """The state at the training loop's next sync point (inside ``opt.step``, after the
+        user's code has updated its extra state for the last global step), or at once
+        under the lock when the loop is not running or does not come by within
+        ``SNAPSHOT_WAIT_S``. Never mid-step."""
+        if self.loop_running:
+            future = asyncio.get_running_loop().create_future()
+            self._snapshot_requests.append(future)
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), SNAPSHOT_WAIT_S)
+            except asyncio.TimeoutError:
+                log.info("%s: state taken outside the loop's sync point", self.peer_id)
         async with self.lock:
             return self.state.snapshot()
+
+    async def _serve_snapshots(self) -> None:
+        if not self._snapshot_requests:
+            return
+        async with self.lock:
+            snap = self.state.snapshot()
+        requests, self._snapshot_requests = self._snapshot_requests, []
+        for future in requests:
+            if not future.done():
+                future.set_result(snap)
+
+    async def loop_ended(self) -> None:
+        """The training loop returned (or raised): serve what waits for a snapshot."""
+        self.loop_running = False
+        if self.state is not None:
+            await self._serve_snapshots()
 
     # -- progress --------------------------------------------------------------------------
 
@@ -151,6 +181,7 @@ class StepManager:
         self.samples += samples
         self.micro += 1
         self.loss_sum += loss * samples
+        await self._serve_snapshots()
         self.send_report()
         verdict = self._replies()
         if verdict == "stop":
@@ -229,11 +260,13 @@ class StepManager:
 
     async def rejoin(self) -> None:
         """The Coordinator restarted and forgot this replica: re-register with the epoch
-        of the state held (it is ready at once if that is the newest)."""
+        of the state held (it is ready at once if that is the newest) and the data position
+        this replica knows."""
         async with self.lock:
             epoch = self.state.epoch
+            position = self.state.feed.position if self.state.feed is not None else 0
         ready = await self.coordinator.rejoin.remote(self.peer_id, self.handle, self.node_id,
-                                                     epoch)
+                                                     epoch, position)
         log.warning("%s: rejoined a restarted Coordinator at epoch %d (%s)", self.peer_id,
                     epoch, "ready" if ready else "to resync")
 

@@ -39,6 +39,9 @@ class NoticeRecord:
     rebalance_s: float | None = None  # notice -> first plan without the node (None: no plan yet)
 
 
+REJOIN_GRACE_S = 2.5  # after a restart, positions are heard before shards are granted
+
+
 class CoordinatorCore:
     """The Coordinator's logic with an injected clock (the actor below is a thin shell)."""
 
@@ -58,6 +61,7 @@ class CoordinatorCore:
         self.notices: dict[str, NoticeRecord] = {}  # node id -> its first preemption notice
         self.experts = ExpertRegistry(clock=clock)  # DMoE expert hosts (replaces the DHT)
         self.shards = ShardLedger()  # the job's data position (rebuilt from floors)
+        self._grants_after: float | None = None  # set by the first rejoin (a restart)
         # Called with every new plan the moment it exists (the actor shell pushes it to the
         # participants); None in pure tests, where plans travel only in report replies.
         self.push_plan: Callable[[RoundPlan], None] | None = None
@@ -66,11 +70,18 @@ class CoordinatorCore:
         self.membership.register(PeerInfo(peer_id, handle, node_id, capacity), self.clock())
         return self.membership.epoch
 
-    def rejoin(self, peer_id: str, handle, node_id: str, state_epoch: int) -> bool:
+    def rejoin(self, peer_id: str, handle, node_id: str, state_epoch: int,
+               data_position: int = 0) -> bool:
         """Re-register after a Coordinator restart (``heartbeat`` or a report answered
-        "unknown"): membership and the epoch are rebuilt from the replicas themselves. True
-        if the peer is ready at once (see ``ProgressTracker.rejoin``)."""
+        "unknown"): membership, the epoch and the data position are rebuilt from the
+        replicas themselves. True if the peer is ready at once (see
+        ``ProgressTracker.rejoin``). The first rejoin opens a window of
+        ``REJOIN_GRACE_S`` in which no data shard is granted, so that every live replica
+        (they heartbeat every second) has told its position first: no shard is repeated."""
         self.register(peer_id, handle, node_id)
+        self.shards.raise_floor(data_position)
+        if self._grants_after is None:
+            self._grants_after = self.clock() + REJOIN_GRACE_S
         return self.progress.rejoin(peer_id, state_epoch)
 
     def heartbeat(self, peer_id: str) -> bool:
@@ -126,7 +137,12 @@ class CoordinatorCore:
 
     def grant_shards(self, peer_id: str, count: int = 1, floor: int = 0) -> tuple[int, ...]:
         """The next ``count`` data shard numbers for ``peer_id``; ``floor`` is the data
-        position the caller's state holds (a restarted Coordinator learns it from there)."""
+        position the caller's state holds. Nothing (ask again) for a peer this Coordinator
+        does not know, or while it is learning the position after a restart (``rejoin``)."""
+        self.shards.raise_floor(floor)
+        if not self.membership.is_member(peer_id) or (
+                self._grants_after is not None and self.clock() < self._grants_after):
+            return ()
         return self.shards.grant(peer_id, count, floor)
 
     def data_position(self, floor: int = 0) -> int:

@@ -18,7 +18,7 @@ sections or a TOML path) and/or the keyword shortcuts below. A bad setting raise
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from moshray.actors.data_sources import as_source
@@ -42,12 +42,14 @@ SHORTCUTS = {
 
 @dataclass
 class Result:
-    """What ``fit`` returns: the run's ``summary`` (as ``moshray train --json`` prints it)
-    and ``state``, the final state of a staying replica (``model``, ``optimizer``,
-    ``extra``, ``epoch``, ...; load ``state["model"]`` into your model)."""
+    """What ``fit`` returns: the run's ``summary`` (as ``moshray train --json`` prints it),
+    ``state``, the final state of a staying replica (``model``, ``optimizer``, ``extra``,
+    ``epoch``, ...; load ``state["model"]`` into your model) and the replicas' last
+    ``statuses`` (epoch, checksum, data position, the extra state's scalars and digest)."""
 
     summary: dict
     state: dict | None
+    statuses: list = field(default_factory=list)  # each replica's last status
 
     @property
     def model_state(self) -> dict | None:
@@ -80,10 +82,32 @@ def build_config(config: Any = None, **settings: Any) -> TrainConfig:
     return TrainConfig.from_dict(tree)
 
 
+def ship_by_value(*objects: Any) -> None:
+    """Send the code of the user's modules that ``objects`` come from to the replicas by
+    value: a worker node has the installed packages but not the user's script or test
+    modules (nodes are separate machines). Installed and moshray modules go by name."""
+    import sys
+    import sysconfig
+
+    import ray.cloudpickle
+
+    installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    for obj in objects:
+        fn = getattr(obj, "fn", obj)  # a FunctionSource carries the user's function
+        name = getattr(fn, "__module__", None)
+        module = sys.modules.get(name or "")
+        path = getattr(module, "__file__", None) or ""
+        if module is None or name == "__main__" or name.split(".")[0] in ("moshray", "torch") \
+                or not path or any(path.startswith(p) for p in installed):
+            continue
+        ray.cloudpickle.register_pickle_by_value(module)
+
+
 def _job(loop, data, batch_size: int):
     """The ``Job``, or a function of the connected driver that makes it (a Ray Dataset)."""
     if not callable(loop):
         raise UserError("loop", f"expected a function loop(session), got {type(loop).__name__}")
+    ship_by_value(loop, data)
     if callable(data) and not hasattr(data, "open"):
         try:
             lazy = len(inspect.signature(data).parameters) == 0
@@ -105,4 +129,4 @@ def fit(loop, data, config: Any = None, **settings: Any) -> Result:
         cfg = replace(cfg, cluster=replace(cfg.cluster, trace=None))
     summary = run(cfg, _job(loop, data, cfg.training.batch_size))
     state = summary.pop("final_state", None)
-    return Result(summary, state)
+    return Result(summary, state, summary.pop("statuses", []))

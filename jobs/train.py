@@ -133,7 +133,8 @@ def run_job(config: TrainConfig, address: str, job=None) -> dict:
     from moshray.jobs.replica_launch import ReplicaSpec
 
     out = sys.stderr if config.json else sys.stdout
-    if not ray.is_initialized():
+    owned = not ray.is_initialized()  # a caller's own connection stays up after the job
+    if owned:
         if address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
             # A loopback cluster (tests, one machine): stay on loopback; Ray would otherwise
             # swap 127.0.0.1 for this machine's network address.
@@ -182,7 +183,8 @@ def run_job(config: TrainConfig, address: str, job=None) -> dict:
         ray.kill(coordinator)
         return summary
     finally:
-        ray.shutdown()
+        if owned:
+            ray.shutdown()
 
 
 def _fresh_coordinator(config: TrainConfig):
@@ -318,8 +320,8 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
         config.run_dir, stats["history"], summary,
         {"preemptions": controller.lost_at, "joins": controller.joined_at})
     print(run_report.done_line(summary), file=out, flush=True)
-    if final_state is not None:
-        summary["final_state"] = final_state
+    if controller.spec.job.return_state:  # for moshray.fit's Result (not printed)
+        summary["final_state"], summary["statuses"] = final_state, statuses
     return summary
 
 
@@ -367,7 +369,9 @@ def _checkpoint(config: TrainConfig, controller) -> None:
             log.info("checkpoint %s written by %s", path, peer_id)
             return
         except (ray.exceptions.RayError, TimeoutError) as exc:
-            log.warning("checkpoint through %s failed: %s", peer_id, type(exc).__name__)
+            cause = (str(exc).strip().splitlines() or [""])[-1]
+            log.warning("checkpoint through %s failed: %s %s", peer_id, type(exc).__name__,
+                        cause[:300])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -43,7 +43,7 @@ from moshray.autoscaler.trace import TraceNodeEvent
 
 log = logging.getLogger("moshray.bench_chaos")
 
-BAD_WAIT_S = 15.0  # at most this long for 3 ready replicas, then for the quarantine
+BAD_WAIT_S = 15.0  # at most this long for 2 ready replicas, then for the quarantine
 STALL_S = 2.0  # a gap between global steps longer than this counts as stalled
 ACTOR_KINDS = ("coordinator", "nan", "shape")
 # The bench's model (small, so that a 2-core machine takes many steps); --set overrides.
@@ -238,13 +238,13 @@ class Injector:
         coordinator = self._coordinator()
         # Bounded well below --timeout: the schedule's later faults must not drift away.
         deadline = time.monotonic() + min(self.timeout_s, BAD_WAIT_S)
-        while True:  # a bad peer among at least two good ones (they are who reject it)
+        while True:  # a bad peer and at least one good one (who rejects it)
             ready = [p for p in self._get(coordinator.peer_view.remote())["ready"]
                      if p not in self.bad]
-            if len(ready) >= 3:
+            if len(ready) >= 2:
                 break
             if time.monotonic() >= min(deadline, self.end_at):
-                self.errors.append(f"{kind}: fewer than 3 ready replicas, none broken")
+                self.errors.append(f"{kind}: fewer than 2 ready replicas, none broken")
                 return
             self._wait_until(time.monotonic() + self.poll_s)
         peer = self.rng.choice(sorted(ready))

@@ -1,9 +1,10 @@
-"""One butterfly all-reduce round inside one group, over Ray's object store.
+"""One butterfly all-reduce round inside one group, over a ``Transport`` (Ray's object
+store in the product, ``transport.RayTransport``; plain asyncio, no Ray, here).
 
 Protocol (group of members M = (m_0..m_{k-1}) plus receivers):
 
 1. Every member splits its flat float32 vector into k parts sized by the members'
-   shares, encodes them with the round's codec and ``ray.put``s the k-1 parts it does
+   shares, encodes them with the round's codec and ``put``s the k-1 parts it does
    not own. It sends one ``Contribution`` (the tuple of part refs, never the bytes) to
    every other member.
 2. The owner of part j starts fetching part j of each contribution the moment it lands
@@ -42,12 +43,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import ray
 
 from . import compression as comp
 from .mailbox import GroupMailbox, RoundKey
 from .messages import Contribution, Group, PartResult, Probe, Rejection, RejectReason, RoundPlan
 from .partition import WeightedMean, check_contribution, part_sizes, part_slices
+from .transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,9 @@ class Deadlines:
 class GroupRound:
     """Runs this peer's side of one group round (see module docstring).
 
-    ``transport_send(peer, method, message)`` performs a fire-and-forget actor call and
-    returns its ObjectRef (awaited only to learn that the callee died). The round never
+    ``transport_send(peer, method, message)`` performs a fire-and-forget call and returns
+    an awaitable (awaited only to learn that the callee died); ``transport`` puts this
+    peer's parts and results and names the errors that mean a peer is gone. The round never
     raises for another peer's failure; it returns a ``RoundOutcome``.
     """
 
@@ -99,11 +101,12 @@ class GroupRound:
         group: Group,
         box: GroupMailbox,
         transport_send: Callable[[str, str, object], object],
+        transport: Transport,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.me, self.plan, self.group, self.box = me, plan, group, box
         self.round_index, self.group_index = round_index, group_index
-        self.send, self.clock = transport_send, clock
+        self.send, self.transport, self.clock = transport_send, transport, clock
         self.codec = comp.Compression(plan.compression)
         self.rejections: list[Rejection] = []
         self.bytes_sent = 0
@@ -126,7 +129,7 @@ class GroupRound:
         async def watch() -> None:
             try:
                 await call_ref
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            except self.transport.gone_errors:
                 self.box.mark_dead(peer)
             except Exception as exc:  # noqa: BLE001 - any failed delivery means "not heard"
                 log.warning("call to %s failed: %s", peer, exc)
@@ -248,7 +251,7 @@ class GroupRound:
                     continue
                 enc = comp.encode(flat[s], self.codec)  # none: a view, put copies it once
                 self.bytes_sent += enc.nbytes
-                refs.append(ray.put(enc))
+                refs.append(self.transport.put(enc))
             return refs
 
         refs = await asyncio.to_thread(put_parts)
@@ -370,7 +373,7 @@ class GroupRound:
         enc = await asyncio.to_thread(comp.encode, values, self.codec)
         # Keep exactly what the others will decode, so every peer holds equal values.
         await asyncio.to_thread(comp.decode_into, enc, dest)
-        ref = await asyncio.to_thread(ray.put, enc)
+        ref = await asyncio.to_thread(self.transport.put, enc)
         result = PartResult(
             epoch=self.plan.epoch,
             round_index=self.round_index,

@@ -41,6 +41,7 @@ from .mailbox import GroupMailbox, RoundKey
 from .messages import (
     AllReduceReport, Contribution, PartResult, Probe, Rejection, RejectReason, RoundPlan,
 )
+from .transport import RayTransport, Transport
 
 log = logging.getLogger(__name__)
 
@@ -92,19 +93,19 @@ def _torch():
 class Averager:
     """One peer's side of Moshpit All-Reduce (see module docstring).
 
-    ``send(peer_handle, method_name, message)`` is the transport; by default it calls
-    ``getattr(handle, method).remote(message)``. ``clock`` is injectable for tests.
+    ``transport`` moves messages and bytes (``transport.Transport``; default: Ray actor
+    calls and the object store, ``RayTransport``). ``clock`` is injectable for tests.
     """
 
     def __init__(
         self,
         peer_id: str,
         clock: Callable[[], float] = time.monotonic,
-        send: Callable[[Any, str, object], object] | None = None,
+        transport: Transport | None = None,
     ):
         self.peer_id = peer_id
         self.clock = clock
-        self._send = send or (lambda handle, method, msg: getattr(handle, method).remote(msg))
+        self.transport = transport or RayTransport()
         self._boxes: dict[RoundKey, GroupMailbox] = {}
         self._floor_epoch = -1  # contributions below this epoch are stale
         self._done: collections.deque[RoundKey] = collections.deque(maxlen=256)
@@ -117,7 +118,7 @@ class Averager:
     def _box(self, key: RoundKey) -> GroupMailbox:
         box = self._boxes.get(key)
         if box is None:
-            box = self._boxes[key] = GroupMailbox(key)
+            box = self._boxes[key] = GroupMailbox(key, fetch=self.transport.fetch)
         return box
 
     def deliver_contribution(self, c: Contribution | Probe) -> None:
@@ -171,7 +172,7 @@ class Averager:
         handles = dict(plan.handles)
 
         def send(peer: str, method: str, message: object):
-            return self._send(handles[peer], method, message)
+            return self.transport.send(handles[peer], method, message)
 
         rejections: list[Rejection] = []
         contributors: set[str] = set()
@@ -189,7 +190,8 @@ class Averager:
             t0 = self.clock()
             deadlines = Deadlines(t0 + CONTRIBUTION_FRACTION * timeout, t0 + timeout,
                                   t0 + FINAL_FRACTION * timeout)
-            runner = GroupRound(self.peer_id, plan, r, g, group, box, send, self.clock)
+            runner = GroupRound(self.peer_id, plan, r, g, group, box, send, self.transport,
+                                self.clock)
             outcome = await runner.run(flat, weight, deadlines)
             self._finish(key)
             flat, weight = outcome.values, outcome.weight

@@ -7,7 +7,7 @@ the transport (actor method calls) on the event loop; the round waits on it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from . import compression as comp
@@ -39,6 +39,11 @@ class GroupMailbox:
     version: int = 0  # bumped by every notify: waiters compare it with what they last saw
     fetches: dict[tuple[str, int], asyncio.Task] = field(default_factory=dict)
     result_fetches: dict[int, asyncio.Task] = field(default_factory=dict)
+    fetch: Callable[[object], Awaitable[comp.Encoded]] = field(default=None)  # the transport's
+
+    def __post_init__(self) -> None:
+        if self.fetch is None:
+            self.fetch = _await_ref
 
     def notify(self) -> None:
         self.version += 1
@@ -54,7 +59,7 @@ class GroupMailbox:
         task = self.fetches.get((sender, part))
         if task is None:
             ref = self.contributions[sender].part_refs[part]
-            task = asyncio.ensure_future(_fetch(ref))
+            task = asyncio.ensure_future(self.fetch(ref))
             task.add_done_callback(lambda _: self.notify())
             self.fetches[(sender, part)] = task
         return task
@@ -62,7 +67,7 @@ class GroupMailbox:
     def fetch_result(self, part: int) -> asyncio.Task:
         task = self.result_fetches.get(part)
         if task is None:
-            task = asyncio.ensure_future(_fetch(self.results[part].ref))
+            task = asyncio.ensure_future(self.fetch(self.results[part].ref))
             task.add_done_callback(lambda _: self.notify())
             self.result_fetches[part] = task
         return task
@@ -105,5 +110,5 @@ class GroupMailbox:
         return task.result()
 
 
-async def _fetch(ref) -> comp.Encoded:
+async def _await_ref(ref) -> comp.Encoded:
     return await ref

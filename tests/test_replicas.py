@@ -64,6 +64,12 @@ class Swarm:
             time.sleep(0.2)
         raise TimeoutError(f"epoch {epoch} not reached in {timeout} s: {self.stats()}")
 
+    def wait_ready(self, count: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(ray.get(self.coordinator.peer_view.remote(), timeout=30)["ready"]) < count:
+            assert time.monotonic() < deadline, f"{count} replicas not ready in {timeout} s"
+            time.sleep(0.2)
+
     def handle(self, slot: int):
         return self.supervisor.replicas[slot][1]
 
@@ -90,6 +96,7 @@ def consistent(statuses: list[dict]) -> bool:
 def test_nan_replica_is_rejected_and_counted_while_training_goes_on(local_cluster):
     swarm = Swarm(small_config(), slots=[0, 1, 2])
     try:
+        swarm.wait_ready(3, timeout=180)  # every replica in (a loaded machine starts slowly)
         start = swarm.wait_epoch(2, timeout=180)["epoch"]
         ray.get(swarm.handle(2).inject_fault.remote("nan"), timeout=30)
         swarm.wait_epoch(start + 6, timeout=180)  # training goes on without the bad replica

@@ -1,0 +1,94 @@
+"""The all-reduce's round logic, driven without Ray: averagers in one event loop joined by
+``transport.LocalNetwork`` (the same ``Averager`` and ``GroupRound`` the replicas run, with
+the transport swapped). Exact weighted averages over a one-group plan and a Moshpit grid,
+a peer killed mid-step, a NaN contribution."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from moshray.cluster.averager import Averager
+from moshray.cluster.membership import Membership, MembershipConfig
+from moshray.cluster.messages import PeerInfo
+from moshray.cluster.transport import LocalNetwork
+
+TIMEOUT = 2.0
+
+
+def swarm(n: int, max_group: int = 16):
+    network = LocalNetwork()
+    membership = Membership(MembershipConfig(max_group=max_group))
+    averagers = {}
+    for i in range(n):
+        pid = f"p{i}"
+        averagers[pid] = Averager(pid, transport=network.transport(pid))
+        network.add(pid, averagers[pid])
+        membership.register(PeerInfo(pid, pid), now=0.0)  # handles are peer ids here
+    return network, averagers, membership.plan(now=0.0)
+
+
+def inputs(n: int, size: int = 1000, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    arrays = {f"p{i}": rng.standard_normal(size).astype(np.float32) for i in range(n)}
+    weights = {f"p{i}": float(i + 1) for i in range(n)}
+    return arrays, weights
+
+
+def weighted(arrays, weights, who):
+    total = sum(weights[p] for p in who)
+    return sum(arrays[p].astype(np.float64) * weights[p] for p in who) / total
+
+
+async def reduce_all(averagers, plan, arrays, weights, skip=()):
+    async def one(pid):
+        out, report = await averagers[pid].all_reduce([arrays[pid]], weights[pid], plan, TIMEOUT)
+        return pid, out[0], report
+
+    return dict((pid, (out, rep)) for pid, out, rep in await asyncio.gather(
+        *(one(p) for p in averagers if p not in skip)))
+
+
+@pytest.mark.parametrize("n,max_group", [(3, 16), (9, 3)], ids=["one-group", "grid-3x3"])
+def test_every_peer_gets_the_exact_weighted_average_bitwise_equal(n, max_group):
+    _, averagers, plan = swarm(n, max_group)
+    assert len(plan.grid.rounds) == (1 if max_group >= n else 2)
+    arrays, weights = inputs(n)
+    results = asyncio.run(reduce_all(averagers, plan, arrays, weights))
+    expected = weighted(arrays, weights, arrays)
+    first = results["p0"][0]
+    for pid, (out, report) in results.items():
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+        assert np.array_equal(out, first), pid  # bitwise identical everywhere
+        # each peer lists whom it heard from in its own groups (all of them in one group)
+        assert report.rejections == () and set(report.contributors) <= set(arrays)
+        assert len(report.contributors) == min(n, 2 * max_group - 1)
+
+
+def test_a_peer_that_dies_before_contributing_drops_out_and_the_rest_agree():
+    network, averagers, plan = swarm(4)
+    arrays, weights = inputs(4, seed=1)
+    network.kill("p3")  # gone: calls to it fail, the others stop waiting for it
+    results = asyncio.run(reduce_all(averagers, plan, arrays, weights, skip={"p3"}))
+    survivors = ["p0", "p1", "p2"]
+    first = results["p0"][0]
+    for pid in survivors:
+        out, report = results[pid]
+        assert np.array_equal(out, first)
+        assert "p3" not in report.contributors
+        assert report.seconds < TIMEOUT * 1.25 + 1.0  # bounded by the round's deadlines
+    # p3's part was re-reduced by the survivors; what they agree on covers no p3 value
+    assert set(results["p0"][1].contributors) <= set(survivors)
+
+
+def test_a_nan_contribution_is_rejected_with_its_reason_and_the_round_goes_on():
+    _, averagers, plan = swarm(3)
+    arrays, weights = inputs(3, seed=2)
+    arrays["p1"] = arrays["p1"].copy()
+    arrays["p1"][5] = np.nan
+    results = asyncio.run(reduce_all(averagers, plan, arrays, weights))
+    assert all(np.isfinite(out).all() for out, _ in results.values())
+    rejections = [r for _, report in results.values() for r in report.rejections]
+    assert any(r.sender == "p1" and r.reason.value == "non_finite" for r in rejections)

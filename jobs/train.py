@@ -38,6 +38,7 @@ from moshray.jobs.config import (
     config_from_args,
     exit_on_config_error,
 )
+from moshray.jobs.driver_calls import call_with_retries, checkpoint_through_replica, final_state
 
 log = logging.getLogger("moshray.train")
 POLL_S = 0.5
@@ -291,13 +292,13 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
                       flush=True)
         epoch = stats["epoch"]
         if config.checkpoint.uri and epoch - last_ckpt >= config.checkpoint.every_steps:
-            _checkpoint(config, controller)
+            checkpoint_through_replica(config.checkpoint.uri, controller)
             last_ckpt = epoch
         if (t.max_steps is not None and epoch >= t.max_steps) or \
                 (t.max_seconds is not None and elapsed >= t.max_seconds) or STOP.is_set():
             break
         STOP.wait(POLL_S)
-    _call(coordinator.request_stop, "stop the replicas")
+    call_with_retries(coordinator.request_stop, "stop the replicas")
     statuses = []
     for peer_id, _, run_ref in controller.live():
         try:
@@ -308,11 +309,11 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
                         cause[0][:300])
     wall = time.monotonic() - started
     if config.checkpoint.uri:
-        _checkpoint(config, controller)
-    stats = _call(coordinator.stats, "read the final stats") or stats
+        checkpoint_through_replica(config.checkpoint.uri, controller)
+    stats = call_with_retries(coordinator.stats, "read the final stats") or stats
     summary = run_report.summarize(stats, statuses, controller.leaving(), wall,
                                    controller.hard_losses)
-    final_state = _final_state(controller, summary) if controller.spec.job.return_state \
+    state = final_state(controller, summary["steps"]) if controller.spec.job.return_state \
         else None
     summary["replica_lifecycle"] = controller.states()
     summary["nodes_joined"] = len(controller.joined_at)
@@ -321,57 +322,8 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
         {"preemptions": controller.lost_at, "joins": controller.joined_at})
     print(run_report.done_line(summary), file=out, flush=True)
     if controller.spec.job.return_state:  # for moshray.fit's Result (not printed)
-        summary["final_state"], summary["statuses"] = final_state, statuses
+        summary["final_state"], summary["statuses"] = state, statuses
     return summary
-
-
-def _final_state(controller, summary: dict) -> dict | None:
-    """The state of a staying replica that holds the run's final step (None if none
-    answers)."""
-    import ray
-
-    leaving = controller.leaving()
-    for peer_id, handle, _ in controller.live():
-        if peer_id in leaving:
-            continue
-        try:
-            epoch, [ref] = ray.get(handle.get_state.remote(), timeout=60)
-            if epoch == summary.get("steps", epoch):
-                return ray.get(ref, timeout=60)
-        except (ray.exceptions.RayError, TimeoutError) as exc:
-            log.warning("final state of %s not read (%s)", peer_id, type(exc).__name__)
-    return None
-
-
-def _call(method, what: str, attempts: int = 6, timeout_s: float = 30.0):
-    """A Coordinator call that may meet it restarting: bounded retries, None if it never
-    answered (logged)."""
-    import ray
-
-    for attempt in range(attempts):
-        try:
-            return ray.get(method.remote(), timeout=timeout_s)
-        except (ray.exceptions.RayError, TimeoutError) as exc:
-            log.warning("could not %s (attempt %d: %s)", what, attempt + 1, type(exc).__name__)
-            time.sleep(1.0)
-    return None
-
-
-def _checkpoint(config: TrainConfig, controller) -> None:
-    import ray
-
-    leaving = controller.leaving()
-    for peer_id, handle, _ in controller.live():
-        if peer_id in leaving:
-            continue
-        try:
-            path = ray.get(handle.save_checkpoint.remote(config.checkpoint.uri), timeout=60)
-            log.info("checkpoint %s written by %s", path, peer_id)
-            return
-        except (ray.exceptions.RayError, TimeoutError) as exc:
-            cause = (str(exc).strip().splitlines() or [""])[-1]
-            log.warning("checkpoint through %s failed: %s %s", peer_id, type(exc).__name__,
-                        cause[:300])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,8 @@ script: ``python tests/api_scenarios.py SCENARIO TMP_DIR``); prints one JSON lin
   weights) and a data function that yields sample ids; a third node joins mid-run; then a
   second run resumes from the first one's checkpoint.
 - ``bad-loss``: a loop whose loss is not a scalar.
-- ``quickstart``: the README's example (jobs/examples/quickstart.py), 15 s.
+- ``quickstart``: the README's example (jobs/examples/quickstart.py), 30 s.
+- ``dataset``: data given as a Ray Dataset (made once the driver is connected).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def extra_state(tmp: Path) -> dict:
     trace = tmp / "trace.csv"
     trace.write_text("0,add,node0\n0,add,node1\n12000,add,node2\n")  # node2 joins at 12 s
     settings = dict(config={"training": {"target_batch_size": 16, "round_timeout_s": 5.0}},
-                    local_nodes=2, max_nodes=3, time_scale=1.0, json=True,
+                    local_nodes=2, max_nodes=3, time_scale=1.0, json=True, metrics_port=0,
                     checkpoint_uri=str(tmp / "ckpt"), checkpoint_every=5,
                     run_dir=str(tmp / "run"))
     data = moshray.data.from_fn(sample_ids, num_shards=6)
@@ -86,7 +87,7 @@ def bad_loss(tmp: Path) -> dict:
 
     try:
         moshray.fit(loop, moshray.data.from_fn(sample_ids, num_shards=4), local_nodes=2,
-                    max_nodes=2, max_seconds=60, run_dir=str(tmp / "run"))
+                    max_nodes=2, max_seconds=60, run_dir=str(tmp / "run"), metrics_port=0)
     except moshray.UserError as exc:
         return {"error": str(exc), "type": type(exc).__name__}
     return {"error": None}
@@ -95,12 +96,36 @@ def bad_loss(tmp: Path) -> dict:
 def quickstart(tmp: Path) -> dict:
     from moshray.jobs.examples import quickstart as q
 
-    result = moshray.fit(q.loop, moshray.data.from_fn(q.batches), max_nodes=2, max_seconds=15,
-                         run_dir=str(tmp / "run"), json=True)
+    result = moshray.fit(q.loop, moshray.data.from_fn(q.batches), max_nodes=2, max_seconds=30,
+                         run_dir=str(tmp / "run"), json=True, metrics_port=0)
     return result.summary
+
+
+def dataset(tmp: Path) -> dict:
+    import numpy as np
+
+    def make():
+        import ray.data
+
+        x = np.random.default_rng(0).standard_normal((512, 2)).astype(np.float32)
+        return ray.data.from_numpy(x).map_batches(
+            lambda b: {"x": b["data"], "y": b["data"].sum(axis=1, keepdims=True)})
+
+    def loop(session):
+        model = torch.nn.Linear(2, 1)
+        opt = session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for batch in session.batches():  # {"x": (n, 2), "y": (n, 1)} tensors
+            opt.step(torch.nn.functional.mse_loss(model(batch["x"]), batch["y"]))
+
+    result = moshray.fit(loop, make, max_nodes=2, max_seconds=40, batch_size=16, json=True,
+                         metrics_port=0,
+                         config={"training": {"target_batch_size": 32}},
+                         run_dir=str(tmp / "run"))
+    return {"summary": result.summary, "statuses": _statuses(result)}
 
 
 if __name__ == "__main__":
     scenario, tmp_dir = sys.argv[1], Path(sys.argv[2])
-    run = {"extra-state": extra_state, "bad-loss": bad_loss, "quickstart": quickstart}[scenario]
+    run = {"extra-state": extra_state, "bad-loss": bad_loss, "quickstart": quickstart,
+           "dataset": dataset}[scenario]
     print(json.dumps(run(tmp_dir), default=str))

@@ -25,7 +25,7 @@ def test_digits_example_survives_a_notice_and_a_hard_kill():
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, "-m", "moshray.jobs.examples.digits", "--json",
-                           "--max-seconds", "60"],
+                           "--max-seconds", "60", "--metrics-port", "0"],
                           capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -90,3 +90,11 @@ def test_the_readme_example_is_the_quickstart_file_and_trains(tmp_path: Path):
     summary = scenario("quickstart", tmp_path, timeout=200)
     assert summary["steps"] > 5 and summary["replicas_consistent"] is True
     assert summary["final_loss"] < summary["initial_loss"]
+
+
+def test_a_ray_dataset_feeds_the_replicas(tmp_path: Path):
+    out = scenario("dataset", tmp_path, timeout=300)
+    summary = out["summary"]
+    assert summary["steps"] > 5 and summary["replicas_consistent"] is True
+    assert summary["final_loss"] < summary["initial_loss"]
+    assert all(r["shards_opened"] >= 1 for r in out["statuses"])

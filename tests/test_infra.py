@@ -250,6 +250,7 @@ BOOTSTRAP_INPUTS = {
         "worker_launch_template_id": "lt-0123456789abcdef0",
         "head_private_ip": "10.42.0.10",
         "token_secret_id": "arn:aws:secretsmanager:us-east-1:123456789012:secret:demo-tok",
+        "checkpoint_uri": "s3://demo-bucket/checkpoints",
     },
     "gcp": {
         "cluster_name": "demo",
@@ -269,6 +270,7 @@ BOOTSTRAP_INPUTS = {
                         "common-cu124-ubuntu-2204-py310",
         "worker_disk_gb": 100,
         "worker_accelerators": [],
+        "checkpoint_uri": "gs://demo-bucket/checkpoints",
     },
 }
 COMMON_INPUTS = {

@@ -43,6 +43,18 @@ def test_ray_job_submit_runs_training_to_completion(tmp_path: Path):
              "python", "-m", "moshray.jobs.train", "--config", str(config), "--json"],
             capture_output=True, text=True, timeout=600, env=cluster.env,
         )
+        # The public API's example, submitted the same way: moshray.fit runs on this
+        # cluster (RAY_ADDRESS is set by the job server), not on an embedded one.
+        digits = subprocess.run(
+            ["ray", "job", "submit", "--address", cluster.dashboard_url, "--",
+             "python", "-m", "moshray.jobs.examples.digits", "--json", "--max-seconds", "20"],
+            capture_output=True, text=True, timeout=600, env=cluster.env,
+        )
+    digits_out = digits.stdout + digits.stderr
+    assert digits.returncode == 0, digits_out[-4000:]
+    result = json.loads([line for line in digits_out.splitlines() if line.startswith("{")][-1])
+    assert result["replicas"] == 2 and result["replicas_consistent"] is True
+    assert result["steps"] > 5 and result["test_accuracy"] > 0.5
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "succeeded" in out

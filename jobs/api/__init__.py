@@ -19,12 +19,32 @@ The public API (this file is the ``moshray`` package itself)::
 - ``moe``: Decentralized Mixture-of-Experts layers for your model (``moshray.actors.moe``).
 """
 
-from moshray.actors import data_sources as data
-from moshray.actors import moe
-from moshray.actors.errors import UserError
-from moshray.actors.session import ElasticOptimizer, Session
-from moshray.jobs.config import ConfigError, TrainConfig
-from moshray.jobs.fit import Result, build_config, fit
+import importlib
 
-__all__ = ["fit", "Result", "build_config", "Session", "ElasticOptimizer", "data", "moe",
-           "TrainConfig", "ConfigError", "UserError"]
+# Loaded on first use (PEP 562), so that importing a submodule such as moshray.cluster.grid
+# stays light (no torch, no Ray).
+_EXPORTS = {
+    "fit": ("moshray.jobs.fit", "fit"), "Result": ("moshray.jobs.fit", "Result"),
+    "build_config": ("moshray.jobs.fit", "build_config"),
+    "Session": ("moshray.actors.session", "Session"),
+    "ElasticOptimizer": ("moshray.actors.session", "ElasticOptimizer"),
+    "data": ("moshray.actors.data_sources", None), "moe": ("moshray.actors.moe", None),
+    "UserError": ("moshray.actors.errors", "UserError"),
+    "TrainConfig": ("moshray.jobs.config", "TrainConfig"),
+    "ConfigError": ("moshray.jobs.config", "ConfigError"),
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'moshray' has no attribute {name!r}")
+    module_name, attr = _EXPORTS[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     parser.add_argument("--max-seconds", type=float, default=70.0)
     parser.add_argument("--no-faults", action="store_true", help="no notice, no kill")
+    parser.add_argument("--metrics-port", type=int, default=9450, help="0: any free port")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         trace = "off" if args.no_faults else str(fault_trace(Path(tmp) / "trace.csv"))
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             config={"training": {"target_batch_size": 128, "round_timeout_s": 5.0},
                     "cluster": {"notice_s": 3.0, "time_scale": 1.0}},
             local_nodes=3, max_nodes=3, max_seconds=args.max_seconds, trace=trace,
-            json=args.json, run_dir=str(Path(tmp) / "run"))
+            json=args.json, run_dir=str(Path(tmp) / "run"), metrics_port=args.metrics_port)
     s = result.summary
     figures = {"test_accuracy": accuracy(result.model_state) if result.state else None,
                "preemptions": s["preemptions"], "hard_losses": s["hard_losses"],

@@ -125,6 +125,10 @@ class ProgressTracker:
         if not self.membership.is_member(peer_id) or (
                 state_epoch != self.epoch and not self._fall_back(state_epoch, now)):
             return False
+        if self._rebuilding(now) and not any(
+                e == state_epoch for p, (e, _) in self._held.items() if p != peer_id):
+            return False  # a fresh Coordinator's epoch 0 is no state: wait for the holders'
+        # rejoins (or the window's end), else a copy of nothing would restart the count
         self._make_ready(peer_id, state_epoch, now)
         self.quarantine.clear(peer_id)
         return True
@@ -162,7 +166,7 @@ class ProgressTracker:
         """No replica that may still be up holds (or is taking) a step after
         ``state_epoch``: not during the rebuild window, not while a member or a peer seen
         within ``hold_s`` holds a newer epoch, not while a member takes the latest plan."""
-        if self.rebuild_until is not None and now < self.rebuild_until:
+        if self._rebuilding(now):
             return False
         for p, (e, seen) in self._held.items():
             if e > state_epoch and (self.membership.is_member(p) or now - seen <= self.hold_s):
@@ -170,6 +174,9 @@ class ProgressTracker:
         plan = self.plan
         return not (plan is not None and plan.epoch > state_epoch
                     and any(self.membership.is_member(p) for p in plan.participants))
+
+    def _rebuilding(self, now: float) -> bool:
+        return self.rebuild_until is not None and now < self.rebuild_until
 
     def holds_current(self, peer_id: str) -> bool:
         """``peer_id`` was last seen holding the current epoch (a donor that gives a state

@@ -108,6 +108,9 @@ class StepManager:
                 log.info("%s ready at epoch %d (attempt %d)", self.peer_id, self.state.epoch,
                          attempt)
                 return
+            if attempt % 50 == 49:
+                log.warning("%s: still syncing after %d attempts (donor %s, state epoch %d)",
+                            self.peer_id, attempt + 1, donor and donor[0], self.state.epoch)
             await asyncio.sleep(0.1)
         raise RuntimeError(f"{self.peer_id}: could not sync state after {SYNC_ATTEMPTS} attempts")
 

@@ -16,6 +16,7 @@ import functools
 import inspect
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -359,8 +360,10 @@ class Coordinator(CoordinatorCore):
                  **kwargs):
         """``metrics_port`` None: events are counted but not served; 0: the OS picks.
         Ray tells whether this process replaces one that died (``restarted``)."""
-        kwargs.setdefault("restarted",
-                          ray.get_runtime_context().was_current_actor_reconstructed)
+        with warnings.catch_warnings():  # Ray 2.60 warns about its own deprecated actor_id
+            warnings.simplefilter("ignore")
+            kwargs.setdefault("restarted",
+                              ray.get_runtime_context().was_current_actor_reconstructed)
         super().__init__(*args, **kwargs)
         self.push_plan = self._push_plan
         self._rebalances_seen: set[str] = set()  # noticed nodes already in the histogram

@@ -56,11 +56,15 @@ class StepManager:
         self.joined = False  # contributed to an averaged step yet?
         self._init_state_ref = init_state_ref
         self._plan: RoundPlan | None = None  # pushed by the Coordinator, not yet taken
-        self._inflight: list[tuple[int, asyncio.Future]] = []  # (epoch sent at, reply)
+        # (epoch sent at, rejoin generation sent in, reply)
+        self._inflight: list[tuple[int, int, asyncio.Future]] = []
         self._saw_rejections: list[tuple[str, str, int]] = []  # others', for the Coordinator
         self._heartbeat: asyncio.Future | None = None
         self.loop_running = False  # between the loop's prepare() and its end
         self._snapshot_requests: list[asyncio.Future] = []
+        self.syncing = False  # copying a donor's state (not ready)
+        self._generation = 0  # rejoins done: an "unknown" from before one is answered
+        self._rejoin_lock = asyncio.Lock()
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -68,14 +72,23 @@ class StepManager:
         """Register, take the state of the swarm (donor or checkpoint), start heartbeats."""
         self.state, self.strategy = state, strategy
         await self.coordinator.register.remote(self.peer_id, self.handle, self.node_id)
+        # Heartbeats first: a Coordinator restarted during the copy learns of this replica
+        # from them (``rejoin``), else it would refuse its ``mark_ready``.
+        self._heartbeat = asyncio.ensure_future(self._beat())
         await self.sync()
         self.loop_running = True
-        self._heartbeat = asyncio.ensure_future(self._beat())
         self.send_report(force=True)
 
     async def sync(self) -> None:
         """Copy state from a donor (or the initial checkpoint) and become ready. A
         ``UserError`` in the loaded state (another model) propagates."""
+        self.syncing = True
+        try:
+            await self._sync()
+        finally:
+            self.syncing = False
+
+    async def _sync(self) -> None:
         for attempt in range(SYNC_ATTEMPTS):
             donor = await self.coordinator.donor.remote(self.peer_id)
             if donor is not None:
@@ -95,6 +108,9 @@ class StepManager:
                 log.info("%s ready at epoch %d (attempt %d)", self.peer_id, self.state.epoch,
                          attempt)
                 return
+            if attempt % 50 == 49:
+                log.warning("%s: still syncing after %d attempts (donor %s, state epoch %d)",
+                            self.peer_id, attempt + 1, donor and donor[0], self.state.epoch)
             await asyncio.sleep(0.1)
         raise RuntimeError(f"{self.peer_id}: could not sync state after {SYNC_ATTEMPTS} attempts")
 
@@ -152,21 +168,22 @@ class StepManager:
                                 tuple(self._saw_rejections))
         self._saw_rejections.clear()
         ref = self.coordinator.report.remote(report)
-        self._inflight.append((s.epoch, asyncio.ensure_future(_awaited(ref))))
+        self._inflight.append((s.epoch, self._generation, asyncio.ensure_future(_awaited(ref))))
 
     def _replies(self) -> str | None:
         """Handle the replies that arrived: ``"stop"``, ``"resync"`` (if still meant for this
         replica's epoch) or ``"rejoin"``; a plan to take is kept. None if nothing to do."""
         verdict = None
-        while self._inflight and self._inflight[0][1].done():
-            sent_at, future = self._inflight.pop(0)
+        while self._inflight and self._inflight[0][2].done():
+            sent_at, generation, future = self._inflight.pop(0)
             try:
                 reply = future.result()
             except ray.exceptions.RayError as exc:
                 log.info("%s: report failed (%s)", self.peer_id, type(exc).__name__)
                 continue
             if reply.unknown:
-                verdict = verdict or "rejoin"
+                if generation == self._generation:  # else a rejoin since answered it
+                    verdict = verdict or "rejoin"
             elif reply.stop:
                 verdict = "stop"
             elif reply.resync and sent_at == self.state.epoch and verdict is None:
@@ -188,7 +205,7 @@ class StepManager:
             self.stopping = True
             return False
         if verdict in ("resync", "rejoin"):
-            await (self.sync() if verdict == "resync" else self.rejoin())
+            await (self.sync() if verdict == "resync" else self.rejoin(self._generation))
             self.send_report(force=True)
             return False
         plan, self._plan = self._plan, None
@@ -253,27 +270,35 @@ class StepManager:
         while True:
             await asyncio.sleep(1.0)
             try:
+                generation = self._generation
                 if not await self.coordinator.heartbeat.remote(self.peer_id):
-                    await self.rejoin()
+                    await self.rejoin(generation)
             except ray.exceptions.RayError:
                 pass
 
-    async def rejoin(self) -> None:
+    async def rejoin(self, generation: int) -> None:
         """The Coordinator restarted and forgot this replica: re-register with the epoch
-        of the state held (it is ready at once if that is the newest) and the data position
-        this replica knows."""
-        async with self.lock:
-            epoch = self.state.epoch
-            position = self.state.feed.position if self.state.feed is not None else 0
-        ready = await self.coordinator.rejoin.remote(self.peer_id, self.handle, self.node_id,
-                                                     epoch, position)
+        of the state held (it is ready at once if that is the newest; not while it copies a
+        donor's state) and the data position this replica knows. ``generation``: the rejoin
+        count when the "unknown" answer was asked for; if another rejoin happened since
+        (the heartbeat and a report both heard it), nothing is done."""
+        async with self._rejoin_lock:
+            if generation != self._generation:
+                return
+            syncing = self.syncing
+            async with self.lock:
+                epoch = self.state.epoch
+                position = self.state.feed.position if self.state.feed is not None else 0
+            ready = await self.coordinator.rejoin.remote(
+                self.peer_id, self.handle, self.node_id, epoch, position, syncing)
+            self._generation += 1
         log.warning("%s: rejoined a restarted Coordinator at epoch %d (%s)", self.peer_id,
-                    epoch, "ready" if ready else "to resync")
+                    epoch, "ready" if ready else "syncing" if syncing else "to resync")
 
     def close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
-        for _, future in self._inflight:
+        for _, _, future in self._inflight:
             future.cancel()
 
 

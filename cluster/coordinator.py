@@ -16,6 +16,7 @@ import functools
 import inspect
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +41,9 @@ class NoticeRecord:
 
 
 REJOIN_GRACE_S = 2.5  # after a restart, positions are heard before shards are granted
+# After a restart, how long every live replica has to rejoin (they heartbeat every second and
+# report after every micro-batch) before an older state may be accepted in its place.
+REBUILD_S = 3.0
 
 
 class CoordinatorCore:
@@ -51,12 +55,18 @@ class CoordinatorCore:
         clock: Callable[[], float] = time.monotonic,
         target_batch_size: int = 256,
         step_grace_s: float = 2.0,
+        restarted: bool = False,
     ):
+        """``restarted``: this Coordinator replaces one that died (Ray restarted it), so
+        its memory is empty and the replicas rebuild it (``rejoin``); no older state is
+        accepted in the newest's place for ``REBUILD_S``."""
         self.membership = Membership(config)
         self.clock = clock
         self.started = clock()
         self.progress = ProgressTracker(self.membership, target_batch_size,
-                                        grace_s=step_grace_s)
+                                        grace_s=step_grace_s, hold_s=2 * config.peer_ttl_s)
+        if restarted:
+            self.progress.rebuild_until = self.started + REBUILD_S
         self.preemptions = 0
         self.notices: dict[str, NoticeRecord] = {}  # node id -> its first preemption notice
         self.experts = ExpertRegistry(clock=clock)  # DMoE expert hosts (replaces the DHT)
@@ -71,24 +81,30 @@ class CoordinatorCore:
         return self.membership.epoch
 
     def rejoin(self, peer_id: str, handle, node_id: str, state_epoch: int,
-               data_position: int = 0) -> bool:
+               data_position: int = 0, syncing: bool = False) -> bool:
         """Re-register after a Coordinator restart (``heartbeat`` or a report answered
         "unknown"): membership, the epoch and the data position are rebuilt from the
         replicas themselves. True if the peer is ready at once (see
         ``ProgressTracker.rejoin``). The first rejoin opens a window of
         ``REJOIN_GRACE_S`` in which no data shard is granted, so that every live replica
-        (they heartbeat every second) has told its position first: no shard is repeated."""
+        (they heartbeat every second) has told its position first: no shard is repeated.
+        ``syncing``: the peer was copying a donor's state (it holds ``state_epoch`` but is
+        not ready). Calling it again is harmless (the second call refreshes the first)."""
         self.register(peer_id, handle, node_id)
         self.shards.raise_floor(data_position)
+        now = self.clock()
         if self._grants_after is None:
-            self._grants_after = self.clock() + REJOIN_GRACE_S
-        return self.progress.rejoin(peer_id, state_epoch)
+            self._grants_after = now + REJOIN_GRACE_S
+        if self.progress.rebuild_until is None:
+            # A restart the shell could not tell (first call is a rejoin): same window.
+            self.progress.rebuild_until = now + REBUILD_S
+        return self.progress.rejoin(peer_id, state_epoch, now, syncing)
 
     def heartbeat(self, peer_id: str) -> bool:
         return self.membership.heartbeat(peer_id, self.clock())
 
     def leave(self, peer_id: str) -> bool:
-        self.progress.forget(peer_id)
+        self.progress.forget(peer_id, gone=True)
         return self.membership.leave(peer_id)
 
     # -- collaborative training ------------------------------------------------------------
@@ -115,8 +131,9 @@ class CoordinatorCore:
     def mark_ready(self, peer_id: str, state_epoch: int) -> bool:
         # Expire first: when every peer is syncing nobody reports, and a dead holder of the
         # newest step would otherwise block the rollback forever.
-        self._expire(self.clock())
-        return self.progress.mark_ready(peer_id, state_epoch)
+        now = self.clock()
+        self._expire(now)
+        return self.progress.mark_ready(peer_id, state_epoch, now)
 
     def resume_from(self, epoch: int) -> int:
         """Start counting global steps at a checkpoint's epoch (only before any step)."""
@@ -125,13 +142,22 @@ class CoordinatorCore:
         return self.membership.epoch
 
     def donor(self, exclude: str) -> tuple[str, object] | None:
-        """A ready peer (other than ``exclude``) to copy state from, or None: a live one
-        first, else one that is draining but still up (it may hold the newest steps)."""
+        """A peer (other than ``exclude``, who is noted as joining) to copy state from, or
+        None. A ready live one first, else a ready one that is draining but still up (it
+        may hold the newest steps), else, as a last resort, any member holding the
+        current epoch (a quarantined peer: its contributions were bad, its state is the
+        swarm's). Within each group, one that holds the current epoch first."""
         now = self.clock()
         self._expire(now)
-        for group in (self.membership.live(now), self.membership.present(now)):
-            for info in group:
-                if info.peer_id != exclude and info.peer_id in self.progress.ready:
+        self.progress.note_joining(exclude, now)
+        ready = self.progress.ready
+        groups = ([p for p in self.membership.live(now) if p.peer_id in ready],
+                  [p for p in self.membership.present(now) if p.peer_id in ready],
+                  [p for p in self.membership.present(now)
+                   if self.progress.holds_current(p.peer_id)])
+        for group in groups:
+            for info in sorted(group, key=lambda i: not self.progress.holds_current(i.peer_id)):
+                if info.peer_id != exclude:
                     return info.peer_id, info.handle
         return None
 
@@ -166,6 +192,7 @@ class CoordinatorCore:
             "draining": len(self.membership.draining()),
             "preemptions": self.preemptions,
             "rollbacks": len(self.progress.rollbacks),  # steps lost with every holder
+            "abandoned": len(self.progress.abandoned),  # plans nobody lived to apply
             "quarantines": [(q.peer_id, q.reason) for q in self.progress.quarantine.records],
             "now_s": now - self.started,  # the clock of history's at_s (for plots)
             **self._notice_summary(),
@@ -331,7 +358,12 @@ class Coordinator(CoordinatorCore):
     def __init__(self, *args, metrics_port: int | None = None,
                  metrics_host: str = metrics.LOOPBACK, prices: metrics.Prices | None = None,
                  **kwargs):
-        """``metrics_port`` None: events are counted but not served; 0: the OS picks."""
+        """``metrics_port`` None: events are counted but not served; 0: the OS picks.
+        Ray tells whether this process replaces one that died (``restarted``)."""
+        with warnings.catch_warnings():  # Ray 2.60 warns about its own deprecated actor_id
+            warnings.simplefilter("ignore")
+            kwargs.setdefault("restarted",
+                              ray.get_runtime_context().was_current_actor_reconstructed)
         super().__init__(*args, **kwargs)
         self.push_plan = self._push_plan
         self._rebalances_seen: set[str] = set()  # noticed nodes already in the histogram

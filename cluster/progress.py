@@ -11,6 +11,15 @@ goes to each participant as soon as it exists (the Coordinator pushes it; see
 ``take_new_plan``) and in the reply to its next report. Peers that hold another digest than
 the majority at the same epoch, or that fell behind the last plan without being in it, are
 told to resync from a donor. Time is injected.
+
+Committed steps are never rolled back while a replica that holds them may still be up. The
+tracker remembers, per peer, the newest epoch it was seen holding (``_held``: reports,
+rejoins, readiness), also after the peer expired or was quarantined. An older state is
+accepted (``mark_ready``) only when no member holds a newer one, nobody was seen holding
+one for ``hold_s`` (a slow peer whose heartbeats were late rejoins within that), no
+participant of the in-flight plan is still a member, and the rebuild window after a
+Coordinator restart (``rebuild_until``: replicas are still rejoining) is over. Falling
+back over steps nobody was ever seen applying is an *abandoned* plan, not a rollback.
 """
 
 from __future__ import annotations
@@ -87,10 +96,17 @@ class ProgressTracker:
     timings: dict[int, StepTiming] = field(default_factory=dict)  # epoch -> its timing
     rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (from, to) epochs
     grace_s: float = 2.0  # how long a full batch waits for ready peers finishing a step
+    join_grace_s: float = 2.0  # ... and for a joiner copying a donor's state (from its ask)
+    hold_s: float = 60.0  # a newer state seen this recently blocks a fallback (2 x TTL)
+    rebuild_until: float | None = None  # after a restart: no fallback before this time
+    abandoned: list[tuple[int, int]] = field(default_factory=list)  # plans nobody applied
     quarantine: Quarantine = field(default_factory=Quarantine)
     _loss: dict[int, tuple[float, int]] = field(default_factory=dict)
     _full_since: float | None = None  # when the current epoch's batch became full
     _unpushed: RoundPlan | None = None  # made since the last take_new_plan
+    _held: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer -> (epoch, seen)
+    _top_held: int = 0  # the newest epoch any peer was ever seen holding (committed)
+    _joining: dict[str, float] = field(default_factory=dict)  # peer -> first donor request
 
     def take_new_plan(self) -> RoundPlan | None:
         """The plan made since the last call (for the Coordinator to push), else None."""
@@ -101,46 +117,107 @@ class ProgressTracker:
     def epoch(self) -> int:
         return self.membership.epoch
 
-    def mark_ready(self, peer_id: str, state_epoch: int) -> bool:
-        """A joiner holding the state of ``state_epoch`` may take part from the next plan.
-
-        Accepted only if no plan after ``state_epoch`` exists yet (else it must reload), with
-        one exception: when no ready peer is left at all, the steps after ``state_epoch``
-        died with the peers that took them, and waiting would deadlock the swarm. Then the
-        epoch rolls back to ``state_epoch`` (counted in ``rollbacks``) and training goes on
-        from the newest state still held.
-        """
-        if state_epoch != self.epoch:
-            holders = [p for p in self.ready if self.membership.is_member(p)]
-            if holders or state_epoch > self.epoch:
-                return False
-            self.rollbacks.append((self.epoch, state_epoch))
-            self.membership.epoch = state_epoch
-            self.plan = None
-        self.ready.add(peer_id)
+    def mark_ready(self, peer_id: str, state_epoch: int, now: float = 0.0) -> bool:
+        """A registered peer holding the state of ``state_epoch`` may take part from the
+        next plan (it is counted at that epoch at once, so a plan made before its first
+        report includes it). False (copy again) for a non-member, a state from the future,
+        or an older state while a newer one may still be held (see ``_may_fall_back``)."""
+        if not self.membership.is_member(peer_id) or (
+                state_epoch != self.epoch and not self._fall_back(state_epoch, now)):
+            return False
+        if self._rebuilding(now) and not any(
+                e == state_epoch for p, (e, _) in self._held.items() if p != peer_id):
+            return False  # a fresh Coordinator's epoch 0 is no state: wait for the holders'
+        # rejoins (or the window's end), else a copy of nothing would restart the count
+        self._make_ready(peer_id, state_epoch, now)
         self.quarantine.clear(peer_id)
         return True
 
-    def forget(self, peer_id: str) -> None:
+    def _make_ready(self, peer_id: str, state_epoch: int, now: float) -> None:
+        self.ready.add(peer_id)
+        self._joining.pop(peer_id, None)
+        self.hold(peer_id, state_epoch, now)
+        if self.reports.get(peer_id) is None or self.reports[peer_id].epoch != state_epoch:
+            self.reports[peer_id] = ProgressReport(peer_id, state_epoch, 0)
+
+    def hold(self, peer_id: str, epoch: int, now: float) -> None:
+        """``peer_id`` was seen holding the state of ``epoch`` at ``now``."""
+        self._held[peer_id] = (epoch, now)
+        self._top_held = max(self._top_held, epoch)
+
+    def _fall_back(self, state_epoch: int, now: float) -> bool:
+        """Move the epoch back to ``state_epoch`` if nothing newer can still be held; a
+        rollback (counted) if a newer step was ever seen applied, else the newer plans
+        are abandoned. False (and nothing changes) otherwise."""
+        if state_epoch > self.epoch or not self._may_fall_back(state_epoch, now):
+            return False
+        if self._top_held > state_epoch:
+            self.rollbacks.append((self.epoch, state_epoch))
+            log.warning("rollback from epoch %d to %d: no holder of the newer steps is left",
+                        self.epoch, state_epoch)
+        else:
+            self.abandoned.append((self.epoch, state_epoch))
+        self._top_held = state_epoch
+        self.membership.epoch = state_epoch
+        self.plan = None
+        return True
+
+    def _may_fall_back(self, state_epoch: int, now: float) -> bool:
+        """No replica that may still be up holds (or is taking) a step after
+        ``state_epoch``: not during the rebuild window, not while a member or a peer seen
+        within ``hold_s`` holds a newer epoch, not while a member takes the latest plan."""
+        if self._rebuilding(now):
+            return False
+        for p, (e, seen) in self._held.items():
+            if e > state_epoch and (self.membership.is_member(p) or now - seen <= self.hold_s):
+                return False
+        plan = self.plan
+        return not (plan is not None and plan.epoch > state_epoch
+                    and any(self.membership.is_member(p) for p in plan.participants))
+
+    def _rebuilding(self, now: float) -> bool:
+        return self.rebuild_until is not None and now < self.rebuild_until
+
+    def holds_current(self, peer_id: str) -> bool:
+        """``peer_id`` was last seen holding the current epoch (a donor that gives a state
+        ``mark_ready`` accepts)."""
+        return self._held.get(peer_id, (-1, 0.0))[0] == self.epoch
+
+    def note_joining(self, peer_id: str, now: float) -> None:
+        """``peer_id`` asked for a donor: full batches wait up to ``join_grace_s`` from its
+        first ask for it to be ready (else a fast swarm outruns every copy it makes)."""
+        self._joining.setdefault(peer_id, now)
+
+    def forget(self, peer_id: str, gone: bool = False) -> None:
+        """``peer_id`` expired (it may still be up: what it held is kept for ``hold_s``)
+        or, with ``gone``, left for good."""
         self.ready.discard(peer_id)
         self.reports.pop(peer_id, None)
+        self._joining.pop(peer_id, None)
+        if gone:
+            self._held.pop(peer_id, None)
 
-    def rejoin(self, peer_id: str, state_epoch: int) -> bool:
+    def rejoin(self, peer_id: str, state_epoch: int, now: float = 0.0,
+               syncing: bool = False) -> bool:
         """A registered peer that held the state of ``state_epoch`` before the Coordinator
         lost its memory (a restart). The newest committed step held by a live peer wins: a
-        newer epoch is adopted; a peer at the current epoch is ready at once; one behind
-        it is not (it resyncs from a donor)."""
+        newer epoch is adopted; a peer at the current epoch is ready at once (counted at
+        that epoch); one behind it is not (it resyncs from a donor). A ``syncing`` peer
+        (it was told to reload) counts as a holder and may set the epoch, but is not ready
+        (it finishes its copy and calls ``mark_ready``)."""
+        self.hold(peer_id, state_epoch, now)
         if state_epoch > self.epoch:
             self.membership.epoch = state_epoch
             self.plan = None
-        if state_epoch == self.epoch:
-            self.ready.add(peer_id)
+        if state_epoch == self.epoch and not syncing:
+            self._make_ready(peer_id, state_epoch, now)
             return True
         return False
 
     def report(self, r: ProgressReport, now: float) -> ProgressReply:
         if not self.membership.heartbeat(r.peer_id, now):
             return ProgressReply(None, global_epoch=self.epoch, unknown=True)
+        self.hold(r.peer_id, r.epoch, now)
         if r.epoch > self.epoch and r.peer_id in self.ready:
             # A step planned before a Coordinator restart completed among its peers.
             self.membership.epoch = r.epoch
@@ -225,6 +302,8 @@ class ProgressTracker:
             self._full_since = now
         if self._finishing(eligible) and now - self._full_since < self.grace_s:
             return  # a ready peer is still applying the last step: give it a moment
+        if any(now - t < self.join_grace_s for t in self._joining.values()):
+            return  # a joiner is copying the current state: let it in first
         self.plan_now(now, current)
 
     def _finishing(self, eligible: list[str]) -> bool:

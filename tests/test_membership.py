@@ -336,6 +336,11 @@ def test_a_silent_holder_expires_so_a_joiner_is_not_stuck_when_nobody_reports() 
     clock.t += TTL + 1  # no report arrives (j is syncing); a's silence outlives the TTL
     core.heartbeat("j")
     assert core.donor("j") is None
+    # Expired is not gone: a peer whose heartbeats were late comes back, so its epoch
+    # still blocks a rollback until it has been silent for hold_s (2 x TTL).
+    assert core.mark_ready("j", 0) is False
+    clock.t += TTL
+    core.heartbeat("j")
     assert core.mark_ready("j", 0) is True and core.progress.rollbacks == [(1, 0)]
 
 
@@ -345,11 +350,14 @@ def test_at_stop_a_peer_that_fell_behind_resyncs_before_it_stops() -> None:
     for peer in ("a", "b"):
         core.register(peer, handle=None)
         assert core.mark_ready(peer, 0)
-    assert _report(core, "a", 0).plan is not None  # epoch 1 over a alone; b was slow
-    _report(core, "a", 1, samples=0)
+    assert _report(core, "a", 0).plan is not None  # epoch 1 over a and b (b: 0 samples)
+    assert _report(core, "a", 1).plan is None  # b is slow to apply epoch 1: a grace ...
+    clock.t += core.progress.grace_s + 1
+    assert _report(core, "a", 1).plan.participants == ("a",)  # ... then epoch 2 without b
+    _report(core, "a", 2, samples=0)
     core.request_stop()
-    assert _report(core, "a", 1, samples=0).stop  # up to date: stops
-    reply = _report(core, "b", 0, samples=0)  # b missed epoch 1: copy it first
+    assert _report(core, "a", 2, samples=0).stop  # up to date: stops
+    reply = _report(core, "b", 0, samples=0)  # b missed epoch 2: copy it first
     assert reply.resync and not reply.stop
-    assert core.mark_ready("b", 1)
-    assert _report(core, "b", 1, samples=0).stop
+    assert core.mark_ready("b", 2)
+    assert _report(core, "b", 2, samples=0).stop

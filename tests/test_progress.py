@@ -125,3 +125,151 @@ def test_a_step_finished_during_a_restart_is_adopted():
     core.rejoin("a", "a", "node-a", 3)
     core.report(ProgressReport("a", 4, 0, None, None))  # its in-flight step 4 completed
     assert core.membership.epoch == 4
+
+
+# -- committed steps held by live replicas are never rolled back ---------------------------
+
+
+def restarted(target=8, ttl=5.0):
+    """A Coordinator that Ray restarted: empty memory, a rebuild window open."""
+    clock = Clock()
+    core = CoordinatorCore(MembershipConfig(peer_ttl_s=ttl), clock=clock,
+                           target_batch_size=target, restarted=True)
+    core.push_plan = lambda plan: None
+    return core, clock
+
+
+def test_after_a_restart_a_joiner_with_an_old_state_waits_for_the_holders_to_rejoin():
+    core, clock = restarted()
+    core.register("j", "j", "node-j")  # a joiner copying state: no donor is known yet
+    assert core.donor("j") is None
+    assert core.mark_ready("j", 0) is False  # the holders have not rejoined yet
+    assert core.rejoin("a", "a", "node-a", 41) is True  # ready at once: it holds the newest
+    assert core.epoch == 41
+    assert core.donor("j") == ("a", "a")
+    assert core.mark_ready("j", 41) is True
+    assert core.progress.rollbacks == [] and core.progress.abandoned == []
+
+
+def test_after_the_rebuild_window_an_old_state_is_still_refused_while_a_holder_is_up():
+    core, clock = restarted()
+    core.rejoin("a", "a", "node-a", 41)
+    core.register("j", "j", "node-j")
+    clock.t += 10.0  # window over; a reports, so it stays a member
+    core.report(ProgressReport("a", 41, 1, 1.0, None))
+    assert core.mark_ready("j", 0) is False
+    assert core.progress.rollbacks == [] and core.epoch == 41
+
+
+def test_heartbeat_and_report_both_rejoining_changes_nothing():
+    core, clock = restarted(target=4)
+    assert core.rejoin("a", "a", "node-a", 9) and core.rejoin("b", "b", "node-b", 9)
+    plan = core.report(ProgressReport("a", 9, 4, 1.0, None)).plan
+    assert plan is not None and plan.participants == ("a", "b")
+    # b's heartbeat and one of its reports both heard "unknown": a second rejoin, still at 9
+    assert core.rejoin("b", "b", "node-b", 9) is False  # epoch 10 is planned already
+    assert "b" in core.progress.ready and core.epoch == 10
+    assert core.report(ProgressReport("b", 9, 0, None, None)).plan == plan  # b still takes it
+    assert core.progress.rollbacks == []
+
+
+def test_a_live_peer_expired_by_late_heartbeats_blocks_a_rollback_and_rejoins_ready():
+    core, clock = restarted(target=4, ttl=5.0)
+    core.rejoin("a", "a", "node-a", 20)
+    core.register("j", "j", "node-j")
+    clock.t += 6.0  # a's event loop was busy: its heartbeats are late, it expires
+    core.heartbeat("j")
+    assert core.peer_view()["members"] == ("j",)
+    assert core.mark_ready("j", 3) is False  # a was seen with epoch 20 within hold_s
+    assert core.report(ProgressReport("a", 20, 1, 1.0, None)).unknown  # a is back
+    assert core.rejoin("a", "a", "node-a", 20) is True
+    assert core.epoch == 20 and core.progress.rollbacks == []
+
+
+def test_a_quarantined_peer_that_is_the_only_holder_is_a_donor_not_a_rollback():
+    core, clock, pushed = swarm(("a", "b"), target=1000)
+    core.progress.quarantine.threshold = 1
+    core.report(ProgressReport("b", 0, 1, 1.0, None, 0, (("a", "shape_mismatch", 1),)))
+    assert "a" not in core.progress.ready  # a is quarantined ...
+    core.leave("b")  # ... and the only other peer leaves
+    core.register("j", "j", "node-j")
+    assert core.mark_ready("j", -1) is False  # no rollback past a's state
+    assert core.donor("j") == ("a", "a")  # a's state is the swarm's: copy it
+    assert core.mark_ready("j", 0) is True and core.progress.rollbacks == []
+
+
+def test_a_plan_whose_participants_all_died_unapplied_is_abandoned_not_rolled_back():
+    core, clock, pushed = swarm(("a", "b"), target=8)
+    report(core, "a", 0, 8)  # epoch 1 planned over a and b
+    assert core.epoch == 1
+    core.register("j", "j", "node-j")
+    assert core.mark_ready("j", 0) is False  # a and b may still apply epoch 1
+    core.leave("a")
+    core.leave("b")  # both died inside the round: nobody ever held epoch 1
+    assert core.mark_ready("j", 0) is True
+    assert core.epoch == 0 and core.progress.rollbacks == [] and core.progress.abandoned == [(1, 0)]
+
+
+def test_a_rollback_is_counted_only_when_every_holder_is_gone():
+    core, clock, pushed = swarm(("a",), target=8)
+    report(core, "a", 0, 8)
+    report(core, "a", 1, 0)  # a applied epoch 1 (committed)
+    core.leave("a")  # and left for good
+    core.register("j", "j", "node-j")
+    assert core.mark_ready("j", 0) is True and core.progress.rollbacks == [(1, 0)]
+
+
+def test_a_full_batch_waits_for_a_joiner_copying_the_state_then_it_takes_the_step():
+    core, clock, pushed = swarm(("a",), target=8)
+    core.register("j", "j", "node-j")
+    assert core.donor("j") == ("a", "a")  # j starts copying a's state of epoch 0
+    assert report(core, "a", 0, 8).plan is None  # full, but j is about to be ready
+    clock.t += 0.3
+    assert core.mark_ready("j", 0) is True  # no plan came in between: accepted at once
+    plan = report(core, "a", 0, 9).plan  # j counts at epoch 0 before its first report
+    assert plan is not None and plan.participants == ("a", "j")
+
+
+def test_the_wait_for_a_joiner_is_bounded():
+    core, clock, pushed = swarm(("a",), target=8)
+    core.register("j", "j", "node-j")
+    core.donor("j")
+    assert report(core, "a", 0, 8).plan is None
+    clock.t += core.progress.join_grace_s + 0.1  # j's copy is stuck
+    plan = report(core, "a", 0, 9).plan
+    assert plan is not None and plan.participants == ("a",)
+
+
+def test_a_donor_holding_the_current_epoch_is_preferred():
+    core, clock = restarted()
+    core.rejoin("a", "a", "node-a", 5)  # a rejoins first with an older state ...
+    core.rejoin("b", "b", "node-b", 7)  # ... b holds the newest
+    core.register("j", "j", "node-j")
+    assert core.donor("j") == ("b", "b")
+
+
+def test_a_syncing_peer_rejoins_as_a_holder_not_as_ready():
+    core, clock = restarted()
+    assert core.rejoin("q", "q", "node-q", 12, syncing=True) is False
+    assert "q" not in core.progress.ready and core.epoch == 12  # the newest wins
+    core.register("j", "j", "node-j")
+    clock.t += 10.0
+    core.heartbeat("q")
+    assert core.mark_ready("j", 3) is False  # q holds epoch 12
+    assert core.mark_ready("q", 12) is True  # its copy done (from no donor: its own state)
+
+
+def test_a_first_rejoin_opens_the_rebuild_window_when_the_restart_went_unnoticed():
+    core, clock, pushed = swarm((), target=8)  # restarted=False (the shell could not tell)
+    core.rejoin("a", "a", "node-a", 30)
+    core.leave("a")
+    core.register("j", "j", "node-j")
+    assert core.mark_ready("j", 0) is False  # inside the window
+    clock.t += 10.0
+    core.heartbeat("j")
+    assert core.mark_ready("j", 0) is True and core.progress.rollbacks == [(30, 0)]
+
+
+def test_a_non_member_is_never_ready():
+    core, clock, pushed = swarm(("a",))
+    assert core.mark_ready("ghost", 0) is False

@@ -223,10 +223,7 @@ def scenario(replicas: int = 2) -> dict:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
 
-    # Room for one node more than a replacement needs: Ray's autoscaler can launch one node
-    # too many at start (two launcher rounds for the same demand), and a killed fake node
-    # still counts toward max_workers, which then leaves no room for the replacement.
-    head = AutoscalingHead(max_workers=replicas + 2).start()
+    head = AutoscalingHead(max_workers=replicas + 1).start()
     try:
         ray.init(address=head.gcs_address, logging_level="ERROR", log_to_driver=False)
 

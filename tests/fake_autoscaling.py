@@ -237,8 +237,13 @@ def scenario(replicas: int = 2) -> dict:
                     if n["Alive"] and n["Resources"].get("spot", 0) > 0}
 
         t0 = time.monotonic()
-        actors = [Replica.remote() for _ in range(replicas)]
-        homes = ray.get([a.node.remote() for a in actors], timeout=300)
+        # One replica at a time, each placed before the next asks: two demands at once made
+        # Ray's autoscaler launch a node too many, which on this 2-core machine sometimes
+        # never initialized and was then counted as pending capacity for the replacement.
+        actors, homes = [], []
+        for _ in range(replicas):
+            actors.append(Replica.remote())
+            homes.append(ray.get(actors[-1].node.remote(), timeout=300))
         launch_s = time.monotonic() - t0
         head.track()
         workers = alive_workers()

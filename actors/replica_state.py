@@ -14,7 +14,6 @@ import copy
 import hashlib
 import random
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch

@@ -21,7 +21,6 @@ whether a global step happens now (it returns True when one did). Bad input rais
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 import torch
@@ -30,8 +29,6 @@ from .errors import UserError
 from .replica_state import TrainState
 from .shard_feed import ShardFeed
 from .strategies import make_strategy
-
-log = logging.getLogger(__name__)
 
 
 def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:

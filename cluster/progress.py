@@ -223,12 +223,13 @@ class ProgressTracker:
             self.membership.epoch = r.epoch
             self.plan = None
         self.reports[r.peer_id] = r
-        for sender, reason, epoch in r.saw_rejections:
-            if self.quarantine.note(r.peer_id, sender, reason, epoch, now):
-                self.ready.discard(sender)  # in no further plan; resyncs before it rejoins
-                log.warning("quarantined %s: its contributions were rejected (%s) by others "
-                            "%d times within %.0f s", sender, reason,
-                            self.quarantine.threshold, self.quarantine.window_s)
+        made = [self.quarantine.note(r.peer_id, sender, reason, epoch, now)
+                for sender, reason, epoch in r.saw_rejections]
+        for q in [q for q in made if q is not None] + self.quarantine.settle(self.epoch, now):
+            self.ready.discard(q.peer_id)  # in no further plan; resyncs before it rejoins
+            log.warning("quarantined %s: its contributions were rejected (%s) by others "
+                        "%d times within %.0f s", q.peer_id, q.reason,
+                        self.quarantine.threshold, self.quarantine.window_s)
         timing = self.timings.get(r.epoch)
         if timing is not None and timing.committed_at is None and r.peer_id in timing.participants:
             timing.committed_at = now

@@ -1,13 +1,25 @@
 """Quarantine: a peer whose contributions others keep rejecting leaves the plans (pure).
 
-Receivers report the contributions they rejected (``ProgressReport.saw_rejections``). A
-rejection for a reason that says the *sender* is broken (wrong shape or dtype, NaN/inf
-values, a bad weight) counts against the sender, once per (receiver, epoch); lateness and
-failed fetches do not (they are the network's or a dying node's). A sender with
-``threshold`` counted rejections within ``window_s`` is quarantined: the tracker drops it
-from the ready set, so it is in no further plan and must copy the state from a donor
-before it rejoins (which clears its record). Every quarantine is kept with its reason.
-Time is injected.
+Receivers report the contributions they rejected (``ProgressReport.saw_rejections``). Two
+kinds of reason count against the sender, once per (receiver, epoch); lateness and failed
+fetches never do (they are the network's or a dying node's):
+
+- *faults* (``SENDER_FAULTS``: NaN/inf values, a bad weight) are the sender's alone: each
+  counts at once.
+- *disputes* (``DISPUTES``: a wrong length or wire dtype) only say that receiver and sender
+  disagree on the layout, and a broken peer rejects every good one as surely as they
+  reject it. They are settled by votes once their epoch is over (``settle``, called when
+  the swarm's epoch moves past it): a receiver's accusation counts only if more peers
+  accuse the sender than accuse the receiver at that epoch. One wrong-shape peer among
+  three is accused by two and accuses two who are each accused by one: only it is counted.
+  A 1-vs-1 dispute (or any tie) counts for nobody: votes cannot tell who is wrong, and
+  quarantining a good peer is worse than stepping on with a rejected part. Late reports
+  of a settled epoch are added to its votes (kept for ``window_s``) and re-settled.
+
+A sender with ``threshold`` counted rejections within ``window_s`` is quarantined: the
+caller drops it from the ready set, so it is in no further plan and must copy the state
+from a donor before it rejoins (which clears its record). Every quarantine is kept with
+its reason. Time is injected.
 """
 
 from __future__ import annotations
@@ -16,7 +28,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 # Reasons that blame the sender (values of messages.RejectReason).
-SENDER_FAULTS = frozenset({"shape_mismatch", "dtype_mismatch", "non_finite", "bad_weight"})
+SENDER_FAULTS = frozenset({"non_finite", "bad_weight"})
+# Reasons that say receiver and sender disagree: settled by votes per epoch.
+DISPUTES = frozenset({"shape_mismatch", "dtype_mismatch"})
 
 
 @dataclass(frozen=True)
@@ -32,29 +46,74 @@ class Quarantine:
     window_s: float = 60.0
     records: list[QuarantineRecord] = field(default_factory=list)
     _seen: dict[str, deque] = field(default_factory=dict)  # sender -> (at, reporter, epoch)
+    # epoch -> {(reporter, sender): (reason, at)}: dispute votes, kept for window_s
+    _votes: dict[int, dict[tuple[str, str], tuple[str, float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.threshold < 1 or not self.window_s > 0:
             raise ValueError(f"need threshold >= 1 and window_s > 0, got {self.threshold}, "
                              f"{self.window_s}")
 
-    def note(self, reporter: str, sender: str, reason: str, epoch: int, now: float) -> bool:
-        """Count one rejection ``reporter`` saw of ``sender``'s contribution at ``epoch``.
-        True if this quarantines ``sender`` (the caller drops it from the ready set)."""
-        if reason not in SENDER_FAULTS or reporter == sender:
-            return False
+    def note(self, reporter: str, sender: str, reason: str, epoch: int, now: float
+             ) -> QuarantineRecord | None:
+        """One rejection ``reporter`` saw of ``sender``'s contribution at ``epoch``. A
+        fault counts at once: the record if it quarantines ``sender`` (the caller drops it
+        from the ready set). A dispute is only recorded (None): see ``settle``."""
+        if reporter == sender:
+            return None
+        if reason in DISPUTES:
+            self._votes.setdefault(epoch, {}).setdefault((reporter, sender), (reason, now))
+            return None
+        if reason not in SENDER_FAULTS:
+            return None
+        return self._count(reporter, sender, reason, epoch, now)
+
+    def settle(self, before_epoch: int, now: float) -> list[QuarantineRecord]:
+        """Count the dispute votes of every epoch before ``before_epoch`` (see the module
+        docstring); returns the quarantines this makes, in order."""
+        out: list[QuarantineRecord] = []
+        for epoch in sorted(self._votes):
+            votes = self._votes[epoch]
+            if not votes or max(at for _, at in votes.values()) < now - self.window_s:
+                del self._votes[epoch]
+                continue
+            if epoch >= before_epoch:
+                continue
+            accusers: dict[str, set[str]] = {}
+            for reporter, sender in votes:
+                accusers.setdefault(sender, set()).add(reporter)
+            for (reporter, sender), (reason, _) in sorted(votes.items()):
+                if any(q.peer_id == sender for q in out):
+                    continue
+                if len(accusers[sender]) > len(accusers.get(reporter, ())):
+                    record = self._count(reporter, sender, reason, epoch, now)
+                    if record is not None:
+                        out.append(record)
+        for record in out:  # its votes are spent: a rejoin starts clean
+            self._drop_votes(record.peer_id)
+        return out
+
+    def _count(self, reporter: str, sender: str, reason: str, epoch: int, now: float
+               ) -> QuarantineRecord | None:
         seen = self._seen.setdefault(sender, deque())
         if any(r == reporter and e == epoch for _, r, e in seen):
-            return False  # one count per receiver and round
+            return None  # one count per receiver and round
         seen.append((now, reporter, epoch))
         while seen and now - seen[0][0] > self.window_s:
             seen.popleft()
         if len(seen) < self.threshold:
-            return False
-        self.records.append(QuarantineRecord(sender, now, reason))
+            return None
+        record = QuarantineRecord(sender, now, reason)
+        self.records.append(record)
         del self._seen[sender]
-        return True
+        return record
 
     def clear(self, peer_id: str) -> None:
         """``peer_id`` copied a donor's state: it starts with a clean record."""
         self._seen.pop(peer_id, None)
+        self._drop_votes(peer_id)
+
+    def _drop_votes(self, peer_id: str) -> None:
+        for votes in self._votes.values():
+            for key in [k for k in votes if peer_id in k]:
+                del votes[key]

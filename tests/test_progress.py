@@ -101,9 +101,9 @@ def test_a_peer_others_keep_rejecting_is_quarantined_and_must_resync():
     assert "c" in core.progress.ready
     core.report(ProgressReport("b", 0, 1, 1.0, None, 0, (("c", "late", 2),)))  # not c's fault
     assert "c" in core.progress.ready
-    core.report(ProgressReport("a", 0, 1, 1.0, None, 0, (("c", "shape_mismatch", 2),)))
+    core.report(ProgressReport("a", 0, 1, 1.0, None, 0, (("c", "bad_weight", 2),)))
     assert "c" not in core.progress.ready
-    assert core.stats()["quarantines"] == [("c", "shape_mismatch")]
+    assert core.stats()["quarantines"] == [("c", "bad_weight")]
     assert core.report(ProgressReport("c", 0, 1, 1.0, None)).resync
     assert core.mark_ready("c", 0)  # after the copy it is back, with a clean record
 
@@ -189,7 +189,7 @@ def test_a_live_peer_expired_by_late_heartbeats_blocks_a_rollback_and_rejoins_re
 def test_a_quarantined_peer_that_is_the_only_holder_is_a_donor_not_a_rollback():
     core, clock, pushed = swarm(("a", "b"), target=1000)
     core.progress.quarantine.threshold = 1
-    core.report(ProgressReport("b", 0, 1, 1.0, None, 0, (("a", "shape_mismatch", 1),)))
+    core.report(ProgressReport("b", 0, 1, 1.0, None, 0, (("a", "non_finite", 1),)))
     assert "a" not in core.progress.ready  # a is quarantined ...
     core.leave("b")  # ... and the only other peer leaves
     core.register("j", "j", "node-j")

@@ -161,7 +161,7 @@ class Session:
         feed = ShardFeed(self.source, self.seed,
                          lambda floor: coordinator.grant_shards.remote(peer, 1, floor).future())
         self.state = TrainState(model, optimizer, state, feed, self.config.to_dict())
-        self.strategy = make_strategy(self.config.training, model)
+        self.strategy = make_strategy(self.config.training, model, self.device)
         self.state.strategy_state = self.strategy.outer_state
         self.call(self.manager.start(self.state, self.strategy))
         return ElasticOptimizer(self, optimizer)

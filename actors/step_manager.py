@@ -65,6 +65,8 @@ class StepManager:
         self.syncing = False  # copying a donor's state (not ready)
         self._generation = 0  # rejoins done: an "unknown" from before one is answered
         self._rejoin_lock = asyncio.Lock()
+        # an overlapped step: (plan, the averaging task), applied at a later sync point
+        self._pending: tuple[RoundPlan, asyncio.Task] | None = None
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -135,8 +137,8 @@ class StepManager:
             return self.state.snapshot()
 
     async def _serve_snapshots(self) -> None:
-        if not self._snapshot_requests:
-            return
+        if not self._snapshot_requests or self._pending is not None:
+            return  # (not while an overlapped step is half done: at the next sync point)
         async with self.lock:
             snap = self.state.snapshot()
         requests, self._snapshot_requests = self._snapshot_requests, []
@@ -148,12 +150,14 @@ class StepManager:
         """The training loop returned (or raised): serve what waits for a snapshot."""
         self.loop_running = False
         if self.state is not None:
+            await self._finish_pending(wait=True)
             await self._serve_snapshots()
 
     # -- progress --------------------------------------------------------------------------
 
     def receive_plan(self, plan: RoundPlan) -> None:
-        if self.state is not None and plan.epoch == self.state.epoch + 1:
+        if self.state is not None and plan.epoch == self.state.epoch + 1 \
+                and self._pending is None:
             self._plan = plan
 
     def send_report(self, force: bool = False) -> None:
@@ -188,19 +192,25 @@ class StepManager:
                 verdict = "stop"
             elif reply.resync and sent_at == self.state.epoch and verdict is None:
                 verdict = "resync"
-            elif reply.plan is not None and reply.plan.epoch == self.state.epoch + 1:
+            elif reply.plan is not None and reply.plan.epoch == self.state.epoch + 1 \
+                    and self._pending is None:
                 self._plan = reply.plan
         return verdict
 
     async def after_micro_batch(self, samples: int, loss: float) -> bool:
         """Count one micro-batch and act on what the Coordinator said; True if a global step
-        was taken. Sets ``stopping`` when the Coordinator says stop."""
+        was applied. Sets ``stopping`` when the Coordinator says stop. An overlapped step
+        (``strategy.overlap``) is started here and applied at the first sync point after
+        its averaging is done, or before anything else changes the state."""
         self.samples += samples
         self.micro += 1
         self.loss_sum += loss * samples
+        applied = await self._finish_pending(wait=False)
         await self._serve_snapshots()
-        self.send_report()
+        self.send_report(force=applied)
         verdict = self._replies()
+        if verdict is not None:
+            applied = await self._finish_pending(wait=True) or applied
         if verdict == "stop":
             self.stopping = True
             return False
@@ -209,10 +219,40 @@ class StepManager:
             self.send_report(force=True)
             return False
         plan, self._plan = self._plan, None
-        if plan is None or plan.epoch != self.state.epoch + 1:
-            return False
+        if plan is None or plan.epoch != self.state.epoch + 1 or self._pending is not None:
+            return applied
+        if getattr(self.strategy, "overlap", False):
+            self._begin_overlapped(plan)
+            return applied
         await self.global_step(plan)
         self.send_report(force=True)
+        return True
+
+    def _begin_overlapped(self, plan: RoundPlan) -> None:
+        """Start ``plan``'s averaging on the gradients accumulated so far and let the loop
+        go on (its next micro-batches count toward the step after)."""
+        s = self.state
+        grads = self.strategy.take_gradients(s.model, self.micro)  # before the loop goes on
+        task = asyncio.ensure_future(self.strategy.average(
+            self.averager, grads, plan, self.samples, self.round_timeout_s, self.fault))
+        self._pending = (plan, task)
+        self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+
+    async def _finish_pending(self, wait: bool) -> bool:
+        """Apply the overlapped step if its averaging is done (``wait``: wait for it; the
+        round's deadlines bound that). True if a step was applied."""
+        if self._pending is None or not (wait or self._pending[1].done()):
+            return False
+        plan, task = self._pending
+        try:
+            averaged, report = await task
+        finally:
+            self._pending = None
+        s = self.state
+        async with self.lock:
+            self.strategy.finish_step(s.model, s.optimizer, averaged)
+            self._commit(plan)
+        await self._after_round(plan, report)
         return True
 
     # -- the global step ---------------------------------------------------------------------
@@ -223,10 +263,19 @@ class StepManager:
             report = await self.strategy.global_step(
                 s.model, s.optimizer, self.averager, plan, self.samples, self.micro,
                 self.round_timeout_s, self.fault)
-            s.lineage.apply(plan.epoch)
-            s.step_checksum = step_digest(s.model, plan.epoch)
-            s.epoch = plan.epoch
+            self._commit(plan)
             self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+        await self._after_round(plan, report)
+
+    def _commit(self, plan: RoundPlan) -> None:
+        s = self.state
+        s.lineage.apply(plan.epoch)
+        s.step_checksum = step_digest(s.model, plan.epoch)
+        s.epoch = plan.epoch
+
+    async def _after_round(self, plan: RoundPlan, report) -> None:
+        """Metrics, rejections for the Coordinator, and a resync after too many of our own
+        contributions were rejected in a row."""
         self._record(report)
         self._saw_rejections.extend((r.sender, r.reason.value, plan.epoch)
                                     for r in report.rejections if r.sender != self.peer_id)

@@ -39,12 +39,21 @@ def _with_fault(tensors: list[torch.Tensor], fault: str | None) -> list[torch.Te
 
 
 class Collaborative:
-    """DeDLOC steps (see module docstring)."""
+    """DeDLOC steps (see module docstring).
+
+    A global step is ``take_gradients`` (out of the parameters), ``average`` and
+    ``finish_step`` (one optimizer step with the average). With
+    ``overlap`` the replica's step manager runs the averaging in the background while the
+    loop accumulates the next step's gradients on the parameters of the step before (one
+    step of delay, as in hivemind's delayed parameter updates); ``finish_step`` then puts
+    the new accumulation back after the optimizer step. Every replica applies the same
+    average to the same parameters, so they stay bitwise identical either way."""
 
     outer_state = None
 
-    def __init__(self, grad_clip: float):
+    def __init__(self, grad_clip: float, overlap: bool = False):
         self.grad_clip = grad_clip
+        self.overlap = overlap
 
     def after_backward(self, model, optimizer, fault: str | None) -> None:
         corrupt_grads(model, fault)
@@ -54,18 +63,42 @@ class Collaborative:
         """Gradients accumulate until the global step: the loop's ``zero_grad`` waits."""
         return False
 
-    async def global_step(self, model, optimizer, averager: Averager, plan: RoundPlan,
-                          samples: int, micro: int, timeout_s: float, fault: str | None):
+    @staticmethod
+    def take_gradients(model, micro: int) -> list[torch.Tensor]:
+        """This replica's mean gradient over ``micro`` micro-batches, taken out of the
+        parameters (their ``grad`` is None after), so that the loop may accumulate again.
+        Call at a sync point of the loop."""
         params = list(model.parameters())
         grads = [(p.grad / max(micro, 1)) if p.grad is not None else torch.zeros_like(p)
                  for p in params]
-        averaged, report = await averager.all_reduce(_with_fault(grads, fault), samples,
-                                                     plan, timeout_s)
+        for p in params:
+            p.grad = None
+        return grads
+
+    @staticmethod
+    async def average(averager: Averager, grads: list[torch.Tensor], plan: RoundPlan,
+                      samples: int, timeout_s: float, fault: str | None):
+        """``(averaged, report)``: ``grads`` averaged over ``plan`` (weighted by samples)."""
+        return await averager.all_reduce(_with_fault(grads, fault), samples, plan, timeout_s)
+
+    def finish_step(self, model, optimizer, averaged: list[torch.Tensor]) -> None:
+        """One optimizer step with ``averaged``; gradients accumulated since
+        ``take_gradients`` are kept for the next step. Call at a sync point of the loop."""
+        params = list(model.parameters())
+        pending = [p.grad for p in params]
         for p, g in zip(params, averaged):
             p.grad = g.to(p.device)
         clip(model, self.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        for p, g in zip(params, pending):
+            p.grad = g
+
+    async def global_step(self, model, optimizer, averager: Averager, plan: RoundPlan,
+                          samples: int, micro: int, timeout_s: float, fault: str | None):
+        grads = self.take_gradients(model, micro)
+        averaged, report = await self.average(averager, grads, plan, samples, timeout_s, fault)
+        self.finish_step(model, optimizer, averaged)
         return report
 
 
@@ -126,10 +159,12 @@ class LocalSGD:
         return report
 
 
-def make_strategy(training, model: torch.nn.Module):
-    """The strategy the config's ``training`` section names."""
+def make_strategy(training, model: torch.nn.Module, device: torch.device | None = None):
+    """The strategy the config's ``training`` section names (``overlap`` resolved for the
+    replica's ``device``: see ``TrainingSection.overlaps``)."""
     if training.mode == "local_sgd":
         outer = (OuterNesterov(model, training.outer_lr, training.outer_momentum)
                  if training.outer_optimizer == "nesterov" else None)
         return LocalSGD(training.grad_clip, outer)
-    return Collaborative(training.grad_clip)
+    cuda = device is not None and torch.device(device).type == "cuda"
+    return Collaborative(training.grad_clip, training.overlaps(cuda))

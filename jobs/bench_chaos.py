@@ -46,6 +46,7 @@ log = logging.getLogger("moshray.bench_chaos")
 BAD_WAIT_S = 15.0  # at most this long for 2 ready replicas, then for the quarantine
 STALL_S = 2.0  # a gap between global steps longer than this counts as stalled
 ACTOR_KINDS = ("coordinator", "nan", "shape")
+MIN_READY = {"nan": 2, "shape": 3}  # ready replicas a bad-replica fault needs (see bad_replica)
 # The bench's model (small, so that a 2-core machine takes many steps); --set overrides.
 DEFAULT_SET = ("model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=2",
                "model.seq_len=64", "training.batch_size=8", "training.target_batch_size=32",
@@ -232,24 +233,30 @@ class Injector:
         self.log(f"chaos: Coordinator killed (#{self.injected['coordinator']})")
 
     def bad_replica(self, kind: str) -> None:
-        """Make one ready replica send ``kind`` contributions until it is quarantined."""
+        """Make one ready replica send ``kind`` contributions until it is quarantined. A NaN
+        needs one good peer besides (who rejects it); a wrong shape needs two, since a
+        layout dispute is settled by votes (``cluster/quarantine.py``). A replica that dies
+        as it is picked (its node went) is replaced by another pick."""
         import ray
 
-        coordinator = self._coordinator()
+        need = MIN_READY[kind]
         # Bounded well below --timeout: the schedule's later faults must not drift away.
         deadline = time.monotonic() + min(self.timeout_s, BAD_WAIT_S)
-        while True:  # a bad peer and at least one good one (who rejects it)
-            ready = [p for p in self._get(coordinator.peer_view.remote())["ready"]
+        while True:
+            ready = [p for p in self._get(self._coordinator().peer_view.remote())["ready"]
                      if p not in self.bad]
-            if len(ready) >= 2:
-                break
+            if len(ready) >= need:
+                peer = self.rng.choice(sorted(ready))
+                try:
+                    handle = self._get(self._coordinator().peer_handle.remote(peer))
+                    self._get(handle.inject_fault.remote(kind))
+                    break
+                except ray.exceptions.RayActorError as exc:
+                    self.log(f"chaos: {peer} is gone ({type(exc).__name__}); picking again")
             if time.monotonic() >= min(deadline, self.end_at):
-                self.errors.append(f"{kind}: fewer than 2 ready replicas, none broken")
+                self.errors.append(f"{kind}: fewer than {need} ready replicas, none broken")
                 return
             self._wait_until(time.monotonic() + self.poll_s)
-        peer = self.rng.choice(sorted(ready))
-        handle = self._get(coordinator.peer_handle.remote(peer))
-        self._get(handle.inject_fault.remote(kind))
         self.injected[kind] += 1
         self.bad.append(peer)
         self.log(f"chaos: {peer} sends {kind} contributions")

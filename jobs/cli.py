@@ -36,6 +36,8 @@ COMMANDS: tuple[Command, ...] = (
             "goodput under a spot trace: moshray vs Ray Train vs the ideal"),
     Command(("bench", "recovery"), "moshray.jobs.bench_recovery",
             "recovery times: notice, hard kill, join, expert re-spawn"),
+    Command(("bench", "overlap"), "moshray.jobs.bench_overlap",
+            "overlapped averaging (one step of delay) vs synchronous steps: speed and loss"),
     Command(("bench", "chaos"), "moshray.jobs.bench_chaos",
             "a seeded storm of node, Coordinator and bad-replica faults; invariants checked"),
     Command(("watch",), "moshray.autoscaler.watch",

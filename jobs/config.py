@@ -63,6 +63,7 @@ __all__ = [
 Mode = Literal["collaborative", "local_sgd"]
 OuterOptimizer = Literal["none", "nesterov"]
 Compression = Literal["auto", "none", "fp16", "uint8", "blockwise8"]
+Overlap = Literal["auto", "on", "off"]
 NoticeSourceName = Literal["auto", "aws", "gcp", "none"]
 
 _TRUE = frozenset({"true", "1", "yes", "on"})
@@ -336,6 +337,10 @@ class TrainingSection(_Section):
     local SGD averages parameters. ``max_group``: largest Moshpit group (a swarm of more
     peers averages over a multi-round grid). ``step_grace_s``: how long a full batch waits
     for a replica still applying the previous step before the step is planned without it.
+    ``overlap`` (collaborative mode): average step k's gradients while the replica
+    accumulates step k+1's (one step of delay); ``auto`` turns it on for replicas that
+    train on a GPU (where compute and the averaging's CPU work do not compete) and off on
+    CPUs (see ``overlaps``).
     """
 
     _section = "training"
@@ -357,6 +362,13 @@ class TrainingSection(_Section):
     compression: Compression = "auto"
     max_group: int = 8
     step_grace_s: float = 2.0
+    overlap: Overlap = "auto"
+
+    def overlaps(self, cuda: bool) -> bool:
+        """Whether a collaborative replica (on CUDA if ``cuda``) overlaps its averaging."""
+        if self.mode != "collaborative" or self.overlap == "off":
+            return False
+        return self.overlap == "on" or cuda
 
     @property
     def wire_codec(self) -> str:
@@ -369,6 +381,9 @@ class TrainingSection(_Section):
         _check(isinstance(self.max_group, int) and self.max_group >= 2, self._path("max_group"),
                "must be an integer >= 2", self.max_group)
         _non_negative(self._path("step_grace_s"), self.step_grace_s)
+        _check(not (self.overlap == "on" and self.mode == "local_sgd"), self._path("overlap"),
+               "overlaps collaborative steps only: set training.mode = \"collaborative\" or "
+               "overlap = \"off\"", self.overlap)
         for name in ("target_batch_size", "batch_size", "local_steps"):
             _positive_int(self._path(name), getattr(self, name))
         for name in ("lr", "outer_lr", "round_timeout_s"):

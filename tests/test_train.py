@@ -189,6 +189,17 @@ def test_declared_gpus_get_one_replica_each_with_cpu_fallback():
     assert "torch sees no CUDA device" in proc.stderr  # the fallback is said, not silent
 
 
+def test_overlapped_steps_keep_the_replicas_identical():
+    """With ``training.overlap=on`` each replica averages step k while it accumulates step
+    k+1; every replica still applies the same averages: identical at the end, no step lost."""
+    proc, summary = train("--local-nodes", "2", "--set", "training.overlap=on",
+                          "--max-steps", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary["steps"] >= 8 and summary["replicas"] == 2
+    assert summary["replicas_consistent"] is True and summary["lost_steps"] == 0
+    assert summary["final_loss"] < summary["initial_loss"]
+
+
 def test_refuses_node_local_checkpoint_on_several_machines():
     from moshray.jobs.config import ConfigError, load_config
     from moshray.jobs.train import check_durable

@@ -119,9 +119,15 @@ class CoordinatorCore:
         now = self.clock()
         self._expire(now)
         reply = self.progress.report(r, now)
+        if self._rebalance_pending() and self._no_step_in_flight(now):
+            self.progress.plan_now(now)  # a notice came during a step: re-plan right after
         self._publish()
         self._note_rebalanced(now)
         return reply
+
+    def _rebalance_pending(self) -> bool:
+        """A notice for a node with peers is waiting for the plan that leaves them out."""
+        return any(r.rebalance_s is None for r in self.notices.values())
 
     def _publish(self) -> None:
         plan = self.progress.take_new_plan()
@@ -225,7 +231,8 @@ class CoordinatorCore:
         node counts as rebalanced at the first plan published after this call (every such
         plan excludes its peers); a node without peers is rebalanced at once. When no step
         is in flight, that plan is made at once over the staying peers with the samples
-        they have (not at the next full batch). A second notice for the same node re-marks
+        they have (not at the next full batch); else right after the step in flight, at
+        the first report that finds none (``report``). A second notice for the same node re-marks
         it draining but keeps the first record.
         """
         peers = self.mark_draining(node_id, deadline_s)

@@ -35,132 +35,21 @@ import random
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from moshray.autoscaler.chaos import ChaosConfig, chaos_events, write_trace
-from moshray.autoscaler.trace import TraceNodeEvent
+from moshray.autoscaler.chaos import write_trace
+from moshray.jobs.chaos_plan import (ACTOR_KINDS, SCHEDULES, ChaosPlan, draw_plan,
+                                     invariant_failures, stall_causes, stalled_seconds)
 
 log = logging.getLogger("moshray.bench_chaos")
 
-BAD_WAIT_S = 15.0  # at most this long for 2 ready replicas, then for the quarantine
-STALL_S = 2.0  # a gap between global steps longer than this counts as stalled
-ACTOR_KINDS = ("coordinator", "nan", "shape")
+BAD_WAIT_S = 15.0  # at most this long for the ready replicas, then for the quarantine
 MIN_READY = {"nan": 2, "shape": 3}  # ready replicas a bad-replica fault needs (see bad_replica)
 # The bench's model (small, so that a 2-core machine takes many steps); --set overrides.
 DEFAULT_SET = ("model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=2",
                "model.seq_len=64", "training.batch_size=8", "training.target_batch_size=32",
                "training.round_timeout_s=5")
-
-
-# =========================================================================== pure logic
-
-
-@dataclass(frozen=True)
-class ActorFault:
-    """One fault the harness injects ``at_s`` seconds after the job's Coordinator is up."""
-
-    at_s: float
-    kind: str  # one of ACTOR_KINDS
-
-
-@dataclass(frozen=True)
-class ChaosSchedule:
-    """What to draw: ``nodes`` node faults come from ``chaos`` (its seed seeds everything);
-    ``coordinator_kills``, ``nan_replicas`` and ``shape_replicas`` actor faults spread over
-    the same window at least ``min_gap_s`` apart; the job runs ``settle_s`` past the end so
-    the last replacements sync before the replicas are compared."""
-
-    chaos: ChaosConfig
-    coordinator_kills: int
-    nan_replicas: int
-    shape_replicas: int
-    min_gap_s: float = 4.0
-    settle_s: float = 30.0
-
-
-SCHEDULES: dict[str, ChaosSchedule] = {
-    "long": ChaosSchedule(ChaosConfig(seed=0, nodes=4, duration_s=260, losses=26,
-                                      kill_fraction=0.5, replace_after_s=4, min_live=3,
-                                      min_gap_s=5.0),
-                          coordinator_kills=16, nan_replicas=5, shape_replicas=5),
-    "short": ChaosSchedule(ChaosConfig(seed=2, nodes=3, duration_s=70, losses=3,
-                                       kill_fraction=0.5, replace_after_s=4, min_live=2),
-                           coordinator_kills=2, nan_replicas=1, shape_replicas=1,
-                           settle_s=30.0),
-}
-
-
-@dataclass(frozen=True)
-class ChaosPlan:
-    node_events: tuple[TraceNodeEvent, ...]
-    actor_faults: tuple[ActorFault, ...]
-    duration_s: float
-    settle_s: float
-
-    @property
-    def planned(self) -> dict[str, int]:
-        """Faults by kind (``notice``/``kill`` from the node events)."""
-        out = {"notice": 0, "kill": 0, **{k: 0 for k in ACTOR_KINDS}}
-        for e in self.node_events:
-            if e.kind in ("remove", "kill"):
-                out["notice" if e.kind == "remove" else "kill"] += 1
-        for f in self.actor_faults:
-            out[f.kind] += 1
-        return out
-
-    @property
-    def nodes_at_end(self) -> int:
-        return sum(1 if e.kind == "add" else -1 for e in self.node_events)
-
-
-def draw_plan(schedule: ChaosSchedule, seed: int | None = None) -> ChaosPlan:
-    """The seeded plan (same seed, same plan). ``seed`` overrides ``schedule.chaos.seed``.
-    Actor faults fall in ``[quiet_start_s, duration_s - min_gap_s]``, at least
-    ``min_gap_s`` apart, kinds in seeded order. Raises ``ValueError`` if they do not fit."""
-    chaos = schedule.chaos if seed is None else replace(schedule.chaos, seed=seed)
-    kinds = (["coordinator"] * schedule.coordinator_kills + ["nan"] * schedule.nan_replicas
-             + ["shape"] * schedule.shape_replicas)
-    rng = random.Random(chaos.seed * 7919 + 1)
-    rng.shuffle(kinds)
-    start, end = chaos.quiet_start_s, chaos.duration_s - schedule.min_gap_s
-    slack = (end - start) - schedule.min_gap_s * max(len(kinds) - 1, 0)
-    if slack < 0:
-        raise ValueError(f"{len(kinds)} actor faults {schedule.min_gap_s:g} s apart do not fit "
-                         f"in {end - start:g} s")
-    offsets = sorted(rng.uniform(0.0, slack) for _ in kinds)
-    faults = tuple(ActorFault(round(start + o + i * schedule.min_gap_s, 3), k)
-                   for i, (o, k) in enumerate(zip(offsets, kinds)))
-    return ChaosPlan(chaos_events(chaos), faults, chaos.duration_s, schedule.settle_s)
-
-
-def stalled_seconds(advances: list[float], threshold: float = STALL_S) -> float:
-    """Sum of the gaps longer than ``threshold`` between consecutive global-step times."""
-    return sum(b - a for a, b in zip(advances, advances[1:]) if b - a > threshold)
-
-
-def invariant_failures(fig: dict) -> list[str]:
-    """Which of the run's invariants ``fig`` (the bench's figures) breaks, one line each."""
-    out = []
-    for key in ("lost", "repeated", "rollbacks"):
-        if fig[key] != 0:
-            out.append(f"{fig[key]} {key} steps" if key != "rollbacks" else
-                       f"{fig[key]} rollbacks")
-    missed = sorted(set(fig["bad_replicas"]) - set(fig["quarantined"]) - set(fig["bad_lost"]))
-    if missed:
-        out.append(f"bad replicas never quarantined: {missed}")
-    if fig["replicas_at_end"] != fig["expected_replicas"]:
-        out.append(f"{fig['replicas_at_end']} replicas at the end, expected "
-                   f"{fig['expected_replicas']}")
-    if not fig["replicas_consistent"]:
-        out.append("staying replicas are not bitwise identical")
-    missing = {k: n - fig["faults_by_kind"].get(k, 0) for k, n in fig["faults_planned"].items()
-               if fig["faults_by_kind"].get(k, 0) < n}
-    if missing:
-        out.append(f"faults planned but not injected: {missing}")
-    if fig["steps"] <= 0:
-        out.append("no global step committed")
-    return out
 
 
 # =========================================================================== the harness
@@ -184,6 +73,9 @@ class Injector:
         self.rollbacks_life = 0
         self.top_epoch = 0
         self.advances: list[float] = []
+        # (monotonic time, kind): faults injected here, node losses and joins seen
+        self.events: list[tuple[float, str]] = []
+        self._seen_losses = self._seen_members = None
         self.errors: list[str] = []
         self.end_at = float("inf")
 
@@ -212,6 +104,14 @@ class Injector:
             self.top_epoch = stats["epoch"]
             self.advances.append(time.monotonic())
         self.rollbacks_life = max(self.rollbacks_life, stats["rollbacks"])
+        now = time.monotonic()
+        losses = stats["preemptions"]  # a restarted Coordinator counts from 0 again
+        if self._seen_losses is not None and losses > self._seen_losses:
+            self.events.append((now, "node_loss"))
+        live = stats["live"]
+        if self._seen_members is not None and live > self._seen_members:
+            self.events.append((now, "join"))
+        self._seen_losses, self._seen_members = losses, live
         for peer, reason in stats["quarantines"]:
             self.quarantined.setdefault(peer, reason)
         return stats
@@ -229,6 +129,7 @@ class Injector:
         self.rollbacks_done += self.rollbacks_life
         self.rollbacks_life = 0
         ray.kill(self._coordinator(), no_restart=False)
+        self.events.append((time.monotonic(), "coordinator"))
         self.injected["coordinator"] += 1
         self.log(f"chaos: Coordinator killed (#{self.injected['coordinator']})")
 
@@ -258,6 +159,7 @@ class Injector:
                 return
             self._wait_until(time.monotonic() + self.poll_s)
         self.injected[kind] += 1
+        self.events.append((time.monotonic(), kind))
         self.bad.append(peer)
         self.log(f"chaos: {peer} sends {kind} contributions")
         deadline = time.monotonic() + min(self.timeout_s, BAD_WAIT_S)
@@ -356,6 +258,7 @@ def figures(plan: ChaosPlan, injector: Injector, summary: dict, wall_s: float) -
         "quarantine_reasons": sorted(set(injector.quarantined.values())),
         "bad_replicas": injector.bad, "bad_lost": injector.bad_lost,
         "stalled_s": round(stalled_seconds(injector.advances), 2),
+        "stalled_by_cause": stall_causes(injector.advances, injector.events),
         "replicas_at_end": summary["replicas"] - summary["leaving_replicas"],
         "expected_replicas": plan.nodes_at_end,
         "replicas_consistent": summary["replicas_consistent"],
@@ -386,8 +289,10 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
+    started = time.monotonic()
+
     def log_fn(*a):
-        print(*a, file=sys.stderr, flush=True)
+        print(f"[{time.monotonic() - started:6.1f} s]", *a, file=sys.stderr, flush=True)
 
     try:
         if not args.timeout > 0:

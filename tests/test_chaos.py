@@ -20,8 +20,8 @@ import pytest
 from moshray.autoscaler.chaos import ChaosConfig, chaos_events, write_trace
 from moshray.autoscaler.trace import load_trace
 
-from moshray.jobs.bench_chaos import (SCHEDULES, draw_plan, invariant_failures,
-                                      stalled_seconds)
+from moshray.jobs.chaos_plan import (SCHEDULES, draw_plan, invariant_failures, stall_causes,
+                                     stalled_seconds)
 
 
 def live_over_time(events) -> list[int]:
@@ -45,6 +45,14 @@ def test_schedule_is_seeded_and_keeps_min_live(seed: int, tmp_path: Path):
     assert all(g >= config.min_gap_s for g in gaps)
     trace = load_trace(write_trace(events, tmp_path / "chaos.csv"))
     assert trace.per_node and len(trace.node_events) == len(events)
+
+
+def test_stalls_are_attributed_to_the_faults_near_them():
+    advances = [0.0, 1.0, 6.0, 7.0, 17.0, 18.0, 21.0]  # gaps of 5, 10 and 3 s stall
+    events = [(0.5, "coordinator"), (8.0, "kill"), (9.0, "join"), (30.0, "nan")]
+    causes = stall_causes(advances, events)
+    assert causes == {"coordinator": 5.0, "join": 5.0, "kill": 5.0, "none": 3.0}
+    assert sum(causes.values()) == stalled_seconds(advances)
 
 
 def test_schedules_mix_notices_and_kills():

@@ -113,6 +113,9 @@ def invariant_failures(fig: dict) -> list[str]:
     missed = sorted(set(fig["bad_replicas"]) - set(fig["quarantined"]) - set(fig["bad_lost"]))
     if missed:
         out.append(f"bad replicas never quarantined: {missed}")
+    wrong = sorted(set(fig["quarantined"]) - set(fig["bad_replicas"]))
+    if wrong:
+        out.append(f"good replicas quarantined: {wrong}")
     if fig["replicas_at_end"] != fig["expected_replicas"]:
         out.append(f"{fig['replicas_at_end']} replicas at the end, expected "
                    f"{fig['expected_replicas']}")

@@ -91,6 +91,8 @@ def test_stalls_and_invariants_are_judged_from_figures():
            "replicas_consistent": False, "faults_by_kind": {"nan": 1}}
     failures = invariant_failures(bad)
     assert len(failures) == 5 and "['a']" in failures[1] and "{'nan': 1}" in failures[4]
+    assert invariant_failures({**good, "quarantined": ["a", "c"]}) == [
+        "good replicas quarantined: ['c']"]
 
 
 @pytest.mark.cluster
@@ -111,4 +113,5 @@ def test_short_chaos_run_loses_nothing_and_quarantines_the_bad_replicas(tmp_path
     assert fig["replicas_at_end"] == fig["expected_replicas"] == 3
     assert len(fig["bad_replicas"]) == 2
     assert set(fig["bad_replicas"]) <= set(fig["quarantined"]) | set(fig["bad_lost"])
+    assert set(fig["quarantined"]) <= set(fig["bad_replicas"])  # no good one
     assert fig["replicas_consistent"] is True and fig["steps"] > 10

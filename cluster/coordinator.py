@@ -142,9 +142,11 @@ class CoordinatorCore:
         return self.progress.mark_ready(peer_id, state_epoch, now)
 
     def resume_from(self, epoch: int) -> int:
-        """Start counting global steps at a checkpoint's epoch (only before any step)."""
+        """Start counting global steps at a checkpoint's epoch (only before any step, and
+        not while a restarted Coordinator waits for holders of newer steps to rejoin); a
+        checkpoint older than a step committed before a restart is a counted rollback."""
         if self.membership.epoch == 0 and not self.progress.history:
-            self.membership.epoch = epoch
+            self.progress.resume_at(epoch, self.clock())
         return self.membership.epoch
 
     def donor(self, exclude: str) -> tuple[str, object] | None:
@@ -185,6 +187,11 @@ class CoordinatorCore:
         self.preemptions += count
         return self.preemptions
 
+    def note_committed(self, epoch: int) -> None:
+        """The driver saw ``epoch`` committed before a restart of this Coordinator (see
+        ``ProgressTracker.note_committed``)."""
+        self.progress.note_committed(epoch)
+
     def request_stop(self) -> None:
         self.progress.stop = True
 
@@ -199,6 +206,7 @@ class CoordinatorCore:
             "preemptions": self.preemptions,
             "rollbacks": len(self.progress.rollbacks),  # steps lost with every holder
             "abandoned": len(self.progress.abandoned),  # plans nobody lived to apply
+            "committed": self.progress.top_held,  # newest step seen applied
             "quarantines": [(q.peer_id, q.reason) for q in self.progress.quarantine.records],
             "now_s": now - self.started,  # the clock of history's at_s (for plots)
             **self._notice_summary(),

@@ -145,6 +145,32 @@ class ProgressTracker:
         self._held[peer_id] = (epoch, now)
         self._top_held = max(self._top_held, epoch)
 
+    @property
+    def top_held(self) -> int:
+        """The newest epoch any peer was seen holding (committed), in this life or, through
+        ``note_committed``, an earlier one."""
+        return self._top_held
+
+    def note_committed(self, epoch: int) -> None:
+        """``epoch`` was committed before this Coordinator's restart (the driver remembers
+        it across restarts): a fallback below it is a rollback, even when every holder died
+        before rejoining."""
+        self._top_held = max(self._top_held, epoch)
+
+    def resume_at(self, epoch: int, now: float) -> bool:
+        """Count steps from a checkpoint's ``epoch`` (a fresh swarm); refused (False) during
+        the rebuild window. Below a step known committed it is a rollback (counted)."""
+        if self._rebuilding(now):
+            return False
+        if self._top_held > epoch:
+            self.rollbacks.append((self._top_held, epoch))
+            log.warning("rollback from epoch %d to the checkpoint's %d: no holder of the "
+                        "newer steps is left", self._top_held, epoch)
+        self._top_held = epoch
+        self.membership.epoch = epoch
+        self.plan = None
+        return True
+
     def _fall_back(self, state_epoch: int, now: float) -> bool:
         """Move the epoch back to ``state_epoch`` if nothing newer can still be held; a
         rollback (counted) if a newer step was ever seen applied, else the newer plans

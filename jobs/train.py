@@ -273,6 +273,7 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
     coordinator = controller.coordinator
     started = time.monotonic()
     printed, samples, last_ckpt = 0, 0, 0  # printed: the last epoch shown
+    committed = 0  # the newest step seen applied, across Coordinator restarts
     stats: dict = {"history": [], "epoch": 0}
     while True:
         controller.step()
@@ -280,6 +281,9 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
             stats = ray.get(coordinator.stats.remote(), timeout=30)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             log.warning("Coordinator stats not read (%s)", type(exc).__name__)
+        if stats.get("committed", committed) < committed:  # a restarted Coordinator:
+            coordinator.note_committed.remote(committed)  # a fall back below is a rollback
+        committed = max(committed, stats.get("committed", 0))
         history = stats["history"]
         elapsed = time.monotonic() - started
         fraction = run_report.run_fraction(stats["epoch"], elapsed, t.max_steps, t.max_seconds)

@@ -280,3 +280,24 @@ def test_a_first_rejoin_opens_the_rebuild_window_when_the_restart_went_unnoticed
 def test_a_non_member_is_never_ready():
     core, clock, pushed = swarm(("a",))
     assert core.mark_ready("ghost", 0) is False
+
+
+def test_a_restarted_coordinator_told_of_a_committed_step_counts_the_fall_back_as_a_rollback():
+    """Every holder of step 5 died while the Coordinator was away: the driver remembers
+    that step 5 was committed, so resuming from the checkpoint's step 3 is a rollback."""
+    core, clock, pushed = swarm((), target=8)
+    core.progress.rebuild_until = clock.t + 3.0
+    core.note_committed(5)
+    core.register("j", "j", "node-j")
+    assert core.resume_from(3) == 0  # holders of newer steps may still rejoin
+    clock.t += 3.5
+    assert core.resume_from(3) == 3 and core.mark_ready("j", 3) is True
+    assert core.progress.rollbacks == [(5, 3)] and core.stats()["rollbacks"] == 1
+    assert core.resume_from(4) == 3  # once only
+
+
+def test_a_fresh_job_resumes_from_its_checkpoint_without_a_rollback():
+    core, clock, pushed = swarm((), target=8)
+    core.register("j", "j", "node-j")
+    assert core.resume_from(3) == 3 and core.mark_ready("j", 3)
+    assert core.progress.rollbacks == [] and core.stats()["committed"] == 3

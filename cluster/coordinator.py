@@ -72,6 +72,7 @@ class CoordinatorCore:
         self.experts = ExpertRegistry(clock=clock)  # DMoE expert hosts (replaces the DHT)
         self.shards = ShardLedger()  # the job's data position (rebuilt from floors)
         self._grants_after: float | None = None  # set by the first rejoin (a restart)
+        self._lost_peer = False  # a ready peer left: re-plan without it (``_replan``)
         # Called with every new plan the moment it exists (the actor shell pushes it to the
         # participants); None in pure tests, where plans travel only in report replies.
         self.push_plan: Callable[[RoundPlan], None] | None = None
@@ -104,8 +105,29 @@ class CoordinatorCore:
         return self.membership.heartbeat(peer_id, self.clock())
 
     def leave(self, peer_id: str) -> bool:
+        """``peer_id`` is gone (its node died, the controller stopped it). If it was ready,
+        the staying peers step at once with what they have (see ``_replan``)."""
+        lost = self._ready_and_staying(peer_id)
         self.progress.forget(peer_id, gone=True)
-        return self.membership.leave(peer_id)
+        left = self.membership.leave(peer_id)
+        if lost:
+            self._lost_peer = True
+            self._replan(self.clock())
+        return left
+
+    def _ready_and_staying(self, peer_id: str) -> bool:
+        return peer_id in self.progress.ready and peer_id not in self.membership.draining()
+
+    def _replan(self, now: float) -> None:
+        """After a notice or the loss of a ready peer, plan the next step over the staying
+        peers with the samples they have: at once, or right after the step in flight (at
+        the first report that finds none), instead of at the next full batch."""
+        if self.progress.stop or not (self._lost_peer or self._rebalance_pending()):
+            return
+        if self._no_step_in_flight(now) and self.progress.plan_now(now):
+            self._lost_peer = False
+            self._publish()
+            self._note_rebalanced(now)
 
     # -- collaborative training ------------------------------------------------------------
 
@@ -113,14 +135,14 @@ class CoordinatorCore:
         """Forget peers silent for longer than the TTL (dead ones stop being donors and
         holders of the newest step, so joiners are never stuck waiting for them)."""
         for gone in self.membership.expire(now):
+            self._lost_peer |= self._ready_and_staying(gone)
             self.progress.forget(gone)
 
     def report(self, r: ProgressReport) -> ProgressReply:
         now = self.clock()
         self._expire(now)
         reply = self.progress.report(r, now)
-        if self._rebalance_pending() and self._no_step_in_flight(now):
-            self.progress.plan_now(now)  # a notice came during a step: re-plan right after
+        self._replan(now)
         self._publish()
         self._note_rebalanced(now)
         return reply
@@ -249,9 +271,8 @@ class CoordinatorCore:
             noticed_at = now - max(0.0, notice_age_s)
             self.notices[node_id] = NoticeRecord(noticed_at, self.membership.epoch, peers,
                                                  None if peers else now - noticed_at)
-        if peers and self._no_step_in_flight(now) and self.progress.plan_now(now):
-            self._publish()
-            self._note_rebalanced(now)
+        if peers:
+            self._replan(now)
         return peers
 
     def _no_step_in_flight(self, now: float) -> bool:

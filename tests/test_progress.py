@@ -301,3 +301,33 @@ def test_a_fresh_job_resumes_from_its_checkpoint_without_a_rollback():
     core.register("j", "j", "node-j")
     assert core.resume_from(3) == 3 and core.mark_ready("j", 3)
     assert core.progress.rollbacks == [] and core.stats()["committed"] == 3
+
+
+def test_a_lost_ready_peer_makes_the_staying_ones_step_at_once():
+    core, clock, pushed = swarm(("a", "b", "c"), target=1000)
+    for p in ("a", "b", "c"):
+        report(core, p, 0, 10)
+    core.leave("c")  # its node died (the controller saw it in Ray's node table)
+    assert len(pushed) == 1 and pushed[0].participants == ("a", "b")
+
+
+def test_a_peer_lost_during_a_step_is_replanned_around_right_after_it():
+    core, clock, pushed = swarm(("a", "b", "c"), target=30)
+    for p in ("a", "b", "c"):
+        report(core, p, 0, 10)  # step 1 over a, b and c, in flight
+    core.leave("c")
+    assert len(pushed) == 1
+    report(core, "a", 1, 0)
+    report(core, "b", 1, 4)  # a and b finished step 1 (c's part re-reduced by them)
+    assert len(pushed) == 2 and pushed[1].participants == ("a", "b")
+    report(core, "a", 1, 4)
+    assert len(pushed) == 2  # once: then full batches again
+
+
+def test_no_replan_once_the_job_stops():
+    core, clock, pushed = swarm(("a", "b"), target=1000)
+    report(core, "a", 0, 10)
+    report(core, "b", 0, 10)
+    core.request_stop()
+    core.leave("b")
+    assert pushed == []

@@ -58,7 +58,8 @@ class StepManager:
         self._plan: RoundPlan | None = None  # pushed by the Coordinator, not yet taken
         # (epoch sent at, rejoin generation sent in, reply)
         self._inflight: list[tuple[int, int, asyncio.Future]] = []
-        self._saw_rejections: list[tuple[str, str, int]] = []  # others', for the Coordinator
+        # others' rejected contributions, for the Coordinator: (sender, reason, epoch, numel)
+        self._saw_rejections: list[tuple[str, str, int, int]] = []
         self._heartbeat: asyncio.Future | None = None
         self.loop_running = False  # between the loop's prepare() and its end
         self._snapshot_requests: list[asyncio.Future] = []
@@ -67,6 +68,7 @@ class StepManager:
         self._rejoin_lock = asyncio.Lock()
         # an overlapped step: (plan, the averaging task), applied at a later sync point
         self._pending: tuple[RoundPlan, asyncio.Task] | None = None
+        self._layout_numel: int | None = None
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -169,10 +171,16 @@ class StepManager:
         report = ProgressReport(self.peer_id, s.epoch, self.samples,
                                 self.loss_sum / self.samples if self.samples else None,
                                 s.step_checksum, self.own_rejections,
-                                tuple(self._saw_rejections))
+                                tuple(self._saw_rejections), self._numel())
         self._saw_rejections.clear()
         ref = self.coordinator.report.remote(report)
         self._inflight.append((s.epoch, self._generation, asyncio.ensure_future(_awaited(ref))))
+
+    def _numel(self) -> int:
+        """The length of the tensor this replica averages (its parameters, flattened)."""
+        if self._layout_numel is None:
+            self._layout_numel = sum(p.numel() for p in self.state.model.parameters())
+        return self._layout_numel
 
     def _replies(self) -> str | None:
         """Handle the replies that arrived: ``"stop"``, ``"resync"`` (if still meant for this
@@ -277,7 +285,7 @@ class StepManager:
         """Metrics, rejections for the Coordinator, and a resync after too many of our own
         contributions were rejected in a row."""
         self._record(report)
-        self._saw_rejections.extend((r.sender, r.reason.value, plan.epoch)
+        self._saw_rejections.extend((r.sender, r.reason.value, plan.epoch, r.numel)
                                     for r in report.rejections if r.sender != self.peer_id)
         mine = [r for r in report.rejections if r.sender == self.peer_id]
         if not mine:

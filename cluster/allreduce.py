@@ -116,8 +116,9 @@ class GroupRound:
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _reject(self, sender: str, part: int, reason: RejectReason, detail: str) -> None:
-        self.rejections.append(Rejection(sender, part, reason, detail))
+    def _reject(self, sender: str, part: int, reason: RejectReason, detail: str,
+                numel: int = -1) -> None:
+        self.rejections.append(Rejection(sender, part, reason, detail, numel))
         log.warning(
             "epoch %d round %d: rejected %s's part %d: %s (%s)",
             self.plan.epoch, self.round_index, sender, part, reason.value, detail,
@@ -323,7 +324,7 @@ class GroupRound:
                         settled.add(sender)
                 elif c.numel != self.numel:
                     self._reject(sender, part, RejectReason.SHAPE_MISMATCH,
-                                 f"tensor of {c.numel} values")
+                                 f"tensor of {c.numel} values", c.numel)
                     settled.add(sender)
                 else:
                     fetching[sender] = self.box.fetch_part(sender, part)

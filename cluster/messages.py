@@ -39,6 +39,7 @@ class Rejection:
     part: int
     reason: RejectReason
     detail: str = ""
+    numel: int = -1  # the sender's whole-tensor length, for a shape mismatch (-1: unknown)
 
 
 @dataclass(frozen=True)

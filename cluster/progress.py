@@ -44,8 +44,10 @@ class ProgressReport:
     loss: float | None = None  # mean loss over those samples
     checksum: str | None = None  # parameters after ``epoch``
     rejected: int = 0  # own contributions rejected so far (non-finite etc.)
-    # Others' contributions this peer rejected since its last report: (sender, reason, epoch).
-    saw_rejections: tuple[tuple[str, str, int], ...] = ()
+    # Others' contributions this peer rejected since its last report: (sender, reason,
+    # epoch) or (sender, reason, epoch, the length the sender's tensor had: -1 unknown).
+    saw_rejections: tuple[tuple, ...] = ()
+    numel: int = 0  # the length of this peer's averaged tensor (its model's layout; 0: unknown)
 
 
 @dataclass(frozen=True)
@@ -249,9 +251,10 @@ class ProgressTracker:
             self.membership.epoch = r.epoch
             self.plan = None
         self.reports[r.peer_id] = r
-        made = [self.quarantine.note(r.peer_id, sender, reason, epoch, now)
-                for sender, reason, epoch in r.saw_rejections]
-        for q in [q for q in made if q is not None] + self.quarantine.settle(self.epoch, now):
+        made = [self.quarantine.note(r.peer_id, *seen[:3], now, *seen[3:])
+                for seen in r.saw_rejections]
+        settled = self.quarantine.settle(self.epoch, now, self._layout())
+        for q in [q for q in made if q is not None] + settled:
             self.ready.discard(q.peer_id)  # in no further plan; resyncs before it rejoins
             log.warning("quarantined %s: its contributions were rejected (%s) by others "
                         "%d times within %.0f s", q.peer_id, q.reason,
@@ -293,6 +296,17 @@ class ProgressTracker:
                 and r.epoch == self.plan.epoch - 1:
             return ProgressReply(self.plan, global_epoch=self.epoch)
         return ProgressReply(None, global_epoch=self.epoch)
+
+    def _layout(self) -> int | None:
+        """The swarm's tensor length: the most common among ready peers' reports (a tie goes
+        to the smallest peer id's); None if nobody reported one."""
+        sizes: dict[int, list[str]] = {}
+        for p, x in self.reports.items():
+            if x.numel > 0 and p in self.ready:
+                sizes.setdefault(x.numel, []).append(p)
+        if not sizes:
+            return None
+        return min(sizes, key=lambda n: (-len(sizes[n]), min(sizes[n])))
 
     def _disagrees(self, r: ProgressReport) -> bool:
         """``r``'s digest loses to another held by ready peers at the same epoch: the

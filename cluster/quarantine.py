@@ -7,14 +7,17 @@ fetches never do (they are the network's or a dying node's):
 - *faults* (``SENDER_FAULTS``: NaN/inf values, a bad weight) are the sender's alone: each
   counts at once.
 - *disputes* (``DISPUTES``: a wrong length or wire dtype) only say that receiver and sender
-  disagree on the layout, and a broken peer rejects every good one as surely as they
-  reject it. They are settled by votes once their epoch is over (``settle``, called when
-  the swarm's epoch moves past it): a receiver's accusation counts only if more peers
-  accuse the sender than accuse the receiver at that epoch. One wrong-shape peer among
-  three is accused by two and accuses two who are each accused by one: only it is counted.
-  A 1-vs-1 dispute (or any tie) counts for nobody: votes cannot tell who is wrong, and
-  quarantining a good peer is worse than stepping on with a rejected part. Late reports
-  of a settled epoch are added to its votes (kept for ``window_s``) and re-settled.
+  disagree, and a broken peer rejects every good one as surely as they reject it. They
+  are settled once their epoch is over (``settle``, called when the swarm's epoch moves
+  past it). A length dispute whose report carries the length the sender's tensor had is
+  settled by fact: it counts iff that length is not the swarm's layout (the length most
+  ready replicas report for their own model), so a 1-vs-1 dispute is decided too.
+  Otherwise, by votes: a receiver's accusation counts only if more peers accuse the
+  sender than accuse the receiver at that epoch (one wrong-shape peer among three is
+  accused by two and accuses two who are each accused by one: only it is counted); a tie
+  counts for nobody, since quarantining a good peer is worse than stepping on with a
+  rejected part. Late reports of a settled epoch are added to its votes (kept for
+  ``window_s``) and re-settled.
 
 A sender with ``threshold`` counted rejections within ``window_s`` is quarantined: the
 caller drops it from the ready set, so it is in no further plan and must copy the state
@@ -46,35 +49,40 @@ class Quarantine:
     window_s: float = 60.0
     records: list[QuarantineRecord] = field(default_factory=list)
     _seen: dict[str, deque] = field(default_factory=dict)  # sender -> (at, reporter, epoch)
-    # epoch -> {(reporter, sender): (reason, at)}: dispute votes, kept for window_s
-    _votes: dict[int, dict[tuple[str, str], tuple[str, float]]] = field(default_factory=dict)
+    # epoch -> {(reporter, sender): (reason, at, claimed length)}: disputes, kept for window_s
+    _votes: dict[int, dict[tuple[str, str], tuple[str, float, int]]] = field(
+        default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.threshold < 1 or not self.window_s > 0:
             raise ValueError(f"need threshold >= 1 and window_s > 0, got {self.threshold}, "
                              f"{self.window_s}")
 
-    def note(self, reporter: str, sender: str, reason: str, epoch: int, now: float
-             ) -> QuarantineRecord | None:
-        """One rejection ``reporter`` saw of ``sender``'s contribution at ``epoch``. A
-        fault counts at once: the record if it quarantines ``sender`` (the caller drops it
-        from the ready set). A dispute is only recorded (None): see ``settle``."""
+    def note(self, reporter: str, sender: str, reason: str, epoch: int, now: float,
+             numel: int = -1) -> QuarantineRecord | None:
+        """One rejection ``reporter`` saw of ``sender``'s contribution at ``epoch``
+        (``numel``: the length the sender's tensor had, -1 if unknown). A fault counts at
+        once: the record if it quarantines ``sender`` (the caller drops it from the ready
+        set). A dispute is only recorded (None): see ``settle``."""
         if reporter == sender:
             return None
         if reason in DISPUTES:
-            self._votes.setdefault(epoch, {}).setdefault((reporter, sender), (reason, now))
+            self._votes.setdefault(epoch, {}).setdefault((reporter, sender),
+                                                         (reason, now, numel))
             return None
         if reason not in SENDER_FAULTS:
             return None
         return self._count(reporter, sender, reason, epoch, now)
 
-    def settle(self, before_epoch: int, now: float) -> list[QuarantineRecord]:
-        """Count the dispute votes of every epoch before ``before_epoch`` (see the module
-        docstring); returns the quarantines this makes, in order."""
+    def settle(self, before_epoch: int, now: float, layout: int | None = None
+               ) -> list[QuarantineRecord]:
+        """Count the disputes of every epoch before ``before_epoch`` (``layout``: the swarm's
+        tensor length, None if unknown; see the module docstring); returns the quarantines
+        this makes, in order."""
         out: list[QuarantineRecord] = []
         for epoch in sorted(self._votes):
             votes = self._votes[epoch]
-            if not votes or max(at for _, at in votes.values()) < now - self.window_s:
+            if not votes or max(v[1] for v in votes.values()) < now - self.window_s:
                 del self._votes[epoch]
                 continue
             if epoch >= before_epoch:
@@ -82,10 +90,14 @@ class Quarantine:
             accusers: dict[str, set[str]] = {}
             for reporter, sender in votes:
                 accusers.setdefault(sender, set()).add(reporter)
-            for (reporter, sender), (reason, _) in sorted(votes.items()):
+            for (reporter, sender), (reason, _, numel) in sorted(votes.items()):
                 if any(q.peer_id == sender for q in out):
                     continue
-                if len(accusers[sender]) > len(accusers.get(reporter, ())):
+                if layout is not None and numel >= 0:
+                    guilty = numel != layout  # by fact: the sender's length is not the swarm's
+                else:
+                    guilty = len(accusers[sender]) > len(accusers.get(reporter, ()))
+                if guilty:
                     record = self._count(reporter, sender, reason, epoch, now)
                     if record is not None:
                         out.append(record)

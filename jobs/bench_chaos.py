@@ -40,7 +40,8 @@ from pathlib import Path
 
 from moshray.autoscaler.chaos import write_trace
 from moshray.jobs.chaos_plan import (ACTOR_KINDS, SCHEDULES, ChaosPlan, draw_plan,
-                                     invariant_failures, stall_causes, stalled_seconds)
+                                     invariant_failures, join_seconds, stall_causes,
+                                     stalled_seconds)
 
 log = logging.getLogger("moshray.bench_chaos")
 
@@ -259,6 +260,7 @@ def figures(plan: ChaosPlan, injector: Injector, summary: dict, wall_s: float) -
         "bad_replicas": injector.bad, "bad_lost": injector.bad_lost,
         "stalled_s": round(stalled_seconds(injector.advances), 2),
         "stalled_by_cause": stall_causes(injector.advances, injector.events),
+        "join_to_training_s": _spread(join_seconds(summary.get("replica_timelines", {}))),
         "replicas_at_end": summary["replicas"] - summary["leaving_replicas"],
         "expected_replicas": plan.nodes_at_end,
         "replicas_consistent": summary["replicas_consistent"],
@@ -266,6 +268,12 @@ def figures(plan: ChaosPlan, injector: Injector, summary: dict, wall_s: float) -
         "samples": summary["samples"], "final_loss": summary["final_loss"],
         "wall_s": round(wall_s, 1), "harness_errors": injector.errors[-5:],
     }
+
+
+def _spread(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"n": len(xs), "median": xs[len(xs) // 2] if xs else None,
+            "max": xs[-1] if xs else None}
 
 
 # =========================================================================== command

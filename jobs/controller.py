@@ -277,6 +277,13 @@ class ElasticController:
             out[r.state.value] = out.get(r.state.value, 0) + 1
         return out
 
+    def timelines(self) -> dict[str, list[tuple[str, float]]]:
+        """Per replica: ``(state, seconds since the controller started)`` from its start
+        through each transition (for run reports and benchmarks)."""
+        return {r.replica_id: [(ReplicaState.STARTING.value, round(r.started_at_s, 2))]
+                + [(t.dst.value, round(t.at_s, 2)) for t in r.history]
+                for r in self.records.values()}
+
     def stop_watchers(self) -> None:
         for node_id, watcher in list(self.watchers.items()):
             try:

@@ -320,6 +320,7 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
     state = final_state(controller, summary["steps"]) if controller.spec.job.return_state \
         else None
     summary["replica_lifecycle"] = controller.states()
+    summary["replica_timelines"] = controller.timelines()
     summary["nodes_joined"] = len(controller.joined_at)
     summary["plot"] = run_report.write_outputs(
         config.run_dir, stats["history"], summary,

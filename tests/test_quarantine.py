@@ -48,3 +48,25 @@ def test_votes_expire_with_the_window_and_a_resync_clears_the_record():
     q.note("a", "c", "non_finite", 3, 21.0)
     q.clear("c")  # c copied a donor's state
     assert q.note("b", "c", "non_finite", 4, 22.0) is None  # one count again, not two
+
+
+def test_a_one_to_one_length_dispute_is_settled_by_the_swarms_layout():
+    q = Quarantine(threshold=2)
+    for epoch in (1, 2):
+        q.note("a", "c", "shape_mismatch", epoch, 0.0, numel=101)  # c sent 101 values
+        q.note("c", "a", "shape_mismatch", epoch, 0.0, numel=100)  # a sent 100
+    made = q.settle(3, 1.0, layout=100)  # every replica's model has 100 parameters
+    assert [(r.peer_id, r.reason) for r in made] == [("c", "shape_mismatch")]
+
+
+def test_the_layout_is_what_most_ready_replicas_report():
+    from moshray.cluster.membership import Membership, MembershipConfig
+    from moshray.cluster.progress import ProgressReport, ProgressTracker
+
+    t = ProgressTracker(Membership(MembershipConfig()), target_batch_size=8)
+    t.ready |= {"a", "b", "c"}
+    for peer, numel in (("a", 100), ("b", 100), ("c", 101)):
+        t.reports[peer] = ProgressReport(peer, 0, 0, numel=numel)
+    assert t._layout() == 100
+    t.ready.discard("b")
+    assert t._layout() == 100  # a 1-vs-1 tie goes to the smallest peer id's

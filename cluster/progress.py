@@ -132,7 +132,6 @@ class ProgressTracker:
             return False  # a fresh Coordinator's epoch 0 is no state: wait for the holders'
         # rejoins (or the window's end), else a copy of nothing would restart the count
         self._make_ready(peer_id, state_epoch, now)
-        self.quarantine.clear(peer_id)
         return True
 
     def _make_ready(self, peer_id: str, state_epoch: int, now: float) -> None:

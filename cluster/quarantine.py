@@ -21,8 +21,10 @@ fetches never do (they are the network's or a dying node's):
 
 A sender with ``threshold`` counted rejections within ``window_s`` is quarantined: the
 caller drops it from the ready set, so it is in no further plan and must copy the state
-from a donor before it rejoins (which clears its record). Every quarantine is kept with
-its reason. Time is injected.
+from a donor before it rejoins, with a clean record. A resync for another reason (its
+state diverged, as a broken peer's does after every round) keeps the record: it is about
+the peer's contributions, not its state. Every quarantine is kept with its reason. Time
+is injected.
 """
 
 from __future__ import annotations
@@ -119,11 +121,6 @@ class Quarantine:
         self.records.append(record)
         del self._seen[sender]
         return record
-
-    def clear(self, peer_id: str) -> None:
-        """``peer_id`` copied a donor's state: it starts with a clean record."""
-        self._seen.pop(peer_id, None)
-        self._drop_votes(peer_id)
 
     def _drop_votes(self, peer_id: str) -> None:
         for votes in self._votes.values():

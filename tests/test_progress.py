@@ -331,3 +331,18 @@ def test_no_replan_once_the_job_stops():
     core.request_stop()
     core.leave("b")
     assert pushed == []
+
+
+def test_a_broken_peer_that_resyncs_after_every_round_is_still_quarantined():
+    """A wrong-shape peer ends every round with other parameters than the swarm (it
+    averaged alone), so it is told to resync each time: its record must survive that."""
+    core, clock, pushed = swarm(("a", "b", "c"), target=30)
+    for epoch in range(1, 4):
+        for p in ("a", "b"):
+            core.report(ProgressReport(p, epoch - 1, 10, 1.0, None, 0,
+                                       (("c", "shape_mismatch", epoch - 1, 101),), numel=100))
+        core.progress.ready.discard("c")  # c diverged: resync ...
+        assert core.mark_ready("c", core.epoch)  # ... and back
+        core.report(ProgressReport("c", core.epoch, 10, 1.0, None, 0, (), numel=100))
+        clock.t += 1
+    assert [q.peer_id for q in core.progress.quarantine.records] == ["c"]

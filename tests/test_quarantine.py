@@ -41,13 +41,13 @@ def test_a_late_report_of_a_settled_epoch_is_added_to_its_votes():
     assert [r.peer_id for r in q.settle(2, 1.5)] == ["c"]
 
 
-def test_votes_expire_with_the_window_and_a_resync_clears_the_record():
+def test_votes_expire_with_the_window_and_a_quarantine_starts_a_clean_record():
     q = Quarantine(threshold=2, window_s=10.0)
     q.note("a", "c", "dtype_mismatch", 1, 0.0)
     assert q.settle(2, 20.0) == [] and q._votes == {}  # expired before it was settled
     q.note("a", "c", "non_finite", 3, 21.0)
-    q.clear("c")  # c copied a donor's state
-    assert q.note("b", "c", "non_finite", 4, 22.0) is None  # one count again, not two
+    assert q.note("b", "c", "non_finite", 4, 22.0) is not None
+    assert q.note("a", "c", "non_finite", 5, 23.0) is None  # one count again, not three
 
 
 def test_a_one_to_one_length_dispute_is_settled_by_the_swarms_layout():

@@ -45,7 +45,7 @@ from moshray.jobs.chaos_plan import (ACTOR_KINDS, SCHEDULES, ChaosPlan, draw_pla
 
 log = logging.getLogger("moshray.bench_chaos")
 
-BAD_WAIT_S = 15.0  # at most this long for the ready replicas, then for the quarantine
+BAD_WAIT_S = 30.0  # at most this long for the ready replicas, then for the quarantine
 MIN_READY = {"nan": 2, "shape": 3}  # ready replicas a bad-replica fault needs (see bad_replica)
 # The bench's model (small, so that a 2-core machine takes many steps); --set overrides.
 DEFAULT_SET = ("model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=2",

@@ -65,8 +65,6 @@ from moshray.jobs.goodput_curves import summarize
 from moshray.jobs.goodput_rates import (
     BenchError, compare_rates, count_seconds, ideal_curve, ideal_samples, live_timeline, ratio)
 
-log = logging.getLogger("moshray.bench_goodput")
-
 # A model that steps quickly on CPU (the README's small configuration).
 BENCH_DEFAULTS: dict[str, str] = {
     "model.n_layers": "2",

@@ -177,6 +177,16 @@ def test_compare_rates_with_one_calibration_count_scales_the_better_per_node_rat
         gr.compare_rates({2: 100.0}, {}, seconds, calib_nodes=2)
 
 
+def test_baseline_refuses_a_non_positive_steady_window():
+    from moshray.jobs.raytrain_baseline import BaselineConfig
+
+    base = dict(train={}, files=("f",), max_workers=2, deadline_unix=0.0, storage_path="s",
+                recorder="r")
+    assert BaselineConfig(**base, steady_seconds=40.0).steady_seconds == 40.0
+    with pytest.raises(ValueError, match="steady_seconds"):
+        BaselineConfig(**base, steady_seconds=0.0)
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -55,7 +55,9 @@ class BaselineConfig:
     ``train`` is a ``TrainConfig.to_dict()``; ``deadline_unix`` is the wall time (``time.time()``)
     at which workers stop after their current step. ``cpus_per_worker`` should equal a spot node's
     CPUs so that exactly one worker lands on each node. ``elastic=False`` uses a fixed
-    ``num_workers=max_workers`` (Ray versions without elastic ranges).
+    ``num_workers=max_workers`` (Ray versions without elastic ranges). ``steady_seconds``, if
+    set, also stops the workers that many seconds after their group's first step (a
+    failure-free measurement whose window should not depend on the group's start-up).
     """
 
     train: dict
@@ -70,6 +72,7 @@ class BaselineConfig:
     elastic: bool = True
     resize_interval_s: float = 10.0
     name: str = "raytrain-baseline"
+    steady_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_workers < 1:
@@ -78,6 +81,8 @@ class BaselineConfig:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if not self.files:
             raise ValueError("files must name at least one data file")
+        if self.steady_seconds is not None and not self.steady_seconds > 0:
+            raise ValueError(f"steady_seconds must be > 0, got {self.steady_seconds}")
 
 
 # --------------------------------------------------------------------------- recorder
@@ -137,8 +142,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     """One Ray Train worker: DDP over the group, the moshray model and data.
 
     Resumes from ``ray.train.get_checkpoint()`` when the group was restarted. Stops after the
-    step during which any rank saw the deadline pass (agreed through the per-step all-reduce,
-    so no rank is left waiting in a collective), then reports a final checkpoint.
+    step during which any rank saw the deadline pass, or ``steady_seconds`` pass since the
+    group's first step (agreed through the per-step all-reduce, so no rank is left waiting in
+    a collective), then reports a final checkpoint.
     """
     import ray
     import ray.train
@@ -179,6 +185,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                        tc.model.seq_len, t.batch_size, t.seed + step)
     accum = max(1, math.ceil(t.target_batch_size / (world * t.batch_size)))
     distributed = world > 1 and dist.is_available() and dist.is_initialized()
+    steady_deadline = math.inf  # set after this group's first step when steady_seconds is
 
     while True:
         loss_sum, n = 0.0, 0
@@ -199,9 +206,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        now = time.time()
+        if cfg.steady_seconds is not None and steady_deadline == math.inf:
+            steady_deadline = now + cfg.steady_seconds
+        past = now >= cfg.deadline_unix or now >= steady_deadline
         # (3,): loss * samples, samples, ranks past the deadline; summed over the group
-        totals = torch.tensor([loss_sum, float(n), float(time.time() >= cfg.deadline_unix)],
-                              dtype=torch.float64)
+        totals = torch.tensor([loss_sum, float(n), float(past)], dtype=torch.float64)
         if distributed:
             dist.all_reduce(totals)
         samples = int(totals[1].item())
@@ -284,6 +294,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fixed", action="store_true",
                         help="fixed num_workers=max_workers instead of the elastic range")
     parser.add_argument("--recorder", default=None, help="name of the StepRecorder actor")
+    parser.add_argument("--steady-seconds", type=float, default=None,
+                        help="also stop this many seconds after the worker group's first step")
     add_config_arguments(parser)
 
 
@@ -301,6 +313,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if not args.duration > 0:
         print(f"raytrain_baseline: --duration must be > 0, got {args.duration}", file=sys.stderr)
+        return 2
+    if args.steady_seconds is not None and not args.steady_seconds > 0:
+        print(f"raytrain_baseline: --steady-seconds must be > 0, got {args.steady_seconds}",
+              file=sys.stderr)
         return 2
     pin_loopback()
     files = resolve_data(list(config.data.paths) or None,
@@ -322,7 +338,7 @@ def main(args: argparse.Namespace) -> int:
         recorder=recorder, checkpoint_every=args.checkpoint_every,
         cpus_per_worker=args.cpus_per_worker, use_gpu=gpus_in_cluster(),
         elastic=not args.fixed, resize_interval_s=args.resize_interval,
-        name=f"raytrain-baseline-{uuid.uuid4().hex[:8]}")
+        name=f"raytrain-baseline-{uuid.uuid4().hex[:8]}", steady_seconds=args.steady_seconds)
     print(json.dumps({"event": "started", "t0": t0, "recorder": recorder}), flush=True)
     error = None
     checkpoint_path = None

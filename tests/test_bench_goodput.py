@@ -3,7 +3,7 @@
 The real run is a subprocess (``python -m moshray.jobs.bench_goodput``) that starts its own
 local clusters one after the other (so it never clashes with the session fixture cluster),
 replays a tiny per-node trace (one removal, one addition) and trains a tiny model under
-moshray and Ray Train. Its checks are about consistency, never about speed.
+moshray and Ray Train, after calibrating both with 2 nodes. Its checks are about consistency, never about speed.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from moshray.autoscaler.trace import NodeEvent, live_node_seconds
-from moshray.jobs import bench_goodput as bg
-from moshray.jobs.bench_goodput import Progress
+from moshray.jobs import goodput_curves as gc
+from moshray.jobs import goodput_rates as gr
+from moshray.jobs.goodput_curves import Progress
 
 
 def steps(*rows):
@@ -30,14 +31,14 @@ def steps(*rows):
 
 def test_useful_curve_without_rollback_is_the_running_sum():
     records = steps((1.0, 1, 32, 5.0), (2.0, 2, 32, 4.0), (3.5, 3, 48, 3.0))
-    assert bg.useful_curve(records) == ((0.0, 0), (1.0, 32), (2.0, 64), (3.5, 112))
+    assert gc.useful_curve(records) == ((0.0, 0), (1.0, 32), (2.0, 64), (3.5, 112))
 
 
 def test_rollback_to_a_checkpoint_drops_the_lost_steps():
     # steps 1..5, crash, a new group resumes from the checkpoint after step 4 at t=10
     records = steps(*[(float(i), i, 32, None) for i in range(1, 6)],
                     (11.0, 5, 16, None), (12.0, 6, 16, None))
-    result = bg.summarize("x", records, duration_s=20.0, gap_s=2.0, rewinds=[(0.5, 0), (10.0, 4)])
+    result = gc.summarize("x", records, duration_s=20.0, gap_s=2.0, rewinds=[(0.5, 0), (10.0, 4)])
     assert [c for _, c in result.curve] == [0, 0, 32, 64, 96, 128, 160, 128, 144, 160]
     assert result.samples == 160  # 4 * 32 kept + 2 * 16 redone/new
     assert result.samples_processed == 5 * 32 + 2 * 16
@@ -49,35 +50,35 @@ def test_rollback_to_a_checkpoint_drops_the_lost_steps():
 
 def test_a_repeated_step_number_implies_a_rollback():
     records = steps((1.0, 1, 10, None), (2.0, 2, 10, None), (3.0, 2, 10, None))
-    assert bg.useful_curve(records)[-1] == (3.0, 20)
+    assert gc.useful_curve(records)[-1] == (3.0, 20)
 
 
 def test_rewind_at_the_end_of_the_window_counts_the_loss():
     records = steps((1.0, 1, 10, None), (2.0, 2, 10, None))
-    result = bg.summarize("x", records, 5.0, 2.0, rewinds=[(0.0, 0), (3.0, 0)])
+    result = gc.summarize("x", records, 5.0, 2.0, rewinds=[(0.0, 0), (3.0, 0)])
     assert result.samples == 0 and result.steps == 0
     assert result.samples_processed == 20
 
 
 def test_events_after_the_window_are_ignored():
     records = steps((1.0, 1, 10, 2.0), (9.0, 2, 10, 1.0))
-    result = bg.summarize("x", records, 5.0, 10.0)
+    result = gc.summarize("x", records, 5.0, 10.0)
     assert result.samples == 10 and result.final_loss == 2.0
     assert result.goodput == pytest.approx(2.0)
 
 
 def test_stall_counts_only_gaps_at_least_the_threshold():
     curve = [(0.0, 0), (3.0, 10), (3.5, 20), (4.0, 30), (9.0, 40)]
-    assert bg.stall_seconds(curve, 10.0, gap_s=2.0) == pytest.approx(3.0 + 5.0)
-    assert bg.stall_seconds([(0.0, 0)], 10.0, gap_s=2.0) == pytest.approx(10.0)
+    assert gc.stall_seconds(curve, 10.0, gap_s=2.0) == pytest.approx(3.0 + 5.0)
+    assert gc.stall_seconds([(0.0, 0)], 10.0, gap_s=2.0) == pytest.approx(10.0)
     with pytest.raises(ValueError):
-        bg.stall_seconds(curve, 10.0, gap_s=0)
+        gc.stall_seconds(curve, 10.0, gap_s=0)
 
 
 def test_final_loss_is_the_mean_of_the_last_steps():
     records = steps(*[(float(i), i, 1, float(i)) for i in range(1, 21)])
-    assert bg.final_loss(records, 100.0, last=10) == pytest.approx(sum(range(11, 21)) / 10)
-    assert bg.final_loss(steps((1.0, 1, 1, None)), 10.0) is None
+    assert gc.final_loss(records, 100.0, last=10) == pytest.approx(sum(range(11, 21)) / 10)
+    assert gc.final_loss(steps((1.0, 1, 1, None)), 10.0) is None
 
 
 def schedule_events():
@@ -88,32 +89,102 @@ def schedule_events():
 
 def test_count_seconds_and_ideal_match_live_node_seconds():
     events = schedule_events()
-    seconds = bg.count_seconds(events, 30.0)
+    seconds = gr.count_seconds(events, 30.0)
     assert seconds == {2: 15.0, 1: 5.0, 3: 10.0}
-    rates = bg.linear_rates(10.0, seconds)
-    ideal = bg.ideal_samples(rates, seconds)
+    rates = gr.linear_rates(10.0, seconds)
+    ideal = gr.ideal_samples(rates, seconds)
     assert ideal == pytest.approx(10.0 * live_node_seconds(events, 30.0))
-    curve = bg.ideal_curve(events, rates, 30.0)
+    curve = gr.ideal_curve(events, rates, 30.0)
     assert curve[0] == (0.0, 0.0) and curve[-1] == (30.0, pytest.approx(ideal))
-    assert bg.live_timeline(events, 30.0) == ((0.0, 2), (10.0, 1), (15.0, 2), (20.0, 3),
+    assert gr.live_timeline(events, 30.0) == ((0.0, 2), (10.0, 1), (15.0, 2), (20.0, 3),
                                              (30.0, 3))
-    with pytest.raises(bg.BenchError, match=r"\[3\]"):
-        bg.ideal_samples({1: 5.0, 2: 9.0}, seconds)
+    with pytest.raises(gr.BenchError, match=r"\[3\]"):
+        gr.ideal_samples({1: 5.0, 2: 9.0}, seconds)
 
 
 def test_steady_rate_uses_full_steps_after_the_first():
     records = steps((1.0, 1, 8, None), (5.0, 2, 32, None), (6.0, 3, 32, None),
                     (7.0, 4, 32, None))
-    assert bg.steady_rate(records, [1, 2, 2, 2], 2) == pytest.approx(64 / 2.0)
+    assert gr.steady_rate(records, [1, 2, 2, 2], 2) == pytest.approx(64 / 2.0)
     # a later step without every node still counts: the window runs on from the first full one
-    assert bg.steady_rate(records, [1, 2, 1, 2], 2) == pytest.approx(64 / 2.0)
-    assert bg.steady_rate(records) == pytest.approx(96 / 6.0)
-    with pytest.raises(bg.BenchError, match="--calib-seconds"):
-        bg.steady_rate(records, [1, 1, 1, 2], 2)
+    assert gr.steady_rate(records, [1, 2, 1, 2], 2) == pytest.approx(64 / 2.0)
+    assert gr.steady_rate(records) == pytest.approx(96 / 6.0)
+    with pytest.raises(gr.BenchError, match="--calib-seconds"):
+        gr.steady_rate(records, [1, 1, 1, 2], 2)
 
 
 def test_ratio_is_none_when_the_baseline_did_nothing():
-    assert bg.ratio(10, 4) == 2.5 and bg.ratio(10, 0) is None
+    assert gr.ratio(10, 4) == 2.5 and gr.ratio(10, 0) is None
+
+
+# --------------------------------------------------------------------------- both systems' rates
+
+
+def test_most_common_count_is_the_longest_held_ties_to_the_larger():
+    assert gr.most_common_count({1: 5.0, 2: 15.0, 3: 10.0}) == 2
+    assert gr.most_common_count({2: 10.0, 3: 10.0, 1: 2.0}) == 3
+    assert gr.most_common_count({0: 50.0, 1: 1.0}) == 1  # no node: no rate to compare
+    with pytest.raises(gr.BenchError, match="no live node"):
+        gr.most_common_count({0: 30.0})
+
+
+def test_best_rates_take_the_faster_system_at_each_count():
+    rates, source = gr.best_rates({"moshray": {1: 50.0, 2: 90.0, 4: 120.0},
+                                   "raytrain": {1: 60.0, 2: 90.0, 4: 100.0}})
+    assert rates == {1: 60.0, 2: 90.0, 4: 120.0}
+    assert source == {1: "raytrain", 2: "moshray", 4: "moshray"}  # a tie: the first named
+    with pytest.raises(gr.BenchError, match=r"raytrain rate .* \[4\]"):
+        gr.best_rates({"moshray": {2: 1.0, 4: 1.0}, "raytrain": {2: 1.0}})
+
+
+def test_scaling_is_the_rate_at_the_largest_count_over_the_smallest_from_two():
+    figure = gr.scaling({1: 80.0, 2: 100.0, 3: 95.0, 4: 90.0})
+    assert (figure.low, figure.high) == (2, 4) and figure.value == pytest.approx(0.9)
+    assert gr.scaling({1: 80.0, 2: 100.0}) is None  # one count >= 2: nothing to compare
+    assert gr.scaling({2: 0.0, 4: 5.0}) is None
+
+
+def test_compare_rates_ideal_steady_state_and_scalings():
+    seconds = {1: 10.0, 2: 30.0, 4: 30.0}  # 2 and 4 tie: the larger count is the steady one
+    cmp = gr.compare_rates({1: 50.0, 2: 100.0, 4: 90.0}, {1: 60.0, 2: 120.0, 4: 80.0}, seconds)
+    assert cmp.ideal == {1: 60.0, 2: 120.0, 4: 90.0}
+    assert cmp.ideal_source == {1: "raytrain", 2: "raytrain", 4: "moshray"}
+    assert cmp.steady_nodes == 4 and cmp.steady_state_vs_raytrain == pytest.approx(90 / 80)
+    assert cmp.moshray_scaling.value == pytest.approx(0.9)
+    assert cmp.raytrain_scaling.value == pytest.approx(80 / 120)
+    out = cmp.to_json()
+    assert out["moshray_rate_by_nodes"] == {"1": 50.0, "2": 100.0, "4": 90.0}
+    assert out["raytrain_rate_by_nodes"] == {"1": 60.0, "2": 120.0, "4": 80.0}
+    assert out["rate_by_nodes"] == {"1": 60.0, "2": 120.0, "4": 90.0}
+    assert out["per_node_samples_per_s"]["4"] == pytest.approx(22.5)
+    assert out["scaling_nodes"] == [2, 4]
+    assert out["scaling_vs_raytrain"] == pytest.approx(0.9 / (80 / 120))
+    assert json.loads(json.dumps(out)) == out
+    assert gr.ideal_samples(cmp.ideal, seconds) == pytest.approx(60 * 10 + 120 * 30 + 90 * 30)
+    with pytest.raises(gr.BenchError, match=r"moshray rate .* \[4\]"):
+        gr.compare_rates({1: 50.0, 2: 100.0}, {1: 60.0, 2: 120.0, 4: 80.0}, seconds)
+
+
+def test_compare_rates_with_one_calibration_count_scales_the_better_per_node_rate():
+    seconds = {1: 10.0, 2: 5.0, 3: 30.0}
+    cmp = gr.compare_rates({2: 100.0}, {2: 80.0}, seconds, calib_nodes=2)
+    assert cmp.ideal == {1: 50.0, 2: 100.0, 3: 150.0}
+    assert set(cmp.ideal_source.values()) == {"moshray"}
+    assert cmp.steady_nodes == 2 and cmp.steady_state_vs_raytrain == pytest.approx(1.25)
+    assert cmp.moshray_scaling is None and cmp.raytrain_scaling is None
+    assert cmp.to_json()["scaling_vs_raytrain"] is None
+    with pytest.raises(gr.BenchError, match="raytrain"):
+        gr.compare_rates({2: 100.0}, {}, seconds, calib_nodes=2)
+
+
+def test_baseline_refuses_a_non_positive_steady_window():
+    from moshray.jobs.raytrain_baseline import BaselineConfig
+
+    base = dict(train={}, files=("f",), max_workers=2, deadline_unix=0.0, storage_path="s",
+                recorder="r")
+    assert BaselineConfig(**base, steady_seconds=40.0).steady_seconds == 40.0
+    with pytest.raises(ValueError, match="steady_seconds"):
+        BaselineConfig(**base, steady_seconds=0.0)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -137,6 +208,14 @@ def test_malformed_trace_exits_2_naming_the_line(tmp_path, capsys):
     assert run_cli("--trace", str(trace), "--out", str(tmp_path)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "t.csv:2" in err[0] and "explode" in err[0]
+
+
+def test_a_shipped_trace_name_passes_the_trace_check(tmp_path, capsys):
+    from moshray.autoscaler.trace import DEFAULT_TRACE
+
+    assert run_cli("--trace", DEFAULT_TRACE, "--out", str(tmp_path), "--duration", "0") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--duration" in err[0]
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -195,6 +274,13 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     assert result["live_node_seconds"] == pytest.approx(2 * 60 + 1 * 10 + 2 * 20)
     assert result["ideal_samples"] == pytest.approx(
         result["per_node_samples_per_s"]["2"] * result["live_node_seconds"])
+    # both systems calibrated with 2 nodes; the ideal takes the better rate
+    m_rate, rt_rate = (result["moshray_rate_by_nodes"]["2"], result["raytrain_rate_by_nodes"]["2"])
+    assert m_rate > 0 and rt_rate > 0
+    assert result["rate_by_nodes"]["2"] == pytest.approx(max(m_rate, rt_rate))
+    assert result["steady_state_nodes"] == 2
+    assert result["steady_state_vs_raytrain"] == pytest.approx(m_rate / rt_rate)
+    assert result["moshray_scaling"] is None  # one calibration count: no scaling figure
     for system in ("moshray", "raytrain"):
         assert result[f"{system}_final_loss"] is not None
         assert 0 <= result[f"{system}_stall_s"] <= 90

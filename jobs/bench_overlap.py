@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-LOSS_WINDOW = 5  # steps averaged for a loss figure
+LOSS_WINDOW = 20  # steps averaged for a loss figure (fewer are too noisy with small batches)
 MODES = ("off", "on")
 
 

@@ -144,7 +144,7 @@ def test_feeds_of_replicas_that_come_and_go_never_repeat_a_sample():
 
 
 def test_a_restarted_coordinator_grants_no_shard_before_it_heard_the_positions():
-    from moshray.cluster.coordinator import REJOIN_GRACE_S, CoordinatorCore
+    from moshray.cluster.coordinator_core import REJOIN_GRACE_S, CoordinatorCore
     from moshray.cluster.membership import MembershipConfig
 
     now = [100.0]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from moshray.cluster.coordinator import CoordinatorCore
+from moshray.cluster.coordinator_core import CoordinatorCore
 from moshray.cluster.membership import MembershipConfig
 from moshray.cluster.progress import ProgressReport
 from moshray.jobs import bench_recovery as br

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from moshray.cluster.coordinator import CoordinatorCore
+from moshray.cluster.coordinator_core import CoordinatorCore
 from moshray.cluster.grid import DEFAULT_MAX_GROUP, plan_grid
 from moshray.cluster.membership import Membership, MembershipConfig
 from moshray.cluster.messages import PeerInfo

@@ -3,7 +3,7 @@ step, plans pushed the moment they exist, and a notice that re-plans at once (pu
 
 from __future__ import annotations
 
-from moshray.cluster.coordinator import CoordinatorCore
+from moshray.cluster.coordinator_core import CoordinatorCore
 from moshray.cluster.membership import MembershipConfig
 from moshray.cluster.progress import ProgressReport
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moshray.cluster.coordinator import CoordinatorCore
+from moshray.cluster.coordinator_core import CoordinatorCore
 from moshray.cluster.membership import MembershipConfig
 from moshray.cluster.registry import (
     ExpertRegistry,

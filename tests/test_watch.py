@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from moshray.cluster.coordinator import CoordinatorCore
+from moshray.cluster.coordinator_core import CoordinatorCore
 from moshray.cluster.membership import MembershipConfig
 from moshray.cluster.progress import ProgressReport
 

@@ -307,7 +307,7 @@ def plot(path: Path, summary: Mapping) -> Path:
                  f"{summary.get('nodes', '?')} local spot nodes")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize="small")
-    return plots._save(fig, path)
+    return plots.save_png(fig, path)
 
 
 def _table(summary: Mapping) -> str:

@@ -7,7 +7,6 @@ both systems at each calibrated node count with the figures derived from them.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Sequence
 
@@ -45,15 +44,9 @@ def plot(path: Path, live: Sequence[tuple[float, int]],
     bottom.set_ylim(bottom=0)
     bottom.legend(loc="upper left")
     bottom.grid(True, alpha=0.3)
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    from moshray.jobs.plots import save_png
+
+    return save_png(fig, path)
 
 
 def to_end(curve: Sequence[tuple[float, int]], duration_s: float) -> list[tuple[float, int]]:

@@ -127,7 +127,7 @@ def training_figure(
 def plot_training_run(history: Sequence[Sequence], path: str | os.PathLike,
                       **kwargs) -> Path:
     """Write the training-run PNG (see ``training_figure`` for the arguments); returns path."""
-    return _save(training_figure(history, **kwargs), path)
+    return save_png(training_figure(history, **kwargs), path)
 
 
 def plot_bars(
@@ -156,7 +156,7 @@ def plot_bars(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_lines(
@@ -190,10 +190,11 @@ def plot_lines(
         ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
-def _save(fig: Figure, path: str | os.PathLike) -> Path:
+def save_png(fig: Figure, path: str | os.PathLike) -> Path:
+    """Write ``fig`` to ``path`` (a .png) atomically: a temporary file, then a rename."""
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise ValueError(f"plot path must end in .png, got {str(path)!r}")

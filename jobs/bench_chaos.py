@@ -46,7 +46,7 @@ from moshray.jobs.chaos_plan import (ACTOR_KINDS, SCHEDULES, ChaosPlan, draw_pla
 log = logging.getLogger("moshray.bench_chaos")
 
 BAD_WAIT_S = 30.0  # at most this long for the ready replicas, then for the quarantine
-MIN_READY = {"nan": 2, "shape": 3}  # ready replicas a bad-replica fault needs (see bad_replica)
+MIN_READY = 2  # ready replicas a bad-replica fault needs: the bad one and a good one
 # The bench's model (small, so that a 2-core machine takes many steps); --set overrides.
 DEFAULT_SET = ("model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=2",
                "model.seq_len=64", "training.batch_size=8", "training.target_batch_size=32",
@@ -135,13 +135,13 @@ class Injector:
         self.log(f"chaos: Coordinator killed (#{self.injected['coordinator']})")
 
     def bad_replica(self, kind: str) -> None:
-        """Make one ready replica send ``kind`` contributions until it is quarantined. A NaN
-        needs one good peer besides (who rejects it); a wrong shape needs two, since a
-        layout dispute is settled by votes (``cluster/quarantine.py``). A replica that dies
-        as it is picked (its node went) is replaced by another pick."""
+        """Make one ready replica send ``kind`` contributions until it is quarantined. It
+        needs one good peer besides, who rejects them (a 1-vs-1 length dispute is settled
+        by the swarm's layout: ``cluster/quarantine.py``). A replica that dies as it is
+        picked (its node went) is replaced by another pick."""
         import ray
 
-        need = MIN_READY[kind]
+        need = MIN_READY
         # Bounded well below --timeout: the schedule's later faults must not drift away.
         deadline = time.monotonic() + min(self.timeout_s, BAD_WAIT_S)
         while True:

@@ -145,8 +145,9 @@ class Injector:
         # Bounded well below --timeout: the schedule's later faults must not drift away.
         deadline = time.monotonic() + min(self.timeout_s, BAD_WAIT_S)
         while True:
-            ready = [p for p in self._get(self._coordinator().peer_view.remote())["ready"]
-                     if p not in self.bad]
+            # Earlier bad replicas count: quarantined, they copied a donor's state and their
+            # fault was cleared, so they are healthy replicas again.
+            ready = list(self._get(self._coordinator().peer_view.remote())["ready"])
             if len(ready) >= need:
                 peer = self.rng.choice(sorted(ready))
                 try:

@@ -100,8 +100,8 @@ class CoordinatorCore:
             self.progress.rebuild_until = now + REBUILD_S
         return self.progress.rejoin(peer_id, state_epoch, now, syncing)
 
-    def heartbeat(self, peer_id: str) -> bool:
-        return self.membership.heartbeat(peer_id, self.clock())
+    def heartbeat(self, peer_id: str, throughput: float | None = None) -> bool:
+        return self.membership.heartbeat(peer_id, self.clock(), throughput)
 
     def leave(self, peer_id: str) -> bool:
         self.progress.forget(peer_id, gone=True)

@@ -115,7 +115,8 @@ class GroupRound:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.numel = 0
-        self.cpu_seconds = 0.0  # validating, scaling, adding (see part_reduce)
+        self.cpu_seconds = 0.0  # validating, scaling, adding (see part_reduce): wall time
+        self.cpu_used = 0.0  # the CPU time of that (far less on a contended machine)
         self.reduced_bytes = 0  # float32 bytes of the terms added
         self._probing: set[str] = set()  # peers with a probe in flight
 
@@ -231,7 +232,8 @@ class GroupRound:
         fetched = sum(n for _, _, n in log_)
         throughput = round_throughput(fetched, busy_seconds((a, b) for a, b, _ in log_),
                                       self.reduced_bytes, self.cpu_seconds)
-        phases["cpu"] = self.cpu_seconds  # of which reduce: validate, scale, add
+        phases["cpu"] = self.cpu_seconds  # reduce's numeric steps, wall time in threads
+        phases["cpu_used"] = self.cpu_used  # their CPU time
         phases["fetch"] = busy_seconds((a, b) for a, b, _ in log_)  # parts in flight
         everyone = [set(c) for j, c in per_part.items() if sizes[j] > 0] or [set()]
         full = set.intersection(*everyone)

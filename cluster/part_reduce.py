@@ -94,12 +94,13 @@ async def reduce_part(
     settled: set[str] = {rnd.me}
     preparing: dict[str, asyncio.Future] = {}  # validation + scaling, in worker threads
 
-    def timed(fn, *args):
-        t0 = time.perf_counter()
+    def timed(fn, *args):  # wall time in the worker thread, and its CPU time
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn(*args)
         finally:
             rnd.cpu_seconds += time.perf_counter() - t0
+            rnd.cpu_used += time.thread_time() - c0
 
     got = await asyncio.to_thread(timed, own_term, codec, local, size, weight)
     if isinstance(got, tuple):

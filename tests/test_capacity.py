@@ -60,3 +60,14 @@ def test_plan_shares_follow_heartbeat_throughput() -> None:
     assert dict(m.plan(now=2.0).shares)["a"] == 0.5
     assert m.heartbeat("a", now=3.0, throughput=400.0)  # the newest value wins
     assert dict(m.plan(now=3.0).shares) == {"a": 2.0, "b": 0.5, "c": 2.0}
+
+
+def test_coordinator_heartbeat_carries_throughput() -> None:
+    from moshray.cluster.coordinator import CoordinatorCore
+
+    core = CoordinatorCore(MembershipConfig(), clock=lambda: 0.0)
+    core.register("a", None)
+    core.register("b", None)
+    assert core.heartbeat("a", 100.0) and core.heartbeat("b", 300.0)
+    assert core.heartbeat("a")  # a plain heartbeat keeps the newest measurement
+    assert dict(core.membership.plan(now=0.0).shares) == {"a": 0.5, "b": 1.5}

@@ -328,7 +328,8 @@ class StepManager:
             await asyncio.sleep(1.0)
             try:
                 generation = self._generation
-                if not await self.coordinator.heartbeat.remote(self.peer_id):
+                if not await self.coordinator.heartbeat.remote(
+                        self.peer_id, self.averager.meter.value):
                     await self.rejoin(generation)
             except ray.exceptions.RayError:
                 pass

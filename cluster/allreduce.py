@@ -45,9 +45,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import compression as comp
+from .capacity import busy_seconds, round_throughput
 from .mailbox import GroupMailbox, RoundKey
 from .messages import Contribution, Group, PartResult, Probe, Rejection, RejectReason, RoundPlan
-from .partition import WeightedMean, check_contribution, part_sizes, part_slices
+from .part_reduce import reduce_part
+from .partition import part_sizes, part_slices
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class RoundOutcome:
     bytes_sent: int
     bytes_received: int
     phases: dict[str, float]  # seconds spent in put / reduce / publish / gather
+    throughput: float | None = None  # bytes/s through fetch + reduction (capacity.py)
 
 
 @dataclass(frozen=True)
@@ -112,12 +115,15 @@ class GroupRound:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.numel = 0
+        self.cpu_seconds = 0.0  # validating, scaling, adding (see part_reduce): wall time
+        self.cpu_used = 0.0  # the CPU time of that (far less on a contended machine)
+        self.reduced_bytes = 0  # float32 bytes of the terms added
         self._probing: set[str] = set()  # peers with a probe in flight
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _reject(self, sender: str, part: int, reason: RejectReason, detail: str,
-                numel: int = -1) -> None:
+    def reject(self, sender: str, part: int, reason: RejectReason, detail: str,
+               numel: int = -1) -> None:
         self.rejections.append(Rejection(sender, part, reason, detail, numel))
         log.warning(
             "epoch %d round %d: rejected %s's part %d: %s (%s)",
@@ -193,8 +199,8 @@ class GroupRound:
                 self.box.fetch_part(sender, own)
             await self._contribute(flat, weight, slices, own)
             lap("put")
-            values, total, contributors = await self._reduce_part(
-                own, flat[slices[own]], weight, sizes[own], deadlines.contributions,
+            values, total, contributors = await reduce_part(
+                self, own, flat[slices[own]], weight, sizes[own], deadlines.contributions,
                 deadlines.contributions,
             )
             self.box.reduced = True
@@ -212,8 +218,8 @@ class GroupRound:
                 continue
             failed.append(owner)
             if self.me in members:  # re-reduce from the contributions we hold
-                values, total, contributors = await self._reduce_part(
-                    j, flat[slices[j]], weight, sizes[j], deadlines.contributions,
+                values, total, contributors = await reduce_part(
+                    self, j, flat[slices[j]], weight, sizes[j], deadlines.contributions,
                     deadlines.final, exclude=owner,
                 )
                 out[slices[j]] = values
@@ -223,6 +229,13 @@ class GroupRound:
                 per_part[j], weights[j] = (), weight
 
         lap("gather")
+        log_ = self.box.fetch_log
+        fetched = sum(n for _, _, n in log_)
+        throughput = round_throughput(fetched, busy_seconds((a, b) for a, b, _ in log_),
+                                      self.reduced_bytes, self.cpu_seconds)
+        phases["cpu"] = self.cpu_seconds  # reduce's numeric steps, wall time in threads
+        phases["cpu_used"] = self.cpu_used  # their CPU time
+        phases["fetch"] = busy_seconds((a, b) for a, b, _ in log_)  # parts in flight
         everyone = [set(c) for j, c in per_part.items() if sizes[j] > 0] or [set()]
         full = set.intersection(*everyone)
         partial = set.union(*everyone) - full
@@ -239,6 +252,7 @@ class GroupRound:
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
             phases=phases,
+            throughput=throughput,
         )
 
     async def _contribute(self, flat: np.ndarray, weight: float, slices, own: int) -> None:
@@ -268,106 +282,6 @@ class GroupRound:
         for peer in members:
             if peer != self.me:
                 self._watch_call(peer, self.send(peer, "receive_contribution", message))
-
-    def _accept(self, sender: str, part: int, enc: comp.Encoded, size: int, weight: float):
-        """The values of a fetched part ready to add (the wire buffer itself where the
-        codec allows), or None if rejected. Runs in a worker thread."""
-        expected = comp.WIRE_DTYPE[self.codec]
-        if enc.data.dtype != expected or enc.codec is not self.codec:
-            return (RejectReason.DTYPE_MISMATCH,
-                    f"got {enc.codec.value}/{enc.data.dtype}, expected "
-                    f"{self.codec.value}/{expected}")
-        values = comp.received_values(enc)
-        return check_contribution(values, size, values.dtype, weight) or values
-
-    async def _reduce_part(
-        self,
-        part: int,
-        local: np.ndarray,
-        weight: float,
-        size: int,
-        arrive_by: float,
-        fetch_by: float,
-        exclude: str | None = None,
-    ) -> tuple[np.ndarray, float, tuple[str, ...]]:
-        """Weighted mean of part ``part`` over our own value and the contributions that
-        arrive before ``arrive_by`` and are fetched before ``fetch_by`` (``exclude``: a dead
-        owner whose part we re-reduce after the contribution deadline: then exactly the
-        contributions that had arrived count, and only their fetches are waited for).
-
-        All fetches run at once; values enter the mean in the group's member order, each
-        as soon as every member before it is settled (added, rejected or known absent), so
-        any peer reducing the same inputs computes bitwise identical results.
-        """
-        order = [m for m in self.group.members if m != exclude]
-        mean = WeightedMean(size)
-        held: dict[str, tuple[np.ndarray, float]] = {}
-        settled: set[str] = {self.me}
-        mine = await asyncio.to_thread(comp.round_trip, local, self.codec)
-        problem = check_contribution(mine, size, mine.dtype, weight)
-        if problem is None:
-            held[self.me] = (mine, weight)
-        else:
-            self._reject(self.me, part, *problem)
-        fetching: dict[str, asyncio.Task] = {}
-        contributors: list[str] = []
-        added = 0  # members of ``order`` whose turn has passed
-        while True:
-            seen = self.box.version  # arrivals during the awaits below wake the wait at once
-            closed = self.clock() >= arrive_by  # no more waiting for absent contributions
-            for sender in order:
-                if sender in settled or sender in fetching:
-                    continue
-                c = self.box.contributions.get(sender)
-                if c is None:
-                    if closed or sender in self.box.dead:
-                        settled.add(sender)
-                elif c.numel != self.numel:
-                    self._reject(sender, part, RejectReason.SHAPE_MISMATCH,
-                                 f"tensor of {c.numel} values", c.numel)
-                    settled.add(sender)
-                else:
-                    fetching[sender] = self.box.fetch_part(sender, part)
-            for sender, task in list(fetching.items()):
-                if not task.done():
-                    continue
-                del fetching[sender]
-                settled.add(sender)
-                try:
-                    enc = task.result()
-                except Exception as exc:  # noqa: BLE001 - object lost with its owner
-                    self._reject(sender, part, RejectReason.FETCH_FAILED, type(exc).__name__)
-                    continue
-                self.bytes_received += enc.nbytes
-                weight_of = self.box.contributions[sender].weight
-                got = await asyncio.to_thread(self._accept, sender, part, enc, size, weight_of)
-                if isinstance(got, tuple):
-                    self._reject(sender, part, *got)
-                else:
-                    held[sender] = (got, weight_of)
-            while added < len(order) and order[added] in settled:
-                member = order[added]
-                added += 1
-                if member in held:
-                    await asyncio.to_thread(mean.add, *held.pop(member))
-                    contributors.append(member)
-            if added == len(order):
-                break
-            if not await self.box.wait_changed(seen, fetch_by if closed else arrive_by,
-                                               self.clock) and closed:
-                break  # fetch deadline: whoever has not been fetched drops out of this part
-        for member in order[added:]:  # past the deadline: what did arrive, in order
-            if member in held:
-                await asyncio.to_thread(mean.add, *held.pop(member))
-                contributors.append(member)
-        if mean.count == 0:
-            # Nothing valid, not even our own value (NaN, wrong shape): never hand junk on.
-            # Zeros for ourselves (a NaN gradient must not reach our parameters, nor through
-            # us as a donor everyone's); a published empty result makes the receivers
-            # re-reduce the part from what they hold (see ``_await_result``).
-            return np.zeros(size, dtype=np.float32), 0.0, ()
-        values, total = await asyncio.to_thread(mean.result)
-        return values, total, tuple(sorted(contributors))
 
     async def _publish(self, part: int, values: np.ndarray, total: float, contributors,
                        dest: np.ndarray) -> None:

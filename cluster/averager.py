@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from .allreduce import Deadlines, GroupRound
+from .capacity import ThroughputMeter
 from .mailbox import GroupMailbox, RoundKey
 from .messages import (
     AllReduceReport, Contribution, PartResult, Probe, Rejection, RejectReason, RoundPlan,
@@ -112,6 +113,9 @@ class Averager:
         self.rejection_counts: collections.Counter[str] = collections.Counter()
         self._pending_rejections: list[Rejection] = []
         self._lock = asyncio.Lock()
+        # This peer's smoothed throughput (bytes/s), for its share of parts: the host sends
+        # ``meter.value`` with its heartbeat (see capacity.py)
+        self.meter = ThroughputMeter()
 
     # -- transport entry points ----------------------------------------------------------
 
@@ -204,6 +208,7 @@ class Averager:
             sent += outcome.bytes_sent
             received += outcome.bytes_received
             phases.update(outcome.phases)
+            self.meter.update(outcome.throughput)
         rejections += self._pending_rejections
         self._pending_rejections = []
         report = AllReduceReport(

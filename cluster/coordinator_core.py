@@ -94,8 +94,10 @@ class CoordinatorCore:
             self.progress.rebuild_until = now + REBUILD_S
         return self.progress.rejoin(peer_id, state_epoch, now, syncing)
 
-    def heartbeat(self, peer_id: str) -> bool:
-        return self.membership.heartbeat(peer_id, self.clock())
+    def heartbeat(self, peer_id: str, throughput: float | None = None) -> bool:
+        """A replica is alive; ``throughput`` is its averager's measured rate (bytes/s,
+        None without data), which sizes its share of the parts in later plans."""
+        return self.membership.heartbeat(peer_id, self.clock(), throughput)
 
     def leave(self, peer_id: str) -> bool:
         """``peer_id`` is gone (its node died, the controller stopped it). If it was ready,

@@ -7,6 +7,7 @@ the transport (actor method calls) on the event loop; the round waits on it.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -39,6 +40,9 @@ class GroupMailbox:
     version: int = 0  # bumped by every notify: waiters compare it with what they last saw
     fetches: dict[tuple[str, int], asyncio.Task] = field(default_factory=dict)
     result_fetches: dict[int, asyncio.Task] = field(default_factory=dict)
+    # (start, end, bytes) of every part fetch that succeeded: this peer's inbound bandwidth
+    # for the throughput it reports (see capacity.py)
+    fetch_log: list[tuple[float, float, int]] = field(default_factory=list)
     fetch: Callable[[object], Awaitable[comp.Encoded]] = field(default=None)  # the transport's
 
     def __post_init__(self) -> None:
@@ -59,10 +63,16 @@ class GroupMailbox:
         task = self.fetches.get((sender, part))
         if task is None:
             ref = self.contributions[sender].part_refs[part]
-            task = asyncio.ensure_future(self.fetch(ref))
+            task = asyncio.ensure_future(self._timed_fetch(ref))
             task.add_done_callback(lambda _: self.notify())
             self.fetches[(sender, part)] = task
         return task
+
+    async def _timed_fetch(self, ref) -> comp.Encoded:
+        start = time.perf_counter()
+        enc = await self.fetch(ref)
+        self.fetch_log.append((start, time.perf_counter(), getattr(enc, "nbytes", 0)))
+        return enc
 
     def fetch_result(self, part: int) -> asyncio.Task:
         task = self.result_fetches.get(part)

@@ -4,12 +4,18 @@ Peers register, heartbeat, leave, or are marked draining (a preemption notice fo
 node). A peer not heard from for ``peer_ttl_s`` is considered dead. ``plan`` turns the live,
 non-draining peers into a ``RoundPlan`` for the next epoch. Time is injected (``now``
 arguments) so all of this is testable with plain data.
+
+Shares (DeDLOC load balancing): a heartbeat may carry the peer's measured throughput
+(``capacity.ThroughputMeter``); the newest value per peer is kept, and a plan's share of a
+peer is its declared ``PeerInfo.capacity`` times ``capacity.relative_shares`` of the
+chosen peers' measurements (1.0 without one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .capacity import relative_shares
 from .grid import DEFAULT_MAX_GROUP, plan_grid
 from .messages import PeerInfo, RoundPlan
 
@@ -33,6 +39,7 @@ class _Member:
     info: PeerInfo
     last_seen: float
     draining_deadline: float | None = None
+    throughput: float | None = None  # newest measured bytes/s (see capacity.py)
 
 
 @dataclass
@@ -45,15 +52,18 @@ class Membership:
         """Add or refresh a peer (re-registering clears nothing but its liveness)."""
         old = self._members.get(info.peer_id)
         self._members[info.peer_id] = _Member(
-            info, now, old.draining_deadline if old else None
+            info, now, old.draining_deadline if old else None, old.throughput if old else None
         )
 
-    def heartbeat(self, peer_id: str, now: float) -> bool:
-        """Refresh a peer; False if it is unknown (it should register again)."""
+    def heartbeat(self, peer_id: str, now: float, throughput: float | None = None) -> bool:
+        """Refresh a peer (and its measured ``throughput``, if given); False if it is
+        unknown (it should register again)."""
         member = self._members.get(peer_id)
         if member is None:
             return False
         member.last_seen = now
+        if throughput is not None:
+            member.throughput = float(throughput)
         return True
 
     def leave(self, peer_id: str) -> bool:
@@ -108,10 +118,11 @@ class Membership:
         self.epoch += 1
         ids = [p.peer_id for p in chosen]
         grid = plan_grid(ids, self.config.max_group, epoch=self.epoch, seed=self.config.seed)
+        measured = relative_shares({p: self._members[p].throughput for p in ids})
         return RoundPlan(
             epoch=self.epoch,
             grid=grid,
-            shares=tuple((p.peer_id, p.capacity) for p in chosen),
+            shares=tuple((p.peer_id, p.capacity * measured[p.peer_id]) for p in chosen),
             handles=tuple((p.peer_id, p.handle) for p in chosen),
             compression=self.config.compression,
         )

@@ -75,40 +75,59 @@ class WeightedMean:
 
     ``add`` may be called in any order as contributions arrive; ``result`` returns
     ``sum(w * x) / sum(w)`` (or the plain mean when every weight is zero) and the total
-    weight. Accumulates in float32 in place: one pass over each contribution.
+    weight. Every operation is one correctly rounded float32 step (``fl(w * x)``, then
+    ``fl(acc + that)``, then ``fl(acc / sum(w))``), so equal inputs added in equal order
+    give equal bits on any machine.
+
+    The all-reduce splits ``add`` in two: ``term`` (the scaled contribution, computed in a
+    worker thread as soon as the bytes arrive, in place in a buffer it owns) and
+    ``add_term`` (one float32 add, when the contribution's turn in member order comes).
     """
 
     def __init__(self, numel: int):
-        self._acc = np.zeros(numel, dtype=np.float32)
-        self._plain = np.zeros(0, dtype=np.float32)  # sum of values, only if weights are 0
+        self.numel = numel
+        self._acc: np.ndarray | None = None  # sum of w * x (adopts the first term's buffer)
+        self._plain: np.ndarray | None = None  # sum of values, only while weights are 0
         self.total_weight = 0.0
         self.count = 0
 
-    def add(self, values: np.ndarray, weight: float) -> None:
+    @staticmethod
+    def term(values: np.ndarray, weight: float, owned: bool = False) -> np.ndarray:
+        """What ``values`` adds to the mean: ``float32(weight) * values`` in float32 (the
+        values as float32 for a zero weight). ``owned``: ``values`` is a float32 buffer
+        nobody else holds, scaled in place (no allocation)."""
+        if owned and values.dtype == np.float32 and values.flags.writeable:
+            if weight > 0:
+                np.multiply(values, np.float32(weight), out=values)
+            return values
+        if weight > 0:
+            return np.multiply(values, np.float32(weight), dtype=np.float32)
+        return values.astype(np.float32)
+
+    def add_term(self, term: np.ndarray, weight: float) -> None:
+        """Add a ``term(values, weight)``; the mean takes over its buffer."""
         if weight > 0:
             if self.total_weight == 0:
-                np.multiply(values, np.float32(weight), out=self._acc)
+                self._acc = term
             else:
-                _axpy(np.float32(weight), values, self._acc)
+                np.add(self._acc, term, out=self._acc)
             self.total_weight += float(weight)
         elif self.total_weight == 0:
             # Only needed if every weight stays zero: then the result is the plain mean.
-            self._plain = values.astype(np.float32) if self._plain.size == 0 else self._plain + values
+            if self._plain is None:
+                self._plain = term
+            else:
+                np.add(self._plain, term, out=self._plain)
         self.count += 1
 
+    def add(self, values: np.ndarray, weight: float) -> None:
+        self.add_term(self.term(values, weight), weight)
+
     def result(self) -> tuple[np.ndarray, float]:
+        """The mean, computed in place: the mean is used up (call once)."""
         if self.count == 0:
             raise ValueError("no contribution to average")
         if self.total_weight > 0:
-            return self._acc / np.float32(self.total_weight), self.total_weight
-        return self._plain / np.float32(self.count), 0.0
-
-
-def _axpy(a: np.float32, x: np.ndarray, y: np.ndarray, block: int = 1 << 20) -> None:
-    """y += a * x in blocks (bounded temporaries, cache friendly)."""
-    tmp = np.empty(min(block, x.size), dtype=np.float32)
-    for start in range(0, x.size, block):
-        stop = min(start + block, x.size)
-        t = tmp[: stop - start]
-        np.multiply(x[start:stop], a, out=t)
-        y[start:stop] += t
+            return np.divide(self._acc, np.float32(self.total_weight), out=self._acc), \
+                self.total_weight
+        return np.divide(self._plain, np.float32(self.count), out=self._plain), 0.0

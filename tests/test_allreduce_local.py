@@ -92,3 +92,46 @@ def test_a_nan_contribution_is_rejected_with_its_reason_and_the_round_goes_on():
     assert all(np.isfinite(out).all() for out, _ in results.values())
     rejections = [r for _, report in results.values() for r in report.rejections]
     assert any(r.sender == "p1" and r.reason.value == "non_finite" for r in rejections)
+
+
+def test_fp16_with_measured_shares_is_bitwise_equal_and_meters_measure():
+    """Uneven parts (shares from heartbeat throughputs) and the fp16 codec: every peer
+    still holds the same bits, close to the exact average; each averager's meter has a
+    throughput to report after the round, and feeding it back changes nothing of that."""
+    network = LocalNetwork()
+    membership = Membership(MembershipConfig(compression="fp16"))
+    averagers = {}
+    for i in range(4):
+        pid = f"p{i}"
+        averagers[pid] = Averager(pid, transport=network.transport(pid))
+        network.add(pid, averagers[pid])
+        membership.register(PeerInfo(pid, pid), now=0.0)
+        membership.heartbeat(pid, now=0.0, throughput=100.0 * (i + 1))
+    plan = membership.plan(now=0.0)
+    assert len(set(dict(plan.shares).values())) == 4  # four different part sizes
+    arrays, weights = inputs(4, size=10_001, seed=3)
+    results = asyncio.run(reduce_all(averagers, plan, arrays, weights))
+    expected = weighted(arrays, weights, arrays)
+    first = results["p0"][0]
+    for pid, (out, report) in results.items():
+        assert np.array_equal(out, first), pid
+        assert report.rejections == ()
+        np.testing.assert_allclose(out, expected, atol=2e-3)
+        assert averagers[pid].meter.value is not None and averagers[pid].meter.value > 0
+        membership.heartbeat(pid, now=1.0, throughput=averagers[pid].meter.value)
+    assert membership.plan(now=1.0) is not None
+
+
+def test_a_wrong_length_is_rejected_with_the_length_the_sender_sent():
+    """The Coordinator settles length disputes by fact: the rejection carries the sender's
+    length, the good peers' results stay the exact average of the good contributions."""
+    _, averagers, plan = swarm(3)
+    arrays, weights = inputs(3)
+    arrays["p2"] = np.append(arrays["p2"], np.float32(0))  # one value too many
+    results = asyncio.run(reduce_all(averagers, plan, arrays, weights))
+    for pid in ("p0", "p1"):
+        out, report = results[pid]
+        shape = [r for r in report.rejections if r.sender == "p2"]
+        assert shape and {r.reason.value for r in shape} == {"shape_mismatch"}
+        assert {r.numel for r in shape} == {1001}
+        np.testing.assert_allclose(out, weighted(arrays, weights, ("p0", "p1")), rtol=1e-5)

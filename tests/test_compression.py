@@ -224,3 +224,34 @@ def test_fp16_gradient_like_error_within_bound() -> None:
     bound = max(max_abs_error_bound(g, Compression.FP16) for g in grads)
     bound += max_abs_error_bound(exact.astype(np.float32), Compression.FP16)
     assert np.abs(got - exact).max() <= bound
+
+
+def test_half_conversions_match_numpy_bit_for_bit() -> None:
+    """The vectorized conversions (torch when present) equal numpy's ``astype``: every
+    float16 value widened, and float32 values narrowed across the whole bit range (normal,
+    subnormal, overflowing, ties), NaN staying NaN."""
+    from moshray.cluster.compression import to_float, to_half
+
+    every = np.arange(65536, dtype=np.uint16).view(np.float16)
+    wide = to_float(every)
+    ref = every.astype(np.float32)
+    assert np.array_equal(np.isnan(wide), np.isnan(ref))
+    ok = ~np.isnan(ref)
+    assert np.array_equal(wide[ok].view(np.uint32), ref[ok].view(np.uint32))
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 2_000_000, dtype=np.uint64).astype(np.uint32)
+    ties = (every[ok].astype(np.float32).view(np.uint32) + np.uint32(1 << 12))  # halfway
+    small = (rng.standard_normal(200_000) * 1e-6).astype(np.float32).view(np.uint32)
+    for pattern in (bits, ties, small):
+        x = pattern.view(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            ref16 = x.astype(np.float16)
+        out = np.full(x.size, 7, np.float16)
+        got = to_half(x, out)
+        assert got is out
+        assert np.array_equal(np.isnan(got), np.isnan(ref16))
+        ok16 = ~np.isnan(ref16)
+        assert np.array_equal(got[ok16].view(np.uint16), ref16[ok16].view(np.uint16))
+    readonly = every[ok].copy()
+    readonly.flags.writeable = False  # an object-store buffer: read, never written
+    assert np.array_equal(to_float(readonly), readonly.astype(np.float32))

@@ -236,3 +236,34 @@ def test_weighted_mean_zero_length_vectors() -> None:
     mean.add(np.zeros(0, np.float32), 2.0)
     result, total = mean.result()
     assert result.shape == (0,) and total == 2.0
+
+
+def _old_weighted_mean(values, weights):
+    """The reference arithmetic: fl(w * x) per block, added to a float32 accumulator."""
+    acc, total, plain = None, 0.0, None
+    for v, w in zip(values, weights):
+        if w > 0:
+            t = np.multiply(v, np.float32(w), dtype=np.float32)
+            acc = t if acc is None else acc + t
+            total += w
+        elif total == 0:
+            plain = v.astype(np.float32) if plain is None else plain + v
+    if total > 0:
+        return acc / np.float32(total)
+    return plain / np.float32(len(values))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("weights", [[0.5, 3.0, 1.25, 7.0], [0.0, 1.0, 0.0, 3.0], [0.0, 0.0]])
+def test_weighted_mean_terms_are_bitwise_the_reference(dtype, weights) -> None:
+    """``term`` + ``add_term`` (owned, in place) and ``add`` give the same bits as the
+    plain float32 arithmetic, for float16 wire values too."""
+    rng = np.random.default_rng(len(weights))
+    values = [(rng.standard_normal(50_001) * 3).astype(dtype) for _ in weights]
+    expected = _old_weighted_mean(values, weights)
+    mean, staged = WeightedMean(50_001), WeightedMean(50_001)
+    for v, w in zip(values, weights):
+        mean.add(v, w)
+        staged.add_term(WeightedMean.term(v.astype(np.float32), w, owned=True), w)
+    assert np.array_equal(mean.result()[0].view(np.uint32), expected.view(np.uint32))
+    assert np.array_equal(staged.result()[0].view(np.uint32), expected.view(np.uint32))

@@ -25,6 +25,7 @@ from moshray.cluster import metrics
 from moshray.cluster.averager import Averager
 from moshray.cluster.messages import RoundPlan
 from moshray.cluster.progress import ProgressReport
+from moshray.cluster.step_profile import PhaseClock
 
 from .replica_state import TrainState, step_digest
 
@@ -69,6 +70,9 @@ class StepManager:
         # an overlapped step: (plan, the averaging task), applied at a later sync point
         self._pending: tuple[RoundPlan, asyncio.Task] | None = None
         self._layout_numel: int | None = None
+        self.phases = PhaseClock(time.monotonic)  # where the time goes (cluster/step_profile)
+        self._profiled = None  # the last step's StepPhases, sent with its metrics events
+        self._pending_size = (0, 0)  # an overlapped step's (samples, micro-batches)
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -161,6 +165,7 @@ class StepManager:
         if self.state is not None and plan.epoch == self.state.epoch + 1 \
                 and self._pending is None:
             self._plan = plan
+            self.phases.plan_arrived()
 
     def send_report(self, force: bool = False) -> None:
         """Progress to the Coordinator without waiting for the reply; at most one routine
@@ -203,6 +208,7 @@ class StepManager:
             elif reply.plan is not None and reply.plan.epoch == self.state.epoch + 1 \
                     and self._pending is None:
                 self._plan = reply.plan
+                self.phases.plan_arrived()
         return verdict
 
     async def after_micro_batch(self, samples: int, loss: float) -> bool:
@@ -210,6 +216,13 @@ class StepManager:
         was applied. Sets ``stopping`` when the Coordinator says stop. An overlapped step
         (``strategy.overlap``) is started here and applied at the first sync point after
         its averaging is done, or before anything else changes the state."""
+        self.phases.enter()
+        try:
+            return await self._after_micro_batch(samples, loss)
+        finally:
+            self.phases.leave()
+
+    async def _after_micro_batch(self, samples: int, loss: float) -> bool:
         self.samples += samples
         self.micro += 1
         self.loss_sum += loss * samples
@@ -244,6 +257,7 @@ class StepManager:
         task = asyncio.ensure_future(self.strategy.average(
             self.averager, grads, plan, self.samples, self.round_timeout_s, self.fault))
         self._pending = (plan, task)
+        self._pending_size = (self.samples, self.micro)
         self.samples, self.micro, self.loss_sum = 0, 0, 0.0
 
     async def _finish_pending(self, wait: bool) -> bool:
@@ -257,9 +271,12 @@ class StepManager:
         finally:
             self._pending = None
         s = self.state
+        self.phases.step_begins()
         async with self.lock:
             self.strategy.finish_step(s.model, s.optimizer, averaged)
             self._commit(plan)
+        self._profiled = self.phases.step_ends(plan.epoch, report.seconds, *self._pending_size,
+                                               overlapped=True, round_phases=report.phases)
         await self._after_round(plan, report)
         return True
 
@@ -267,11 +284,14 @@ class StepManager:
 
     async def global_step(self, plan: RoundPlan) -> None:
         s = self.state
+        self.phases.step_begins()
         async with self.lock:
             report = await self.strategy.global_step(
                 s.model, s.optimizer, self.averager, plan, self.samples, self.micro,
                 self.round_timeout_s, self.fault)
             self._commit(plan)
+            self._profiled = self.phases.step_ends(plan.epoch, report.seconds, self.samples,
+                                                   self.micro, round_phases=report.phases)
             self.samples, self.micro, self.loss_sum = 0, 0, 0.0
         await self._after_round(plan, report)
 
@@ -307,6 +327,9 @@ class StepManager:
         """Metrics events for one averaging round (fire-and-forget; cluster/metrics.py): the
         round itself and, after this replica's first averaged step, its join time."""
         events: list = [metrics.RoundEvent.from_report(report)]
+        if self._profiled is not None:
+            events.append(self._profiled)
+            self._profiled = None
         if not self.joined and self.peer_id in report.contributors:
             self.joined = True
             events.append(metrics.JoinEvent(max(0.0, time.monotonic() - self.started_at)))

@@ -20,6 +20,7 @@ from .coordinator_core import CoordinatorCore
 from .membership import MembershipConfig
 from .messages import RoundPlan
 from .progress import ProgressReply, ProgressReport
+from .step_profile import StepPhases, StepProfile
 
 
 def _serialized(cls):
@@ -72,6 +73,7 @@ class Coordinator(CoordinatorCore):
         self.push_plan = self._push_plan
         self._rebalances_seen: set[str] = set()  # noticed nodes already in the histogram
         self.metrics = metrics.MetricsExporter(prices or metrics.Prices(), self.metrics_state)
+        self.profile = StepProfile()  # the replicas' StepPhases (cluster/step_profile.py)
         if metrics_port is not None:
             self.metrics.serve(metrics_host, metrics_port)
 
@@ -93,9 +95,19 @@ class Coordinator(CoordinatorCore):
         return reply
 
     def record(self, events: tuple) -> int:
-        """Count metrics events (fire-and-forget); bad ones are logged and skipped."""
+        """Count metrics events (fire-and-forget); bad ones are logged and skipped. A
+        replica's ``StepPhases`` go to the step profile."""
         self._resolve_rebalances()
-        return self.metrics.apply_all(events)
+        phases = [e for e in events if isinstance(e, StepPhases)]
+        for p in phases:
+            self.profile.add(p)
+        return len(phases) + self.metrics.apply_all(
+            e for e in events if not isinstance(e, StepPhases))
+
+    def step_profile(self, since_epoch: int = 0) -> dict:
+        """Where the replicas' time went per global step after ``since_epoch`` (see
+        ``StepProfile.summary``)."""
+        return self.profile.summary(since_epoch)
 
     def metrics_address(self) -> str | None:
         """``host:port`` where ``/metrics`` is served (None if not served)."""

@@ -38,6 +38,8 @@ COMMANDS: tuple[Command, ...] = (
             "recovery times: notice, hard kill, join, expert re-spawn"),
     Command(("bench", "overlap"), "moshray.jobs.bench_overlap",
             "overlapped averaging (one step of delay) vs synchronous steps: speed and loss"),
+    Command(("bench", "step"), "moshray.jobs.bench_step",
+            "where a failure-free global step's time goes, per node count"),
     Command(("bench", "chaos"), "moshray.jobs.bench_chaos",
             "a seeded storm of node, Coordinator and bad-replica faults; invariants checked"),
     Command(("watch",), "moshray.autoscaler.watch",

@@ -65,7 +65,8 @@ def run_moshray(config) -> tuple[dict, list[Progress], list[int]]:
     number of peers in each step.
 
     Step times are the Coordinator's (seconds since it started, which is when the trace replay
-    starts). If the summary carries no ``history``, the Coordinator's history is read right
+    starts). The summary gains ``step_profile``: the Coordinator's ``step_profile`` of the
+    steps from the first one with the most participants on. If the summary carries no ``history``, the Coordinator's history is read right
     after the job's supervision loop ends (by wrapping ``train._supervise`` for this call).
     """
     import ray
@@ -78,7 +79,12 @@ def run_moshray(config) -> tuple[dict, list[Progress], list[int]]:
     def supervise_and_capture(cfg, controller, *rest):
         summary = original(cfg, controller, *rest)
         try:
-            captured["stats"] = ray.get(controller.coordinator.stats.remote(), timeout=30)
+            stats = captured["stats"] = ray.get(controller.coordinator.stats.remote(),
+                                                timeout=30)
+            most = max((h[4] for h in stats["history"]), default=0)
+            since = next((h[0] for h in stats["history"] if h[4] >= most), 0)
+            captured["profile"] = ray.get(controller.coordinator.step_profile.remote(since),
+                                          timeout=30)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             log.warning("could not read the coordinator's history: %s", type(exc).__name__)
         return summary
@@ -88,6 +94,8 @@ def run_moshray(config) -> tuple[dict, list[Progress], list[int]]:
         summary = train_job.run(config)
     finally:
         train_job._supervise = original
+    if "profile" in captured:
+        summary = {**summary, "step_profile": captured["profile"]}
     history = summary.get("history")
     if history is None:
         history = captured.get("stats", {}).get("history", [])

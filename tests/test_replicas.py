@@ -124,10 +124,16 @@ def test_local_sgd_with_outer_nesterov_keeps_replicas_identical(local_cluster):
     try:
         swarm.wait_epoch(4, timeout=180)
         history = swarm.stats()["history"]
+        profile = ray.get(swarm.coordinator.step_profile.remote(), timeout=30)
     finally:
         statuses = swarm.stop()
     assert len(statuses) == 2 and consistent(statuses)
     assert all(h[4] == 2 for h in history[1:])  # both replicas took part in every average
+    # each replica's steps reached the Coordinator's profile, split into their phases
+    assert profile["steps"] >= 4
+    med = profile["median_s"]
+    assert med["round_s"] > 0 and med["compute_s"] > 0 and med["wall_s"] >= med["round_s"]
+    assert "reduce" in profile["round_phases_median_s"]
 
 
 def test_hard_killed_node_training_resumes_within_a_round_deadline(local_cluster):

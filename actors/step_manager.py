@@ -57,6 +57,7 @@ class StepManager:
         self.joined = False  # contributed to an averaged step yet?
         self._init_state_ref = init_state_ref
         self._plan: RoundPlan | None = None  # pushed by the Coordinator, not yet taken
+        self._ahead: RoundPlan | None = None  # of state.epoch + 2: taken once +1 is applied
         # (epoch sent at, rejoin generation sent in, reply)
         self._inflight: list[tuple[int, int, asyncio.Future]] = []
         # others' rejected contributions, for the Coordinator: (sender, reason, epoch, numel)
@@ -126,6 +127,7 @@ class StepManager:
         async with self.lock:
             self.state.load(loaded, from_donor)
             self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+            self._ahead = None  # made for the state before
 
     async def snapshot(self) -> dict:
         """The state at the training loop's next sync point (inside ``opt.step``, after the
@@ -162,10 +164,17 @@ class StepManager:
     # -- progress --------------------------------------------------------------------------
 
     def receive_plan(self, plan: RoundPlan) -> None:
-        if self.state is not None and plan.epoch == self.state.epoch + 1 \
-                and self._pending is None:
+        """A plan from the Coordinator (pushed, or in a report's reply): the next step's
+        (``state.epoch + 1``) is taken at the next micro-batch; one made ahead of the step
+        this replica still runs (``state.epoch + 2``, see cluster/plan_ahead.py) is kept
+        until that step is applied (``_commit``). Any other is stale and ignored."""
+        if self.state is None:
+            return
+        if plan.epoch == self.state.epoch + 1 and self._pending is None:
             self._plan = plan
             self.phases.plan_arrived()
+        elif plan.epoch == self.state.epoch + 2:
+            self._ahead = plan
 
     def send_report(self, force: bool = False) -> None:
         """Progress to the Coordinator without waiting for the reply; at most one routine
@@ -205,10 +214,8 @@ class StepManager:
                 verdict = "stop"
             elif reply.resync and sent_at == self.state.epoch and verdict is None:
                 verdict = "resync"
-            elif reply.plan is not None and reply.plan.epoch == self.state.epoch + 1 \
-                    and self._pending is None:
-                self._plan = reply.plan
-                self.phases.plan_arrived()
+            elif reply.plan is not None:
+                self.receive_plan(reply.plan)
         return verdict
 
     async def after_micro_batch(self, samples: int, loss: float) -> bool:
@@ -300,6 +307,10 @@ class StepManager:
         s.lineage.apply(plan.epoch)
         s.step_checksum = step_digest(s.model, plan.epoch)
         s.epoch = plan.epoch
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.epoch == s.epoch + 1:
+            self._plan = ahead  # made ahead of this step: the next one, run right after
+            self.phases.plan_arrived()
 
     async def _after_round(self, plan: RoundPlan, report) -> None:
         """Metrics, rejections for the Coordinator, and a resync after too many of our own

@@ -115,11 +115,14 @@ class CoordinatorCore:
 
     def _replan(self, now: float) -> None:
         """After a notice or the loss of a ready peer, plan the next step over the staying
-        peers with the samples they have: at once, or right after the step in flight (at
-        the first report that finds none), instead of at the next full batch."""
+        peers with the samples they have, instead of at the next full batch. The loss of a
+        peer: at once, or right after the step in flight (at the first report that finds
+        none). A notice: at once, if need be ahead of the step in flight or of the staying
+        peers' first samples (``ProgressTracker.plan_ahead``): they run it right after."""
         if self.progress.stop or not (self._lost_peer or self._rebalance_pending()):
             return
-        if self._no_step_in_flight(now) and self.progress.plan_now(now):
+        if (self._no_step_in_flight(now) and self.progress.plan_now(now)) or (
+                self._rebalance_pending() and self.progress.plan_ahead(now)):
             self._lost_peer = False
             self._publish()
             self._note_rebalanced(now)
@@ -254,11 +257,14 @@ class CoordinatorCore:
         ``deadline_s`` is seconds left; ``notice_age_s`` how long ago the node received the
         notice (both measured on that node, so no two machines' clocks are compared). The
         node counts as rebalanced at the first plan published after this call (every such
-        plan excludes its peers); a node without peers is rebalanced at once. When no step
-        is in flight, that plan is made at once over the staying peers with the samples
-        they have (not at the next full batch); else right after the step in flight, at
-        the first report that finds none (``report``). A second notice for the same node re-marks
-        it draining but keeps the first record.
+        plan excludes its peers); a node without peers is rebalanced at once. That plan is
+        made at once over the staying peers (``_replan``): with the samples they have when
+        no step is in flight and they have some; else ahead, as the plan of the step after
+        the one in flight (or after their next samples), which they run right after it.
+        It waits for the first report that allows a plan only while another plan made ahead
+        is in flight, or when no plan of the current epoch exists (a fresh or rebuilt
+        swarm). A second notice for the same node re-marks it draining but keeps the first
+        record.
         """
         peers = self.mark_draining(node_id, deadline_s)
         now = self.clock()

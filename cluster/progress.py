@@ -10,7 +10,8 @@ parameters. When the samples reported by ready peers at the current epoch reach
 goes to each participant as soon as it exists (the Coordinator pushes it; see
 ``take_new_plan``) and in the reply to its next report. Peers that hold another digest than
 the majority at the same epoch, or that fell behind the last plan without being in it, are
-told to resync from a donor. Time is injected.
+told to resync from a donor. After a notice, the next plan may be made ahead of the step
+in flight (``plan_ahead``; see ``plan_ahead.py``). Time is injected.
 
 Committed steps are never rolled back while a replica that holds them may still be up. The
 tracker remembers, per peer, the newest epoch it was seen holding (``_held``: reports,
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 from .membership import Membership
 from .messages import RoundPlan
+from .plan_ahead import PlanAhead
 from .quarantine import Quarantine
 
 log = logging.getLogger(__name__)
@@ -92,7 +94,8 @@ class ProgressTracker:
     target_batch_size: int
     ready: set[str] = field(default_factory=set)
     reports: dict[str, ProgressReport] = field(default_factory=dict)
-    plan: RoundPlan | None = None  # the latest published plan
+    plan: RoundPlan | None = None  # the latest published plan (of the current epoch)
+    ahead: PlanAhead = field(default_factory=PlanAhead)  # when ``plan`` was made ahead
     history: list[StepRecord] = field(default_factory=list)
     stop: bool = False
     timings: dict[int, StepTiming] = field(default_factory=dict)  # epoch -> its timing
@@ -169,7 +172,7 @@ class ProgressTracker:
                         "newer steps is left", self._top_held, epoch)
         self._top_held = epoch
         self.membership.epoch = epoch
-        self.plan = None
+        self._drop_plans()
         return True
 
     def _fall_back(self, state_epoch: int, now: float) -> bool:
@@ -186,21 +189,26 @@ class ProgressTracker:
             self.abandoned.append((self.epoch, state_epoch))
         self._top_held = state_epoch
         self.membership.epoch = state_epoch
-        self.plan = None
+        self._drop_plans()
         return True
 
     def _may_fall_back(self, state_epoch: int, now: float) -> bool:
         """No replica that may still be up holds (or is taking) a step after
         ``state_epoch``: not during the rebuild window, not while a member or a peer seen
-        within ``hold_s`` holds a newer epoch, not while a member takes the latest plan."""
+        within ``hold_s`` holds a newer epoch, not while a member takes a published plan
+        (the latest, or the one in flight before a plan made ahead)."""
         if self._rebuilding(now):
             return False
         for p, (e, seen) in self._held.items():
             if e > state_epoch and (self.membership.is_member(p) or now - seen <= self.hold_s):
                 return False
-        plan = self.plan
-        return not (plan is not None and plan.epoch > state_epoch
-                    and any(self.membership.is_member(p) for p in plan.participants))
+        return not any(plan is not None and plan.epoch > state_epoch
+                       and any(self.membership.is_member(p) for p in plan.participants)
+                       for plan in (self.plan, self.ahead.prior))
+
+    def _drop_plans(self) -> None:
+        self.plan = None
+        self.ahead.clear()
 
     def _rebuilding(self, now: float) -> bool:
         return self.rebuild_until is not None and now < self.rebuild_until
@@ -235,7 +243,7 @@ class ProgressTracker:
         self.hold(peer_id, state_epoch, now)
         if state_epoch > self.epoch:
             self.membership.epoch = state_epoch
-            self.plan = None
+            self._drop_plans()
         if state_epoch == self.epoch and not syncing:
             self._make_ready(peer_id, state_epoch, now)
             return True
@@ -248,7 +256,7 @@ class ProgressTracker:
         if r.epoch > self.epoch and r.peer_id in self.ready:
             # A step planned before a Coordinator restart completed among its peers.
             self.membership.epoch = r.epoch
-            self.plan = None
+            self._drop_plans()
         self.reports[r.peer_id] = r
         made = [self.quarantine.note(r.peer_id, *seen[:3], now, *seen[3:])
                 for seen in r.saw_rejections]
@@ -261,11 +269,12 @@ class ProgressTracker:
         timing = self.timings.get(r.epoch)
         if timing is not None and timing.committed_at is None and r.peer_id in timing.participants:
             timing.committed_at = now
-        in_plan = self.plan is not None and r.peer_id in self.plan.participants
+        # The published plan this peer takes next (the latest, or one in flight before it).
+        nxt = self.ahead.next_plan(self.plan, r.peer_id, r.epoch)
         if self.stop:
             # Finish a published step first, so no participant waits for a stopped peer.
-            if r.peer_id in self.ready and in_plan and r.epoch == self.plan.epoch - 1:
-                return ProgressReply(self.plan, global_epoch=self.epoch)
+            if r.peer_id in self.ready and nxt is not None:
+                return ProgressReply(nxt, global_epoch=self.epoch)
             # A staying peer that fell behind (it missed a step, or was still joining)
             # copies the final state first, so every replica ends with the same parameters.
             behind = r.peer_id not in self.ready or r.epoch < self.epoch
@@ -277,12 +286,12 @@ class ProgressTracker:
         if r.peer_id in self.membership.draining():
             # Leaving (its node got a notice): finish a published step it is in, so nobody
             # waits for it, then stop training. It stays up as a donor until its deadline.
-            if r.peer_id in self.ready and in_plan and r.epoch == self.plan.epoch - 1:
-                return ProgressReply(self.plan, global_epoch=self.epoch)
+            if r.peer_id in self.ready and nxt is not None:
+                return ProgressReply(nxt, global_epoch=self.epoch)
             return ProgressReply(None, stop=True, global_epoch=self.epoch)
         if r.peer_id not in self.ready:
             return ProgressReply(None, resync=True, global_epoch=self.epoch)
-        if r.epoch < self.epoch and not (in_plan and r.epoch == self.plan.epoch - 1):
+        if r.epoch < self.epoch and nxt is None:
             self.ready.discard(r.peer_id)  # it missed a step: must reload
             return ProgressReply(None, resync=True, global_epoch=self.epoch)
         if self._disagrees(r):
@@ -291,9 +300,11 @@ class ProgressTracker:
         if r.epoch == self.epoch:
             self._record_loss(r)
             self._maybe_plan(now)
-        if self.plan is not None and r.peer_id in self.plan.participants \
-                and r.epoch == self.plan.epoch - 1:
-            return ProgressReply(self.plan, global_epoch=self.epoch)
+            nxt = self.ahead.next_plan(self.plan, r.peer_id, r.epoch)
+        if nxt is not None:
+            if nxt is self.plan:
+                self.ahead.count(r, self.history)
+            return ProgressReply(nxt, global_epoch=self.epoch)
         return ProgressReply(None, global_epoch=self.epoch)
 
     def _layout(self) -> int | None:
@@ -347,12 +358,10 @@ class ProgressTracker:
         self.plan_now(now, current)
 
     def _finishing(self, eligible: list[str]) -> bool:
-        """Some of ``eligible`` took part in the latest plan and still report the epoch
+        """Some of ``eligible`` take part in a published plan and still report the epoch
         before it (they are applying that step)."""
-        if self.plan is None:
-            return False
-        return any(p in self.plan.participants and p in self.reports
-                   and self.reports[p].epoch == self.plan.epoch - 1 for p in eligible)
+        return any(p in self.reports and self.ahead.next_plan(
+            self.plan, p, self.reports[p].epoch) is not None for p in eligible)
 
     def plan_now(self, now: float, current: list[ProgressReport] | None = None) -> bool:
         """Publish the next epoch's plan over the ready live peers at the current epoch
@@ -372,9 +381,27 @@ class ProgressTracker:
         if plan is None:
             return False
         self.plan = plan
+        self.ahead.clear()
         self._unpushed = plan
         self._full_since = None
         self.history.append(StepRecord(plan.epoch, now, samples, total / n if n else None,
                                        len(at_epoch)))
+        self.timings[plan.epoch] = StepTiming(plan.epoch, now, tuple(plan.participants))
+        return True
+
+    def plan_ahead(self, now: float) -> bool:
+        """Publish the next epoch's plan at once over the staying peers, also while the
+        current epoch's step is in flight (after a notice, when ``plan_now`` cannot plan);
+        False (nothing changes) when ``PlanAhead.plan`` makes none (see plan_ahead.py)."""
+        latest = self.plan
+        plan = self.ahead.plan(latest, self.membership, self.ready, self.reports, now)
+        if plan is None:
+            return False
+        self.plan = self._unpushed = plan
+        self._full_since = None
+        total, n = self._loss.pop(latest.epoch, (0.0, 0))
+        self.history.append(StepRecord(plan.epoch, now, 0, total / n if n else None,
+                                       len(plan.participants)))
+        self.ahead.record(self.history)  # what its participants reported so far
         self.timings[plan.epoch] = StepTiming(plan.epoch, now, tuple(plan.participants))
         return True

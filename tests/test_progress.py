@@ -75,21 +75,19 @@ def test_a_notice_replans_at_once_without_the_node():
     assert core.notice_stats()["node-c"]["rebalance_s"] == 0.0
 
 
-def test_a_notice_during_a_step_replans_right_after_it():
+def test_a_notice_during_a_step_plans_the_next_step_ahead_at_once():
     core, clock, pushed = swarm(("a", "b"), target=20)
     report(core, "a", 0, 10)
     report(core, "b", 0, 10)  # step 1 planned over a and b, in flight
     assert len(pushed) == 1
-    core.note_notice("node-b", deadline_s=30.0)
-    assert len(pushed) == 1  # no second plan while step 1 runs
-    assert core.notice_stats()["node-b"]["rebalance_s"] is None
-    clock.t += 1.5
-    report(core, "b", 1, 0)  # b finished step 1 (it is told to stop)
-    report(core, "a", 1, 0)  # a too, with nothing yet: no plan of nothing
-    assert len(pushed) == 1
-    report(core, "a", 1, 4)  # a's first micro-batch: re-planned at once, not at 20 samples
-    assert len(pushed) == 2 and pushed[1].participants == ("a",)
-    assert core.notice_stats()["node-b"]["rebalance_s"] == 1.5
+    clock.t += 0.5
+    core.note_notice("node-b", deadline_s=30.0, notice_age_s=0.25)
+    # step 2 planned at once over the staying peer, ahead of step 1 (see test_plan_ahead)
+    assert len(pushed) == 2 and (pushed[1].epoch, pushed[1].participants) == (2, ("a",))
+    assert core.notice_stats()["node-b"]["rebalance_s"] == 0.25  # its age: planned at once
+    assert report(core, "b", 0, 12).plan is pushed[0]  # b finishes step 1 ...
+    assert report(core, "b", 1, 0).stop  # ... then stops
+    assert report(core, "a", 1, 4).plan is pushed[1]  # a runs step 2 right after step 1
 
 
 def test_a_one_to_one_digest_split_resolves_to_the_smallest_peer():

@@ -235,7 +235,8 @@ class StepManager:
         self.loss_sum += loss * samples
         applied = await self._finish_pending(wait=False)
         await self._serve_snapshots()
-        self.send_report(force=applied)
+        # (forced also before taking a plan: a plan made ahead counts the samples it is run with)
+        self.send_report(force=applied or self._plan is not None)
         verdict = self._replies()
         if verdict is not None:
             applied = await self._finish_pending(wait=True) or applied

@@ -211,3 +211,28 @@ def test_a_replica_that_reloads_its_state_drops_the_plan_made_ahead():
     snapshot = m.state.snapshot()
     asyncio.run(m._load(snapshot, from_donor=True))
     assert m._ahead is None
+
+
+def test_a_replica_reports_the_samples_it_takes_a_step_with_before_taking_it():
+    """The report before a step is forced (a routine one may be skipped while the last is
+    unanswered): a plan made ahead counts the samples from it."""
+    import asyncio
+
+    class Taken(Exception):
+        pass
+
+    class Strategy:
+        overlap = False
+
+        async def global_step(self, *args):
+            raise Taken
+
+    m = _replica()
+    m.strategy = Strategy()
+    sent = []
+    m.send_report = lambda force=False: sent.append((force, m.samples))
+    m._inflight = []
+    m.receive_plan(_plans(1)[1])
+    with pytest.raises(Taken):
+        asyncio.run(m.after_micro_batch(16, 1.0))
+    assert sent == [(True, 16)]

@@ -399,9 +399,8 @@ class ProgressTracker:
             return False
         self.plan = self._unpushed = plan
         self._full_since = None
-        total, n = self._loss.pop(latest.epoch, (0.0, 0))
-        self.history.append(StepRecord(plan.epoch, now, 0, total / n if n else None,
-                                       len(plan.participants)))
+        self._loss.pop(latest.epoch, None)  # (its loss is its participants', see record)
+        self.history.append(StepRecord(plan.epoch, now, 0, None, len(plan.participants)))
         self.ahead.record(self.history)  # what its participants reported so far
         self.timings[plan.epoch] = StepTiming(plan.epoch, now, tuple(plan.participants))
         return True

@@ -58,6 +58,7 @@ def test_the_record_of_a_plan_made_ahead_counts_the_samples_it_was_taken_with():
     core.report(ProgressReport("a", 1, 16, 2.0, None))
     core.report(ProgressReport("b", 1, 16, 4.0, None))
     core.report(ProgressReport("a", 1, 32, 3.0, None))  # a's newest report counts
+    assert core.report(ProgressReport("c", 1, 16, 9.0, None)).stop  # c's samples do not
     record = core.progress.history[-1]
     assert (record.epoch, record.samples, record.peers) == (2, 48, 2)
     assert record.loss == pytest.approx((3.0 * 32 + 4.0 * 16) / 48)

@@ -73,6 +73,7 @@ class StepManager:
         self.phases = PhaseClock(time.monotonic)  # where the time goes (cluster/step_profile)
         self._profiled = None  # the last step's StepPhases, sent with its metrics events
         self._pending_size = (0, 0)  # an overlapped step's (samples, micro-batches)
+        self._contributed: tuple[int, int] | None = None  # (epoch, samples) to report once
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -176,8 +177,9 @@ class StepManager:
         report = ProgressReport(self.peer_id, s.epoch, self.samples,
                                 self.loss_sum / self.samples if self.samples else None,
                                 s.step_checksum, self.own_rejections,
-                                tuple(self._saw_rejections), self._numel())
+                                tuple(self._saw_rejections), self._numel(), self._contributed)
         self._saw_rejections.clear()
+        self._contributed = None
         ref = self.coordinator.report.remote(report)
         self._inflight.append((s.epoch, self._generation, asyncio.ensure_future(_awaited(ref))))
 
@@ -325,8 +327,11 @@ class StepManager:
 
     def _record(self, report) -> None:
         """Metrics events for one averaging round (fire-and-forget; cluster/metrics.py): the
-        round itself and, after this replica's first averaged step, its join time."""
+        round itself and, after this replica's first averaged step, its join time. Also
+        what this replica put into the step, for its next report (``contributed``)."""
         events: list = [metrics.RoundEvent.from_report(report)]
+        if self._profiled is not None and self.peer_id in report.contributors:
+            self._contributed = (report.epoch, self._profiled.samples)
         if self._profiled is not None:
             events.append(self._profiled)
             self._profiled = None

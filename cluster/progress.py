@@ -25,11 +25,12 @@ back over steps nobody was ever seen applying is an *abandoned* plan, not a roll
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .membership import Membership
 from .messages import RoundPlan
 from .quarantine import Quarantine
+from .step_samples import StepSamples
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ class ProgressReport:
     # epoch) or (sender, reason, epoch, the length the sender's tensor had: -1 unknown).
     saw_rejections: tuple[tuple, ...] = ()
     numel: int = 0  # the length of this peer's averaged tensor (its model's layout; 0: unknown)
+    # (epoch, samples): what this peer put into the step ``epoch`` it just applied, once
+    # (see step_samples.py); None otherwise
+    contributed: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ class ProgressTracker:
     rebuild_until: float | None = None  # after a restart: no fallback before this time
     abandoned: list[tuple[int, int]] = field(default_factory=list)  # plans nobody applied
     quarantine: Quarantine = field(default_factory=Quarantine)
+    step_samples: StepSamples = field(default_factory=StepSamples)
     _loss: dict[int, tuple[float, int]] = field(default_factory=dict)
     _full_since: float | None = None  # when the current epoch's batch became full
     _unpushed: RoundPlan | None = None  # made since the last take_new_plan
@@ -261,6 +266,8 @@ class ProgressTracker:
         timing = self.timings.get(r.epoch)
         if timing is not None and timing.committed_at is None and r.peer_id in timing.participants:
             timing.committed_at = now
+        if r.contributed is not None:
+            self._correct_samples(r.peer_id, *r.contributed)
         in_plan = self.plan is not None and r.peer_id in self.plan.participants
         if self.stop:
             # Finish a published step first, so no participant waits for a stopped peer.
@@ -346,6 +353,16 @@ class ProgressTracker:
             return  # a joiner is copying the current state: let it in first
         self.plan_now(now, current)
 
+    def _correct_samples(self, peer: str, epoch: int, samples: int) -> None:
+        """A step's history count becomes what its participants really averaged."""
+        total = self.step_samples.contributed(epoch, peer, samples)
+        if total is None:
+            return
+        for i in range(len(self.history) - 1, max(-1, len(self.history) - 65), -1):
+            if self.history[i].epoch == epoch:
+                self.history[i] = replace(self.history[i], samples=total)
+                return
+
     def _finishing(self, eligible: list[str]) -> bool:
         """Some of ``eligible`` took part in the latest plan and still report the epoch
         before it (they are applying that step)."""
@@ -376,5 +393,6 @@ class ProgressTracker:
         self._full_since = None
         self.history.append(StepRecord(plan.epoch, now, samples, total / n if n else None,
                                        len(at_epoch)))
+        self.step_samples.planned(plan.epoch, {r.peer_id: r.samples for r in current})
         self.timings[plan.epoch] = StepTiming(plan.epoch, now, tuple(plan.participants))
         return True

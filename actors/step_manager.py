@@ -74,6 +74,7 @@ class StepManager:
         self.phases = PhaseClock(time.monotonic)  # where the time goes (cluster/step_profile)
         self._profiled = None  # the last step's StepPhases, sent with its metrics events
         self._pending_size = (0, 0)  # an overlapped step's (samples, micro-batches)
+        self._contributed: tuple[int, int] | None = None  # (epoch, samples) to report once
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -178,15 +179,16 @@ class StepManager:
 
     def send_report(self, force: bool = False) -> None:
         """Progress to the Coordinator without waiting for the reply; at most one routine
-        report in flight, ``force`` sends anyway (right after a step or a sync)."""
-        if self._inflight and not force:
+        report unanswered in flight, ``force`` sends anyway (right after a step or a sync)."""
+        if not force and any(not f.done() for _, _, f in self._inflight):
             return
         s = self.state
         report = ProgressReport(self.peer_id, s.epoch, self.samples,
                                 self.loss_sum / self.samples if self.samples else None,
                                 s.step_checksum, self.own_rejections,
-                                tuple(self._saw_rejections), self._numel())
+                                tuple(self._saw_rejections), self._numel(), self._contributed)
         self._saw_rejections.clear()
+        self._contributed = None
         ref = self.coordinator.report.remote(report)
         self._inflight.append((s.epoch, self._generation, asyncio.ensure_future(_awaited(ref))))
 
@@ -235,8 +237,7 @@ class StepManager:
         self.loss_sum += loss * samples
         applied = await self._finish_pending(wait=False)
         await self._serve_snapshots()
-        # (forced also before taking a plan: a plan made ahead counts the samples it is run with)
-        self.send_report(force=applied or self._plan is not None)
+        self.send_report(force=applied)
         verdict = self._replies()
         if verdict is not None:
             applied = await self._finish_pending(wait=True) or applied
@@ -337,8 +338,11 @@ class StepManager:
 
     def _record(self, report) -> None:
         """Metrics events for one averaging round (fire-and-forget; cluster/metrics.py): the
-        round itself and, after this replica's first averaged step, its join time."""
+        round itself and, after this replica's first averaged step, its join time. Also
+        what this replica put into the step, for its next report (``contributed``)."""
         events: list = [metrics.RoundEvent.from_report(report)]
+        if self._profiled is not None and self.peer_id in report.contributors:
+            self._contributed = (report.epoch, self._profiled.samples)
         if self._profiled is not None:
             events.append(self._profiled)
             self._profiled = None

@@ -48,8 +48,8 @@ from . import compression as comp
 from .capacity import busy_seconds, round_throughput
 from .mailbox import GroupMailbox, RoundKey
 from .messages import Contribution, Group, PartResult, Probe, Rejection, RejectReason, RoundPlan
-from .part_reduce import reduce_part
-from .partition import part_sizes, part_slices
+from .part_reduce import off_loop, reduce_part
+from .partition import owner_shares, part_sizes, part_slices
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class GroupRound:
         self.cpu_used = 0.0  # the CPU time of that (far less on a contended machine)
         self.reduced_bytes = 0  # float32 bytes of the terms added
         self._probing: set[str] = set()  # peers with a probe in flight
+        self.sizes: tuple[int, ...] | None = None  # each member's part (set by ``_run``)
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -155,10 +156,14 @@ class GroupRound:
         member = self.me in members
         while True:
             await asyncio.sleep(PROBE_S)
+            sizes = self.sizes or (1,) * len(members)
+            own = sizes[members.index(self.me)] if member else 0
             for j, peer in enumerate(members):
                 if peer == self.me or peer in self.box.dead or peer in self._probing:
                     continue
-                if j in self.box.results and (not member or peer in self.box.contributions):
+                result_due = sizes[j] > 0 and j not in self.box.results
+                contribution_due = own > 0 and peer not in self.box.contributions
+                if not (result_due or contribution_due):
                     continue  # nothing more to wait for from this peer
                 self._probing.add(peer)
                 ref = self.send(peer, "receive_contribution", probe)
@@ -176,7 +181,11 @@ class GroupRound:
     async def _run(self, flat: np.ndarray, weight: float, deadlines: Deadlines) -> RoundOutcome:
         members = self.group.members
         self.numel = flat.size
-        sizes = part_sizes(flat.size, [self.plan.share_of(m) for m in members])
+        # Small tensors have fewer owners than members (``owner_shares``): a member whose
+        # part is empty contributes and receives but reduces and publishes nothing.
+        sizes = self.sizes = part_sizes(
+            flat.size, owner_shares(flat.size, [self.plan.share_of(m) for m in members],
+                                    self.plan.min_part))
         slices = part_slices(sizes)
         out = np.empty(flat.size, dtype=np.float32)  # every part is written exactly once
         per_part: dict[int, tuple[str, ...]] = {}
@@ -192,7 +201,12 @@ class GroupRound:
             phases[name] = phases.get(name, 0.0) + now - mark
             mark = now
 
-        if self.me in members:
+        if self.me in members and sizes[members.index(self.me)] == 0:
+            own = members.index(self.me)
+            await self._contribute(flat, weight, slices, own)
+            per_part[own], weights[own] = (), weight
+            lap("put")
+        elif self.me in members:
             own = members.index(self.me)
             self.box.own_part = own
             for sender in self.box.contributions:  # arrived before our round started
@@ -211,6 +225,9 @@ class GroupRound:
 
         for j, owner in enumerate(members):
             if j in per_part:
+                continue
+            if sizes[j] == 0:  # nothing to receive
+                per_part[j], weights[j] = (), weight
                 continue
             result = await self._await_result(j, owner, sizes[j], out[slices[j]], deadlines)
             if result is not None:
@@ -261,7 +278,7 @@ class GroupRound:
         def put_parts() -> list:
             refs = []
             for j, s in enumerate(slices):
-                if j == own:
+                if j == own or s.stop == s.start:  # ours, or a member that owns nothing
                     refs.append(None)
                     continue
                 enc = comp.encode(flat[s], self.codec)  # none: a view, put copies it once
@@ -269,7 +286,7 @@ class GroupRound:
                 refs.append(self.transport.put(enc))
             return refs
 
-        refs = await asyncio.to_thread(put_parts)
+        refs = await off_loop(flat.nbytes, put_parts)
         message = Contribution(
             epoch=self.plan.epoch,
             round_index=self.round_index,
@@ -285,10 +302,10 @@ class GroupRound:
 
     async def _publish(self, part: int, values: np.ndarray, total: float, contributors,
                        dest: np.ndarray) -> None:
-        enc = await asyncio.to_thread(comp.encode, values, self.codec)
+        enc = await off_loop(values.nbytes, comp.encode, values, self.codec)
         # Keep exactly what the others will decode, so every peer holds equal values.
-        await asyncio.to_thread(comp.decode_into, enc, dest)
-        ref = await asyncio.to_thread(self.transport.put, enc)
+        await off_loop(values.nbytes, comp.decode_into, enc, dest)
+        ref = await off_loop(values.nbytes, self.transport.put, enc)
         result = PartResult(
             epoch=self.plan.epoch,
             round_index=self.round_index,
@@ -337,5 +354,5 @@ class GroupRound:
             log.warning("result of part %d from %s is malformed (%s, %d values); "
                         "re-reducing", part, owner, enc.codec.value, enc.numel)
             return None
-        await asyncio.to_thread(comp.decode_into, enc, dest)
+        await off_loop(dest.nbytes, comp.decode_into, enc, dest)
         return result

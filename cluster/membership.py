@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .capacity import relative_shares
+from .partition import MIN_PART
 from .grid import DEFAULT_MAX_GROUP, plan_grid
 from .messages import PeerInfo, RoundPlan
 
@@ -26,12 +27,15 @@ class MembershipConfig:
     peer_ttl_s: float = 30.0
     compression: str = "none"
     seed: int = 0
+    min_part: int = MIN_PART  # see RoundPlan.min_part
 
     def __post_init__(self) -> None:
         if self.max_group < 2:
             raise ValueError(f"max_group must be >= 2, got {self.max_group}")
         if not self.peer_ttl_s > 0:  # also rejects NaN
             raise ValueError(f"peer_ttl_s must be positive, got {self.peer_ttl_s}")
+        if self.min_part < 1:
+            raise ValueError(f"min_part must be >= 1, got {self.min_part}")
 
 
 @dataclass
@@ -125,4 +129,5 @@ class Membership:
             shares=tuple((p.peer_id, p.capacity * measured[p.peer_id]) for p in chosen),
             handles=tuple((p.peer_id, p.handle) for p in chosen),
             compression=self.config.compression,
+            min_part=self.config.min_part,
         )

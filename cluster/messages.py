@@ -116,6 +116,9 @@ class RoundPlan:
     shares: tuple[tuple[str, float], ...]
     handles: tuple[tuple[str, ActorHandle], ...] = field(compare=False, repr=False)
     compression: str = "none"  # codec every member encodes with (see compression.py)
+    # Fewest values a part's owner gets: a group splits a tensor among at most
+    # ``numel // min_part`` members (``partition.owner_shares``); 1: every member owns one.
+    min_part: int = 1
 
     @property
     def participants(self) -> tuple[str, ...]:

@@ -28,6 +28,17 @@ if TYPE_CHECKING:  # pragma: no cover
     from .allreduce import GroupRound
 
 F32 = np.dtype(np.float32)
+# Numeric work on fewer bytes than this runs on the event loop itself: a hop to a worker
+# thread and back costs more than it (and, on a loaded machine, waits for a core twice).
+INLINE_BYTES = 2 << 20
+
+
+async def off_loop(nbytes: int, fn, *args):
+    """``fn(*args)``: in a worker thread when it touches at least ``INLINE_BYTES``, else
+    right here on the loop."""
+    if nbytes < INLINE_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def own_term(codec: comp.Compression, local: np.ndarray, size: int, weight: float):
@@ -102,7 +113,8 @@ async def reduce_part(
             rnd.cpu_seconds += time.perf_counter() - t0
             rnd.cpu_used += time.thread_time() - c0
 
-    got = await asyncio.to_thread(timed, own_term, codec, local, size, weight)
+    nbytes = size * F32.itemsize
+    got = await off_loop(nbytes, timed, own_term, codec, local, size, weight)
     if isinstance(got, tuple):
         rnd.reject(rnd.me, part, *got)
     else:
@@ -139,7 +151,7 @@ async def reduce_part(
             rnd.bytes_received += getattr(enc, "nbytes", 0)
             weight_of = box.contributions[sender].weight
             future = asyncio.ensure_future(
-                asyncio.to_thread(timed, accept, codec, enc, size, weight_of))
+                off_loop(nbytes, timed, accept, codec, enc, size, weight_of))
             future.add_done_callback(lambda _: box.notify())
             preparing[sender] = future
         for sender, future in list(preparing.items()):
@@ -156,7 +168,7 @@ async def reduce_part(
             member = order[added]
             added += 1
             if member in held:
-                await asyncio.to_thread(timed, mean.add_term, *held.pop(member))
+                await off_loop(nbytes, timed, mean.add_term, *held.pop(member))
                 contributors.append(member)
         if added == len(order):
             break
@@ -165,7 +177,7 @@ async def reduce_part(
             break  # fetch deadline: whoever has not been fetched drops out of this part
     for member in order[added:]:  # past the deadline: what did arrive, in order
         if member in held:
-            await asyncio.to_thread(timed, mean.add_term, *held.pop(member))
+            await off_loop(nbytes, timed, mean.add_term, *held.pop(member))
             contributors.append(member)
     for future in preparing.values():  # late: their threads finish on their own
         future.cancel()
@@ -175,6 +187,6 @@ async def reduce_part(
         # us as a donor everyone's); a published empty result makes the receivers
         # re-reduce the part from what they hold (see ``GroupRound._await_result``).
         return np.zeros(size, dtype=np.float32), 0.0, ()
-    values, total = await asyncio.to_thread(timed, mean.result)
+    values, total = await off_loop(nbytes, timed, mean.result)
     rnd.reduced_bytes += values.nbytes * mean.count
     return values, total, tuple(sorted(contributors))

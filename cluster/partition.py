@@ -42,6 +42,27 @@ def part_sizes(numel: int, shares: Sequence[float]) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+# Fewest values worth a part of its own: below this, one more owner costs more in messages
+# (a put, a call and a fetch per member, each way) than it saves in bytes per owner.
+MIN_PART = 1 << 18
+
+
+def owner_shares(numel: int, shares: Sequence[float], min_part: int = MIN_PART
+                 ) -> list[float]:
+    """``shares`` with parts for at most ``max(1, numel // min_part)`` owners: the members
+    with the largest shares keep theirs (ties: the lowest index), the others get zero (they
+    contribute and receive but own nothing). Shares that are zero, negative or non-finite
+    count as zero; if none is positive every member counts as 1. Deterministic, so every
+    peer of a group derives the same sizes from the same plan and tensor length."""
+    clean = [float(s) if np.isfinite(s) and s > 0 else 0.0 for s in shares]
+    if not any(clean):
+        clean = [1.0] * len(clean)
+    owners = max(1, numel // max(1, min_part))
+    ranked = sorted(range(len(clean)), key=lambda i: (-clean[i], i))
+    keep = {i for i in ranked[:owners] if clean[i] > 0}
+    return [s if i in keep else 0.0 for i, s in enumerate(clean)]
+
+
 def part_slices(sizes: Sequence[int]) -> tuple[slice, ...]:
     """Contiguous slices for parts of the given sizes."""
     out, start = [], 0

@@ -32,6 +32,7 @@ from .membership import Membership
 from .messages import RoundPlan
 from .plan_ahead import PlanAhead
 from .quarantine import Quarantine
+from .step_samples import StepSamples
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ class ProgressReport:
     # epoch) or (sender, reason, epoch, the length the sender's tensor had: -1 unknown).
     saw_rejections: tuple[tuple, ...] = ()
     numel: int = 0  # the length of this peer's averaged tensor (its model's layout; 0: unknown)
+    # (epoch, samples): what this peer put into the step ``epoch`` it just applied, once
+    # (see step_samples.py); None otherwise
+    contributed: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ class ProgressTracker:
     rebuild_until: float | None = None  # after a restart: no fallback before this time
     abandoned: list[tuple[int, int]] = field(default_factory=list)  # plans nobody applied
     quarantine: Quarantine = field(default_factory=Quarantine)
+    step_samples: StepSamples = field(default_factory=StepSamples)
     _loss: dict[int, tuple[float, int]] = field(default_factory=dict)
     _full_since: float | None = None  # when the current epoch's batch became full
     _unpushed: RoundPlan | None = None  # made since the last take_new_plan
@@ -269,6 +274,8 @@ class ProgressTracker:
         timing = self.timings.get(r.epoch)
         if timing is not None and timing.committed_at is None and r.peer_id in timing.participants:
             timing.committed_at = now
+        if r.contributed is not None:
+            self.step_samples.correct(self.history, r.peer_id, *r.contributed)
         # The published plan this peer takes next (the latest, or one in flight before it).
         nxt = self.ahead.next_plan(self.plan, r.peer_id, r.epoch)
         if self.stop:
@@ -386,6 +393,7 @@ class ProgressTracker:
         self._full_since = None
         self.history.append(StepRecord(plan.epoch, now, samples, total / n if n else None,
                                        len(at_epoch)))
+        self.step_samples.planned(plan.epoch, {r.peer_id: r.samples for r in current})
         self.timings[plan.epoch] = StepTiming(plan.epoch, now, tuple(plan.participants))
         return True
 
@@ -402,5 +410,9 @@ class ProgressTracker:
         self._loss.pop(latest.epoch, None)  # (its loss is its participants', see record)
         self.history.append(StepRecord(plan.epoch, now, 0, None, len(plan.participants)))
         self.ahead.record(self.history)  # what its participants reported so far
+        # ... until each reports what it really put in (step_samples.py)
+        seen = self.ahead.seen
+        self.step_samples.planned(plan.epoch, {p: seen[p].samples if p in seen else 0
+                                               for p in plan.participants})
         self.timings[plan.epoch] = StepTiming(plan.epoch, now, tuple(plan.participants))
         return True

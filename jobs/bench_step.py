@@ -6,7 +6,8 @@ checkpoint, and prints the steady rate (``goodput_rates.steady_rate``: from the 
 every node took part in) next to the per-step profile the replicas sent the Coordinator
 (``cluster/step_profile.py``): the median wall time of one replica's step and its split into
 compute (the training loop), control (reports and replies), round (the all-reduce) and apply
-(optimizer step and commit), the plan's wait in the replica, and the all-reduce's own phases.
+(optimizer step and commit), the plan's wait in the replica, the samples one replica put
+into a step (``mine``, median) and the all-reduce's own phases.
 This is the profile the issue's steady-state targets are judged by; the DDP rate to compare
 with is ``bench goodput``'s calibration.
 
@@ -78,7 +79,7 @@ def _fmt(x, spec: str = ".3f") -> str:
 
 
 def print_table(fig: dict) -> None:
-    print(f"{'nodes':>5} {'samples/s':>10} {'/step':>6} " +
+    print(f"{'nodes':>5} {'samples/s':>10} {'/step':>6} {'mine':>5} " +
           " ".join(f"{c[:-2]:>8}" for c in PHASE_COLUMNS) + "  round phases (median s)")
     for n, f in fig["counts"].items():
         prof = f.get("profile") or {}
@@ -86,7 +87,8 @@ def print_table(fig: dict) -> None:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in prof.get("round_phases_median_s",
                                                                {}).items())
         print(f"{n:>5} {_fmt(f['samples_per_s'], '.1f'):>10} "
-              f"{_fmt(f['samples_per_step'], '.1f'):>6} " +
+              f"{_fmt(f['samples_per_step'], '.1f'):>6} "
+              f"{_fmt(prof.get('samples_median'), '.0f'):>5} " +
               " ".join(f"{_fmt(med.get(c)):>8}" for c in PHASE_COLUMNS) + f"  {parts}")
         share = prof.get("share", {})
         if share:

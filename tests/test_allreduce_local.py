@@ -18,9 +18,11 @@ from moshray.cluster.transport import LocalNetwork
 TIMEOUT = 2.0
 
 
-def swarm(n: int, max_group: int = 16):
+def swarm(n: int, max_group: int = 16, min_part: int = 1):
+    """``n`` averagers and their plan; ``min_part`` 1: every member owns a part (the
+    product's default gives small tensors fewer owners: see the tests at the end)."""
     network = LocalNetwork()
-    membership = Membership(MembershipConfig(max_group=max_group))
+    membership = Membership(MembershipConfig(max_group=max_group, min_part=min_part))
     averagers = {}
     for i in range(n):
         pid = f"p{i}"
@@ -99,7 +101,7 @@ def test_fp16_with_measured_shares_is_bitwise_equal_and_meters_measure():
     still holds the same bits, close to the exact average; each averager's meter has a
     throughput to report after the round, and feeding it back changes nothing of that."""
     network = LocalNetwork()
-    membership = Membership(MembershipConfig(compression="fp16"))
+    membership = Membership(MembershipConfig(compression="fp16", min_part=1))
     averagers = {}
     for i in range(4):
         pid = f"p{i}"
@@ -135,3 +137,43 @@ def test_a_wrong_length_is_rejected_with_the_length_the_sender_sent():
         assert shape and {r.reason.value for r in shape} == {"shape_mismatch"}
         assert {r.numel for r in shape} == {1001}
         np.testing.assert_allclose(out, weighted(arrays, weights, ("p0", "p1")), rtol=1e-5)
+
+
+def _owner(plan) -> str:
+    members = plan.grid.rounds[0].group_of("p0")[1].members
+    from moshray.cluster.partition import owner_shares
+    shares = owner_shares(1000, [plan.share_of(m) for m in members], plan.min_part)
+    assert sum(s > 0 for s in shares) == 1
+    return members[shares.index(max(shares))]
+
+
+def test_a_small_tensor_has_one_owner_and_the_others_move_only_its_part():
+    _, averagers, plan = swarm(4, min_part=1000)  # 1000 values: one owner
+    owner = _owner(plan)
+    arrays, weights = inputs(4)
+    results = asyncio.run(reduce_all(averagers, plan, arrays, weights))
+    expected = weighted(arrays, weights, arrays)
+    first = results["p0"][0]
+    for pid, (out, report) in results.items():
+        assert np.array_equal(out, first), pid
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+        assert set(report.contributors) == set(arrays) and report.rejections == ()
+        # a non-owner sends its whole tensor to the owner, once; the owner sends the
+        # result to each of the three others
+        assert report.bytes_sent == (3 if pid == owner else 1) * 1000 * 4, pid
+
+
+def test_a_small_tensors_owner_dies_and_the_others_re_reduce_it_alike():
+    network, averagers, plan = swarm(4, min_part=1000)
+    owner = _owner(plan)
+    arrays, weights = inputs(4, seed=5)
+    network.kill(owner)
+    results = asyncio.run(reduce_all(averagers, plan, arrays, weights, skip={owner}))
+    survivors = sorted(set(arrays) - {owner})
+    expected = weighted(arrays, weights, survivors)
+    first = results[survivors[0]][0]
+    for pid in survivors:
+        out, report = results[pid]
+        assert np.array_equal(out, first), pid
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+        assert owner not in report.contributors

@@ -267,3 +267,13 @@ def test_weighted_mean_terms_are_bitwise_the_reference(dtype, weights) -> None:
         staged.add_term(WeightedMean.term(v.astype(np.float32), w, owned=True), w)
     assert np.array_equal(mean.result()[0].view(np.uint32), expected.view(np.uint32))
     assert np.array_equal(staged.result()[0].view(np.uint32), expected.view(np.uint32))
+
+
+def test_owner_shares_keep_the_largest_shares_for_small_tensors() -> None:
+    from moshray.cluster.partition import owner_shares
+
+    assert owner_shares(1000, [1, 3, 2, 3], min_part=1000) == [0, 3, 0, 0]  # tie: lowest index
+    assert owner_shares(2500, [1, 3, 2, 3], min_part=1000) == [0, 3, 0, 3]
+    assert owner_shares(10**6, [1, 3, 2, 3], min_part=1000) == [1, 3, 2, 3]  # big: everyone
+    assert owner_shares(10, [0, float("nan")], min_part=1000) == [1.0, 0.0]  # none positive
+    assert part_sizes(1000, owner_shares(1000, [1, 1, 1], min_part=1)) == (334, 333, 333)

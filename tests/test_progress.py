@@ -344,3 +344,31 @@ def test_a_broken_peer_that_resyncs_after_every_round_is_still_quarantined():
         core.report(ProgressReport("c", core.epoch, 10, 1.0, None, 0, (), numel=100))
         clock.t += 1
     assert [q.peer_id for q in core.progress.quarantine.records] == ["c"]
+
+
+def test_a_step_counts_the_samples_its_participants_really_averaged():
+    """Peers go on computing while a plan reaches them: a step's history count becomes,
+    per participant, the larger of what it had at plan time and what it put in."""
+    core, clock, pushed = swarm(("a", "b", "c"))
+    report(core, "a", 0, 8)
+    report(core, "b", 0, 8)
+    plan = report(core, "c", 0, 8).plan
+    assert plan is not None and core.stats()["history"][-1][2] == 24
+    core.report(ProgressReport("a", 1, 0, None, None, contributed=(1, 16)))
+    core.report(ProgressReport("b", 1, 0, None, None, contributed=(1, 24)))
+    assert core.stats()["history"][-1][2] == 16 + 24 + 8  # c (no report yet): plan time
+    core.report(ProgressReport("c", 1, 0, None, None, contributed=(1, 4)))  # below: kept 8
+    assert core.stats()["history"][-1][2] == 48
+    core.report(ProgressReport("a", 1, 0, None, None, contributed=(7, 99)))  # unknown step
+    assert [h[2] for h in core.stats()["history"]] == [48]
+
+
+def test_step_samples_forget_old_steps_and_unplanned_peers():
+    from moshray.cluster.step_samples import KEEP_EPOCHS, StepSamples
+
+    s = StepSamples()
+    s.planned(1, {"a": 8})
+    assert s.contributed(1, "z", 50) is None  # not in the plan
+    assert s.contributed(1, "a", 12) == 12
+    s.planned(1 + KEEP_EPOCHS, {"a": 8})
+    assert s.contributed(1, "a", 20) is None  # too old to correct

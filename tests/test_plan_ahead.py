@@ -214,26 +214,41 @@ def test_a_replica_that_reloads_its_state_drops_the_plan_made_ahead():
     assert m._ahead is None
 
 
-def test_a_replica_reports_the_samples_it_takes_a_step_with_before_taking_it():
-    """The report before a step is forced (a routine one may be skipped while the last is
-    unanswered): a plan made ahead counts the samples from it."""
+def test_a_routine_report_waits_only_for_an_unanswered_one():
+    """After each micro-batch a report goes out unless one is still unanswered (an answered
+    one not yet read does not hold it back): the samples a step is taken with reach the
+    Coordinator."""
     import asyncio
 
-    class Taken(Exception):
-        pass
+    class Coordinator:
+        def __init__(self):
+            self.sent = []
 
-    class Strategy:
-        overlap = False
+        class _Report:
+            def __init__(self, outer):
+                self.outer = outer
 
-        async def global_step(self, *args):
-            raise Taken
+            def remote(self, report):
+                self.outer.sent.append(report.samples)
+                return asyncio.get_running_loop().create_future()  # never answered
 
-    m = _replica()
-    m.strategy = Strategy()
-    sent = []
-    m.send_report = lambda force=False: sent.append((force, m.samples))
-    m._inflight = []
-    m.receive_plan(_plans(1)[1])
-    with pytest.raises(Taken):
-        asyncio.run(m.after_micro_batch(16, 1.0))
-    assert sent == [(True, 16)]
+        @property
+        def report(self):
+            return self._Report(self)
+
+    async def scenario():
+        m = _replica()
+        m.coordinator = Coordinator()
+        answered = asyncio.get_running_loop().create_future()
+        answered.set_result(None)
+        m._inflight = [(0, 0, answered)]
+        m.samples = 8
+        m.send_report()  # the answered one does not hold it back
+        m.samples = 16
+        m.send_report()  # ... but the unanswered one just sent does
+        m.send_report(force=True)
+        for _, _, f in m._inflight:
+            f.cancel()
+        return m.coordinator.sent
+
+    assert asyncio.run(scenario()) == [8, 16]

@@ -207,7 +207,8 @@ class ByteTransformerLM(nn.Module):
             if experts is None:
                 raise ValueError("ModelConfig.moe_layers needs an expert backend: pass experts="
                                  "(moshray.actors.moe.RayExpertBackend or LocalExpertBackend)")
-            from .moe import MoEConfig, RemoteMixtureOfExperts
+            from .moe import RemoteMixtureOfExperts
+            from .moe_config import MoEConfig
 
             for i in config.moe_layers:
                 moe = MoEConfig(moe_layer_name(i), config.moe_grid, config.d_model, k=config.moe_k)

@@ -110,9 +110,11 @@ def run(args: argparse.Namespace) -> dict:
     import ray
     import torch
 
-    from moshray.actors.expert import ExpertSetConfig, ExpertSpec, spawn_expert_set
-    from moshray.actors.moe import LocalExpertBackend, MoEConfig, RayExpertBackend, \
-        RemoteMixtureOfExperts
+    from moshray.actors.expert_config import ExpertSetConfig, ExpertSpec
+    from moshray.actors.expert_supervisor import spawn_expert_set
+    from moshray.actors.moe import RemoteMixtureOfExperts
+    from moshray.actors.moe_backends import LocalExpertBackend, RayExpertBackend
+    from moshray.actors.moe_config import MoEConfig
     from moshray.cluster import coordinator as coordinator_mod
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print

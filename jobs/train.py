@@ -233,7 +233,8 @@ def _fresh_coordinator(config: TrainConfig):
 def _start_experts(config: TrainConfig, coordinator):
     """The DMoE experts of ``config.model``: an ExpertSupervisor on the head node keeping
     every shard served on the spot nodes (snapshots under ``<checkpoint.uri>/experts``)."""
-    from moshray.actors.expert import ExpertSetConfig, ExpertSpec, spawn_expert_set
+    from moshray.actors.expert_config import ExpertSetConfig, ExpertSpec
+    from moshray.actors.expert_supervisor import spawn_expert_set
     from moshray.actors.model import moe_layer_name
 
     m, t = config.model, config.training

@@ -28,34 +28,13 @@ construction and raises ``ValueError`` with a one-line message naming the bad fi
 
 from __future__ import annotations
 
-# Split by role; this module keeps every name importable from ``moshray.cluster.metrics``:
-#   metrics_events.py    the typed events (validated, pickled to the Coordinator)
-#   metrics_state.py     node prices and the Coordinator's TrainingState
-#   metrics_exporter.py  MetricsExporter: events -> Prometheus registry, /metrics over HTTP
-from .metrics_events import (
-    EXPERT_OUTCOMES,
-    MARKETS,
-    REPLICA_STATES,
-    CapacityEvent,
-    Event,
-    ExpertCallEvent,
-    JoinEvent,
-    LaunchEvent,
-    NodeJoinedEvent,
-    NodeLostEvent,
-    NoticeEvent,
-    QuarantineEvent,
-    RebalanceEvent,
-    ReplicaStatesEvent,
-    RoundEvent,
-)
-from .metrics_exporter import (
-    EXPERT_BUCKETS,
-    JOIN_BUCKETS,
-    LOOPBACK,
-    PREFIX,
-    REBALANCE_BUCKETS,
-    ROUND_BUCKETS,
-    MetricsExporter,
-)
-from .metrics_state import Prices, TrainingState, training_state
+# Split by role; this module keeps every name importable from ``moshray.cluster.metrics``
+# (each role module's ``__all__`` lists its public names):
+#   metrics_events.py    the typed events (validated, pickled to the Coordinator), Event,
+#                        EXPERT_OUTCOMES, MARKETS, REPLICA_STATES
+#   metrics_state.py     Prices, TrainingState, training_state
+#   metrics_exporter.py  MetricsExporter (events -> Prometheus registry, /metrics over HTTP),
+#                        PREFIX, LOOPBACK and the histogram buckets
+from .metrics_events import *  # noqa: F403
+from .metrics_exporter import *  # noqa: F403
+from .metrics_state import *  # noqa: F403

@@ -15,6 +15,10 @@ from typing import Union
 
 from .messages import AllReduceReport
 
+__all__ = ["EXPERT_OUTCOMES", "MARKETS", "REPLICA_STATES", "Event", "RoundEvent", "NoticeEvent",
+           "NodeLostEvent", "RebalanceEvent", "JoinEvent", "ExpertCallEvent", "LaunchEvent",
+           "CapacityEvent", "ReplicaStatesEvent", "NodeJoinedEvent", "QuarantineEvent"]
+
 EXPERT_OUTCOMES = ("ok", "timeout", "failed", "rejected")
 MARKETS = ("spot", "on_demand")
 

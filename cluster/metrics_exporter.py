@@ -39,6 +39,9 @@ from .metrics_events import (
 )
 from .metrics_state import Prices, TrainingState
 
+__all__ = ["MetricsExporter", "PREFIX", "LOOPBACK", "ROUND_BUCKETS", "REBALANCE_BUCKETS",
+           "JOIN_BUCKETS", "EXPERT_BUCKETS"]
+
 # The logger keeps the name the metrics warnings have always had (moshray.cluster.metrics).
 log = logging.getLogger(f"{__package__}.metrics")
 

@@ -12,6 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+__all__ = ["Prices", "TrainingState", "training_state"]
+
 # -- configuration and state ---------------------------------------------------------------
 
 

@@ -20,7 +20,6 @@ from .config_fields import ConfigError
 from .config_load import _build
 from .config_sections import TrainConfig
 
-# --------------------------------------------------------------------------- command line
 
 # argparse dest -> dotted config key for the convenience flags.
 _FLAG_KEYS = {

@@ -27,7 +27,6 @@ except ImportError:  # pragma: no cover - Python 3.10
         _toml = None  # TOML files are refused with a clear message; JSON still works
 
 
-
 def _read_file(path: str) -> dict[str, Any]:
     """Parse a ``.toml`` or ``.json`` config file into a dict; errors are ConfigErrors."""
     file = Path(path).expanduser()

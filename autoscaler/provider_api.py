@@ -29,6 +29,9 @@ listing shows them (``visibility_grace_s``); requests are idempotent; errors are
 except where Ray's contract wants an exception: a ``create_node`` that launched nothing
 raises ``NodeLaunchException`` (Ray shows it as a failed launch), and a first listing that
 fails raises (there is no earlier listing to fall back on).
+
+Node records and errors are in provider_records.py, pool placement (``create_node``,
+``release_on_demand``) in provider_placement.py; this module re-exports their names.
 """
 
 from __future__ import annotations
@@ -38,31 +41,13 @@ import dataclasses
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from ray.autoscaler.node_launch_exception import NodeLaunchException
 from ray.autoscaler.node_provider import NodeProvider
-from ray.autoscaler.tags import (
-    NODE_KIND_HEAD,
-    NODE_KIND_WORKER,
-    TAG_RAY_CLUSTER_NAME,
-    TAG_RAY_NODE_KIND,
-)
+from ray.autoscaler.tags import NODE_KIND_HEAD
 
-from moshray.autoscaler.pools import (
-    EventKind,
-    Market,
-    Observations,
-    OnDemandBudget,
-    Pool,
-    PoolEvent,
-    PoolSelector,
-    RunningNode,
-    decode_pool,
-)
+from moshray.autoscaler.pools import EventKind, Market, Pool, PoolSelector
 from moshray.autoscaler import provider_metrics
 from moshray.autoscaler.prices import Fetch, PriceConfig, SpotPrices
 from moshray.autoscaler.provider_config import (  # noqa: F401 - re-exported for the providers
@@ -73,93 +58,22 @@ from moshray.autoscaler.provider_config import (  # noqa: F401 - re-exported for
     optional,
     require,
 )
-from moshray.autoscaler.tags import CLUSTER_TAG, MARKET_TAG, POOL_TAG, ROLE_TAG
+from moshray.autoscaler.provider_placement import SpotPlacementMixin
+from moshray.autoscaler.provider_records import (  # noqa: F401 - re-exported for the providers
+    LaunchError,
+    NodeRecord,
+    PoolHistory,
+    ProviderError,
+)
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class NodeRecord:
-    """One instance as this provider sees it (cloud-neutral)."""
-
-    node_id: str
-    live: bool  # pending or running (Ray's "non-terminated")
-    running: bool
-    tags: Mapping[str, str]  # Ray's tags plus the moshray-* tags
-    internal_ip: str | None = None
-    external_ip: str | None = None
-    launched_at: float = 0.0
-    # The cloud itself ended the instance (AWS state reason "Server.*", a stopped GCE spot VM).
-    reclaimed: bool = False
-    state_reason: str = ""
-    zone: str | None = None
-
-    @property
-    def pool(self) -> str | None:
-        return self.tags.get(POOL_TAG)
-
-    @property
-    def market(self) -> str | None:
-        return self.tags.get(MARKET_TAG)
-
-    @property
-    def role(self) -> str | None:
-        return self.tags.get(ROLE_TAG)
-
-
-class LaunchError(Exception):
-    """A launch attempt in one pool failed. ``capacity=True``: the pool (its capacity, spot
-    price or quota) refused, so another pool may work; otherwise the request itself is bad and
-    no pool will take it. ``created`` holds nodes that did start before the failure."""
-
-    def __init__(self, code: str, message: str, capacity: bool,
-                 created: tuple[NodeRecord, ...] = ()) -> None:
-        super().__init__(code, message, capacity, created)
-        self.code = code
-        self.message = message
-        self.capacity = capacity
-        self.created = created
-
-    def __str__(self) -> str:
-        return f"{self.code}: {self.message}"
-
-
-@dataclass(frozen=True)
-class ProviderError:
-    """One error the provider collected instead of raising it."""
-
-    at: float
-    operation: str  # "launch" | "list" | "terminate" | "set_tags" | "fetch" | "prices"
-    code: str
-    message: str
-    pool: str | None = None
-
-
-class PoolHistory:
-    """Thread-safe store of recent pool events (older than ``horizon_s`` are dropped)."""
-
-    def __init__(self, horizon_s: float) -> None:
-        self._horizon = horizon_s
-        self._events: list[PoolEvent] = []
-        self._lock = threading.Lock()
-
-    def record(self, pool: str, kind: EventKind, at: float, detail: str = "") -> PoolEvent:
-        event = PoolEvent(pool, EventKind(kind), at, detail)
-        with self._lock:
-            self._events.append(event)
-            cutoff = at - self._horizon
-            self._events = [e for e in self._events if e.at >= cutoff]
-        return event
-
-    def snapshot(self) -> tuple[PoolEvent, ...]:
-        with self._lock:
-            return tuple(self._events)
 
 
 def _matches(tags: Mapping[str, str], tag_filters: Mapping[str, str]) -> bool:
     return all(tags.get(k) == v for k, v in tag_filters.items())
 
 
-class SpotNodeProviderBase(NodeProvider):
+class SpotNodeProviderBase(SpotPlacementMixin, NodeProvider):
     """Ray ``NodeProvider`` for spot pools; subclasses implement the ``_cloud_*`` hooks.
 
     ``clock`` (seconds) is injectable for tests; Ray constructs providers with two
@@ -291,52 +205,6 @@ class SpotNodeProviderBase(NodeProvider):
                 self._nodes.setdefault(node_id, rec)
         return rec
 
-    def _selector_for(self, node_config: Mapping[str, Any], kind: str) -> PoolSelector:
-        if kind == NODE_KIND_HEAD:
-            pools: tuple[Pool, ...] = (self._default_pool(node_config).with_market(Market.ON_DEMAND),)
-            budget = OnDemandBudget(max_nodes=None)  # the head is on-demand by design
-        else:
-            own = node_config.get(NODE_POOLS_KEY)
-            if own:
-                pools = tuple(Pool.from_config(self.cloud, e) for e in own)
-            elif self.placement.pools:
-                pools = self.placement.pools
-            else:
-                pools = (self._default_pool(node_config),)
-            budget = self.placement.budget
-        key = (kind,) + pools  # type: ignore[operator]
-        with self._lock:
-            if key not in self._selectors:
-                self._selectors[key] = PoolSelector(pools, budget, self.placement.selector)
-            return self._selectors[key]
-
-    def _on_demand_in_use(self) -> tuple[str, ...]:
-        """Instance types of the live on-demand workers (one entry per node)."""
-        with self._lock:
-            records = list(self._nodes.values())
-        return tuple(
-            decode_pool(r.pool).instance_type
-            for r in records
-            if r.market == Market.ON_DEMAND.value and r.role == NODE_KIND_WORKER
-            and r.pool
-        )
-
-    def observations(self) -> Observations:
-        """The selector's input now: pool history and on-demand workers in use."""
-        return Observations(now=self._clock(), events=self.history.snapshot(),
-                            on_demand_in_use=self._on_demand_in_use())
-
-    def _instance_tags(self, tags: Mapping[str, str], pool: Pool, kind: str) -> dict[str, str]:
-        out = dict(tags)
-        out.update({
-            TAG_RAY_CLUSTER_NAME: self.cluster_name,
-            CLUSTER_TAG: self.cluster_name,
-            ROLE_TAG: NODE_KIND_HEAD if kind == NODE_KIND_HEAD else NODE_KIND_WORKER,
-            POOL_TAG: pool.key,
-            MARKET_TAG: pool.market.value,
-        })
-        return out
-
     # ------------------------------------------------------------------ NodeProvider API
     def non_terminated_nodes(self, tag_filters: dict[str, str]) -> list[str]:
         """Live nodes of this cluster matching ``tag_filters``. A failed listing is collected
@@ -403,87 +271,6 @@ class SpotNodeProviderBase(NodeProvider):
         except Exception as exc:  # noqa: BLE001 - collected
             self._record_error("set_tags", type(exc).__name__, str(exc), rec.pool)
 
-    def create_node(self, node_config: dict[str, Any], tags: dict[str, str],
-                    count: int) -> dict[str, dict[str, str]]:
-        """Launch ``count`` nodes across pools (see module docstring). Returns
-        ``{node_id: tags}`` of the nodes launched; raises ``NodeLaunchException`` only if none
-        could be launched."""
-        kind = tags.get(TAG_RAY_NODE_KIND, NODE_KIND_WORKER)
-        with self._launch_lock:  # one launch at a time: the budget is checked then spent
-            selector = self._selector_for(node_config, kind)
-            if kind != NODE_KIND_HEAD and self.placement.budget.max_nodes != 0:
-                try:
-                    self._refresh()  # on-demand usage as of now
-                except Exception as exc:  # noqa: BLE001 - decide on the last good listing
-                    self._record_error("list", type(exc).__name__, str(exc))
-            created, errors = self._launch_loop(selector, node_config, tags, kind, count)
-        if not created and errors:
-            last = errors[-1]
-            summary = "; ".join(
-                f"{e.pool or '-'}: {e.code}: {e.message}" for e in errors
-            )
-            raise NodeLaunchException(
-                category=last.code[:20],
-                description=f"no pool could launch {count} {kind} node(s): {summary}",
-                src_exc_info=None,
-            )
-        if len(created) < count:
-            log.warning("%s provider: launched %d of %d %s nodes", self.cloud, len(created),
-                        count, kind)
-        return {rec.node_id: dict(rec.tags) for rec in created}
-
-    def _launch_loop(self, selector: PoolSelector, node_config: dict[str, Any],
-                     tags: dict[str, str], kind: str,
-                     count: int) -> tuple[list[NodeRecord], list[ProviderError]]:
-        """Decide, act, observe, repeat. Each failed attempt cools its pool down, so the loop
-        ends after at most one attempt per pool plus one per node."""
-        launch_id = uuid.uuid4().hex[:24]
-        created: list[NodeRecord] = []
-        errors: list[ProviderError] = []
-        remaining = count
-        for attempt in range(len(selector.pools) + count):
-            if remaining <= 0:
-                break
-            plan = selector.decide(self.observations(), remaining)
-            cand = plan.first
-            if cand is None:
-                why = ", ".join(f"{s.pool.key}={s.reason.value}" for s in plan.skipped)
-                errors.append(self._record_error("launch", "NoPoolAvailable", why))
-                break
-            n = min(remaining, cand.max_count)
-            token = f"moshray-{launch_id}-{attempt}"
-            instance_tags = self._instance_tags(tags, cand.pool, kind)
-            try:
-                records = list(self._cloud_launch(cand.pool, node_config, instance_tags, n,
-                                                  token))
-                failure: LaunchError | None = None
-            except LaunchError as exc:
-                records, failure = list(exc.created), exc
-            now = self._clock()
-            if records:
-                self.history.record(cand.pool.key, EventKind.LAUNCHED, now)
-                with self._lock:
-                    for rec in records:
-                        self._nodes[rec.node_id] = rec
-                        self._unlisted[rec.node_id] = now
-                created += records
-                remaining -= len(records)
-                provider_metrics.launched(self.cloud, cand.pool.key, len(records))
-                log.info("%s provider: launched %d %s node(s) in pool %s", self.cloud,
-                         len(records), kind, cand.pool.key)
-            if failure is None and not records:
-                failure = LaunchError("NothingLaunched", "the cloud returned no instances",
-                                      capacity=True)
-            if failure is not None:
-                errors.append(self._record_error("launch", failure.code, failure.message,
-                                                 cand.pool.key))
-                provider_metrics.launch_failed(self.cloud, cand.pool.key, failure.code,
-                                               failure.capacity)
-                if not failure.capacity:
-                    break  # a bad request fails in every pool: stop, report
-                self.history.record(cand.pool.key, EventKind.CAPACITY_ERROR, now, failure.code)
-        return created, errors
-
     def terminate_node(self, node_id: str) -> None:
         self.terminate_nodes([node_id])
 
@@ -541,24 +328,6 @@ class SpotNodeProviderBase(NodeProvider):
             self._record_error("prices", type(failure).__name__, str(failure))
         provider_metrics.set_spot_prices(prices)
         return prices
-
-    def release_on_demand(self) -> tuple[str, ...]:
-        """Carry out :meth:`PoolSelector.on_demand_to_release`; returns the released ids."""
-        selector = self._selector_for({}, NODE_KIND_WORKER) if self.placement.pools else None
-        if selector is None:
-            return ()
-        with self._lock:
-            nodes = [RunningNode(r.node_id, r.pool, r.launched_at) for r in self._nodes.values()
-                     if r.market == Market.ON_DEMAND.value and r.role == NODE_KIND_WORKER
-                     and r.pool]
-            pools = {r.node_id: r.pool for r in self._nodes.values()}
-        release = selector.on_demand_to_release(self.observations(), nodes)
-        for node_id in release:
-            log.info("%s provider: spot is stable again; releasing on-demand node %s",
-                     self.cloud, node_id)
-            self.history.record(pools[node_id], EventKind.RELEASED, self._clock())
-            self.terminate_nodes([node_id])
-        return release
 
     @classmethod
     def bootstrap_config(cls, cluster_config: dict[str, Any]) -> dict[str, Any]:

@@ -248,7 +248,7 @@ class CoordinatorCore:
         """Exclude ``node_id``'s peers from the next plans; ``deadline_s`` is seconds left."""
         return self.membership.mark_draining(node_id, self.clock() + deadline_s)
 
-    # -- preemption notices (autoscaler/watch.py) ----------------------------------------------
+    # -- preemption notices (autoscaler/notice_watcher.py) -------------------------------------
 
     def note_notice(self, node_id: str, deadline_s: float, notice_age_s: float = 0.0
                     ) -> tuple[str, ...]:

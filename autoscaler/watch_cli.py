@@ -1,0 +1,105 @@
+"""``moshray watch``: run the spot-notice watcher of the node it is started on.
+
+Contract: ``moshray watch --source aws`` (or ``gcp``) connects with
+``ray.init(address="auto")``, starts the watcher actor on this node and stays until the
+node's deadline has passed (or ``--max-seconds``); exit 2 on a bad argument.
+``add_arguments`` / ``main`` are what the ``moshray`` CLI calls (through
+``moshray.autoscaler.watch``, which re-exports them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+
+import ray
+
+from moshray.cluster import placement
+
+from .drain import DrainOutcome, check_node_id
+from .notice_watcher import start_watcher
+from .notices import AWS_METADATA_URL, GCP_METADATA_URL, GCP_NOTICE_S
+from .watcher_config import SOURCES, WatcherConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source", choices=SOURCES, required=True,
+                        help="where notices come from: the cloud's metadata server or simulated")
+    parser.add_argument("--metadata-url", default=None,
+                        help=f"metadata server base URL (default {AWS_METADATA_URL} for aws, "
+                             f"{GCP_METADATA_URL} for gcp)")
+    parser.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    parser.add_argument("--node-id", default=None, help="Ray node id to watch (default: this node)")
+    parser.add_argument("--pool", default="", help="capacity pool of this node, for metrics")
+    parser.add_argument("--poll-s", type=float, default=1.0, help="seconds per poll (default 1)")
+    parser.add_argument("--gcp-notice-s", type=float, default=GCP_NOTICE_S,
+                        help="seconds GCP gives between the notice and the stop (default 30)")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="stop watching after this long (default: until the node is noticed "
+                             "and its deadline has passed)")
+    parser.add_argument("--coordinator-name", default=placement.COORDINATOR_NAME,
+                        help="name of the training job's Coordinator actor "
+                             f"(default {placement.COORDINATOR_NAME})")
+    parser.add_argument("--json", action="store_true", help="print each outcome as a JSON line")
+
+
+def _finite(x):
+    """JSON has no infinity: a missing deadline becomes null."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def _outcome_json(outcome: DrainOutcome) -> str:
+    doc = asdict(outcome)
+    doc["notice_to_draining_s"] = outcome.notice_to_draining_s
+    return json.dumps(_finite(doc), allow_nan=False)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = WatcherConfig(source=args.source, metadata_url=args.metadata_url, pool=args.pool,
+                               poll_s=args.poll_s, gcp_notice_s=args.gcp_notice_s,
+                               coordinator_name=args.coordinator_name)
+        if args.node_id is not None:
+            check_node_id(args.node_id)
+        if args.max_seconds is not None and not args.max_seconds > 0:
+            raise ValueError(f"--max-seconds must be positive, got {args.max_seconds}")
+    except ValueError as e:
+        print(f"moshray watch: {e}", file=sys.stderr)
+        return 2
+    ray.init(address=args.address, namespace=placement.NAMESPACE, log_to_driver=False)
+    node_id = args.node_id or ray.get_runtime_context().get_node_id()
+    watcher = start_watcher(node_id, config)
+    ray.get(watcher.ready.remote(), timeout=120)
+    print(f"watching node {node_id} ({config.source})", file=sys.stderr, flush=True)
+    end = math.inf if args.max_seconds is None else time.monotonic() + args.max_seconds
+    seen = 0
+    try:
+        while time.monotonic() < end:
+            outcome = ray.get(watcher.wait_outcome.remote(min(config.poll_s * 5, 10.0), seen))
+            if outcome is None:
+                continue
+            seen += 1
+            if args.json:
+                print(_outcome_json(outcome), flush=True)
+            else:
+                print(f"{outcome.notice.action} notice: {len(outcome.peers)} peers draining, "
+                      f"Ray drain {'accepted' if outcome.ray.accepted else 'FAILED: ' + outcome.ray.message}, "
+                      f"{outcome.notice_to_draining_s:.3f} s after the notice", flush=True)
+            # Stay until the deadline so in-flight hand-offs (owned by the watcher) finish.
+            left = outcome.notice.seconds_left(time.time())
+            time.sleep(min(left, max(0.0, end - time.monotonic())))
+            return 0
+    finally:
+        try:
+            ray.get(watcher.stop.remote(), timeout=config.poll_s + 10)
+        except ray.exceptions.RayError:
+            pass  # the node (and its watcher) may already be gone
+    return 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .capacity import relative_shares
-from .partition import MIN_PART
 from .grid import DEFAULT_MAX_GROUP, plan_grid
 from .messages import PeerInfo, RoundPlan
 
@@ -27,7 +26,7 @@ class MembershipConfig:
     peer_ttl_s: float = 30.0
     compression: str = "none"
     seed: int = 0
-    min_part: int = MIN_PART  # see RoundPlan.min_part
+    min_part: int = 1  # see RoundPlan.min_part (partition.MIN_PART: small tensors, one owner)
 
     def __post_init__(self) -> None:
         if self.max_group < 2:

@@ -121,7 +121,9 @@ class TrainingSection(_Section):
     ``overlap`` (collaborative mode): average step k's gradients while the replica
     accumulates step k+1's (one step of delay); ``auto`` turns it on for replicas that
     train on a GPU (where compute and the averaging's CPU work do not compete) and off on
-    CPUs (see ``overlaps``).
+    CPUs (see ``overlaps``). ``min_part``: fewest values a part owner of an averaging group
+    gets (``RoundPlan.min_part``); 1 (default): every member owns a part; e.g. 262144 gives
+    a small model's tensor one owner, fewer transfers per round.
     """
 
     _section = "training"
@@ -144,6 +146,7 @@ class TrainingSection(_Section):
     max_group: int = 8
     step_grace_s: float = 2.0
     overlap: Overlap = "auto"
+    min_part: int = 1
 
     def overlaps(self, cuda: bool) -> bool:
         """Whether a collaborative replica (on CUDA if ``cuda``) overlaps its averaging."""
@@ -162,6 +165,7 @@ class TrainingSection(_Section):
         _check(isinstance(self.max_group, int) and self.max_group >= 2, self._path("max_group"),
                "must be an integer >= 2", self.max_group)
         _non_negative(self._path("step_grace_s"), self.step_grace_s)
+        _positive_int(self._path("min_part"), self.min_part)
         _check(not (self.overlap == "on" and self.mode == "local_sgd"), self._path("overlap"),
                "overlaps collaborative steps only: set training.mode = \"collaborative\" or "
                "overlap = \"off\"", self.overlap)

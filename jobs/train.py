@@ -217,7 +217,7 @@ def _fresh_coordinator(config: TrainConfig):
     # The exporter listens on the head node's loopback: Prometheus runs there too.
     coordinator = coordinator_mod.get_or_create(
         MembershipConfig(compression=t.wire_codec, peer_ttl_s=max(3.0, t.round_timeout_s),
-                         max_group=t.max_group),
+                         max_group=t.max_group, min_part=t.min_part),
         target_batch_size=t.target_batch_size, name=placement.COORDINATOR_NAME,
         metrics_port=config.metrics.port, step_grace_s=t.step_grace_s,
         prices=Prices(config.metrics.spot_price_per_hour, config.metrics.on_demand_price_per_hour))

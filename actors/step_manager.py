@@ -318,9 +318,8 @@ class StepManager:
         """Metrics, rejections for the Coordinator, and a resync after too many of our own
         contributions were rejected in a row."""
         self._record(report)
-        # (our own too: as a part's owner we may be the only one who checked our value)
         self._saw_rejections.extend((r.sender, r.reason.value, plan.epoch, r.numel)
-                                    for r in report.rejections)
+                                    for r in report.rejections if r.sender != self.peer_id)
         mine = [r for r in report.rejections if r.sender == self.peer_id]
         if not mine:
             self.consecutive_bad = 0

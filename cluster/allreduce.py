@@ -340,12 +340,8 @@ class GroupRound:
                         self.plan.epoch, self.round_index, owner, part)
             return None
         if result.numel != self.numel:
-            # The owner's tensor has another length: a dispute (the Coordinator settles it
-            # against the swarm's layout), so an owner with a broken layout is found even
-            # when it is the group's only owner and nobody reduces its contribution.
-            self.reject(owner, part, RejectReason.SHAPE_MISMATCH,
-                        f"result for a tensor of {result.numel} values; re-reducing",
-                        result.numel)
+            log.warning("result of part %d from %s is for a tensor of %d values, not %d; "
+                        "re-reducing", part, owner, result.numel, self.numel)
             return None
         try:  # a result that came in time may still be fetched until the final deadline
             task = self.box.fetch_result(part)

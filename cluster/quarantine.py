@@ -66,8 +66,8 @@ class Quarantine:
         (``numel``: the length the sender's tensor had, -1 if unknown). A fault counts at
         once: the record if it quarantines ``sender`` (the caller drops it from the ready
         set). A dispute is only recorded (None): see ``settle``."""
-        if reporter == sender and reason not in SENDER_FAULTS:
-            return None  # (its own NaN is a fault it witnessed as owner; a dispute is not)
+        if reporter == sender:
+            return None
         if reason in DISPUTES:
             self._votes.setdefault(epoch, {}).setdefault((reporter, sender),
                                                          (reason, now, numel))

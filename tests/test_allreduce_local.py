@@ -177,21 +177,3 @@ def test_a_small_tensors_owner_dies_and_the_others_re_reduce_it_alike():
         assert np.array_equal(out, first), pid
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
         assert owner not in report.contributors
-
-
-def test_a_small_tensors_owner_with_another_length_is_named_by_the_others():
-    """The only owner has a broken layout: nobody reduces its contribution, so the others
-    name it from its result's length (a dispute the Coordinator settles by fact) and
-    re-reduce the part among themselves, alike."""
-    _, averagers, plan = swarm(4, min_part=1000)
-    owner = _owner(plan)
-    arrays, weights = inputs(4, seed=6)
-    arrays[owner] = np.concatenate([arrays[owner], np.zeros(1, np.float32)])
-    results = asyncio.run(reduce_all(averagers, plan, arrays, weights))
-    others = sorted(set(arrays) - {owner})
-    first = results[others[0]][0]
-    for pid in others:
-        out, report = results[pid]
-        assert np.array_equal(out, first), pid
-        named = [r for r in report.rejections if r.sender == owner]
-        assert named and named[0].reason.value == "shape_mismatch" and named[0].numel == 1001

@@ -70,16 +70,3 @@ def test_the_layout_is_what_most_ready_replicas_report():
     assert t._layout() == 100
     t.ready.discard("b")
     assert t._layout() == 100  # a 1-vs-1 tie goes to the smallest peer id's
-
-
-def test_a_replica_that_rejected_its_own_nan_counts_against_itself_but_no_self_dispute():
-    """With one part owner (small tensors), the owner may be the only peer that checks
-    its own value: its own NaN counts against it; a dispute with itself never does."""
-    from moshray.cluster.quarantine import Quarantine
-
-    q = Quarantine(threshold=2, window_s=60.0)
-    assert q.note("a", "a", "shape_mismatch", 1, 0.0, 9) is None
-    assert q.settle(5, 1.0, layout=8) == []
-    assert q.note("a", "a", "non_finite", 1, 0.0) is None
-    record = q.note("a", "a", "non_finite", 2, 1.0)
-    assert record is not None and record.peer_id == "a" and record.reason == "non_finite"

@@ -69,6 +69,9 @@ class CoordinatorCore:
         # Called with every new plan the moment it exists (the actor shell pushes it to the
         # participants); None in pure tests, where plans travel only in report replies.
         self.push_plan: Callable[[RoundPlan], None] | None = None
+        # A notice plans the next step ahead of the one in flight (plan_ahead.py). Off: with
+        # it, the short chaos run stalled after a quarantine in 3 of 4 runs (not diagnosed).
+        self.notice_plans_ahead = False
 
     def register(self, peer_id: str, handle, node_id: str = "", capacity: float = 1.0) -> int:
         self.membership.register(PeerInfo(peer_id, handle, node_id, capacity), self.clock())
@@ -122,7 +125,8 @@ class CoordinatorCore:
         if self.progress.stop or not (self._lost_peer or self._rebalance_pending()):
             return
         if (self._no_step_in_flight(now) and self.progress.plan_now(now)) or (
-                self._rebalance_pending() and self.progress.plan_ahead(now)):
+                self.notice_plans_ahead and self._rebalance_pending()
+                and self.progress.plan_ahead(now)):
             self._lost_peer = False
             self._publish()
             self._note_rebalanced(now)

@@ -21,6 +21,7 @@ def swarm(peers=("a", "b", "c"), target=24, grace=0.5):
     core = CoordinatorCore(MembershipConfig(peer_ttl_s=30.0), clock=clock,
                            target_batch_size=target)
     core.progress.grace_s = grace
+    core.notice_plans_ahead = True  # (off in the product for now: see CoordinatorCore)
     pushed = []
     core.push_plan = pushed.append
     for i, p in enumerate(peers):

@@ -179,8 +179,8 @@ class StepManager:
 
     def send_report(self, force: bool = False) -> None:
         """Progress to the Coordinator without waiting for the reply; at most one routine
-        report unanswered in flight, ``force`` sends anyway (right after a step or a sync)."""
-        if not force and any(not f.done() for _, _, f in self._inflight):
+        report in flight, ``force`` sends anyway (right after a step or a sync)."""
+        if self._inflight and not force:
             return
         s = self.state
         report = ProgressReport(self.peer_id, s.epoch, self.samples,

@@ -185,7 +185,7 @@ class GroupRound:
         # part is empty contributes and receives but reduces and publishes nothing.
         sizes = self.sizes = part_sizes(
             flat.size, owner_shares(flat.size, [self.plan.share_of(m) for m in members],
-                                    self.plan.min_part))
+                                    self.plan.min_part, rotate=self.plan.epoch))
         slices = part_slices(sizes)
         out = np.empty(flat.size, dtype=np.float32)  # every part is written exactly once
         per_part: dict[int, tuple[str, ...]] = {}

@@ -47,19 +47,27 @@ def part_sizes(numel: int, shares: Sequence[float]) -> tuple[int, ...]:
 MIN_PART = 1 << 18
 
 
-def owner_shares(numel: int, shares: Sequence[float], min_part: int = MIN_PART
-                 ) -> list[float]:
-    """``shares`` with parts for at most ``max(1, numel // min_part)`` owners: the members
-    with the largest shares keep theirs (ties: the lowest index), the others get zero (they
-    contribute and receive but own nothing). Shares that are zero, negative or non-finite
-    count as zero; if none is positive every member counts as 1. Deterministic, so every
-    peer of a group derives the same sizes from the same plan and tensor length."""
+def owner_shares(numel: int, shares: Sequence[float], min_part: int = MIN_PART,
+                 rotate: int = 0) -> list[float]:
+    """``shares`` with parts for at most ``max(1, numel // min_part)`` owners; the others
+    get zero (they contribute and receive but own nothing). The owners are taken in turn:
+    the members with a positive share, in index order starting at ``rotate`` modulo their
+    count (callers pass the plan's epoch). Taking turns spreads the reducing work over the
+    group across steps, and it keeps every member's contributions checked by others: a
+    single owner checks only its own contribution, so a fixed owner sending NaN would be
+    rejected by nobody else (cluster/quarantine.py counts only others' rejections).
+    Shares that are zero, negative or non-finite count as zero; if none is positive every
+    member counts as 1. Deterministic, so every peer of a group derives the same sizes from
+    the same plan and tensor length."""
     clean = [float(s) if np.isfinite(s) and s > 0 else 0.0 for s in shares]
     if not any(clean):
         clean = [1.0] * len(clean)
     owners = max(1, numel // max(1, min_part))
-    ranked = sorted(range(len(clean)), key=lambda i: (-clean[i], i))
-    keep = {i for i in ranked[:owners] if clean[i] > 0}
+    positive = [i for i, s in enumerate(clean) if s > 0]
+    if owners >= len(positive):
+        return clean
+    start = rotate % len(positive)
+    keep = {positive[(start + k) % len(positive)] for k in range(owners)}
     return [s if i in keep else 0.0 for i, s in enumerate(clean)]
 
 

@@ -122,8 +122,9 @@ class TrainingSection(_Section):
     accumulates step k+1's (one step of delay); ``auto`` turns it on for replicas that
     train on a GPU (where compute and the averaging's CPU work do not compete) and off on
     CPUs (see ``overlaps``). ``min_part``: fewest values a part owner of an averaging group
-    gets (``RoundPlan.min_part``); 1 (default): every member owns a part; e.g. 262144 gives
-    a small model's tensor one owner, fewer transfers per round.
+    gets (``RoundPlan.min_part``; default 262144: a small model's tensor has one owner, fewer
+    transfers per round; owners take turns step by step, see ``partition.owner_shares``);
+    1: every member owns a part.
     """
 
     _section = "training"
@@ -146,7 +147,7 @@ class TrainingSection(_Section):
     max_group: int = 8
     step_grace_s: float = 2.0
     overlap: Overlap = "auto"
-    min_part: int = 1
+    min_part: int = 262144  # partition.MIN_PART
 
     def overlaps(self, cuda: bool) -> bool:
         """Whether a collaborative replica (on CUDA if ``cuda``) overlaps its averaging."""

@@ -142,7 +142,8 @@ def test_a_wrong_length_is_rejected_with_the_length_the_sender_sent():
 def _owner(plan) -> str:
     members = plan.grid.rounds[0].group_of("p0")[1].members
     from moshray.cluster.partition import owner_shares
-    shares = owner_shares(1000, [plan.share_of(m) for m in members], plan.min_part)
+    shares = owner_shares(1000, [plan.share_of(m) for m in members], plan.min_part,
+                          rotate=plan.epoch)
     assert sum(s > 0 for s in shares) == 1
     return members[shares.index(max(shares))]
 
@@ -177,3 +178,26 @@ def test_a_small_tensors_owner_dies_and_the_others_re_reduce_it_alike():
         assert np.array_equal(out, first), pid
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
         assert owner not in report.contributors
+
+
+def test_a_small_tensors_owners_take_turns_so_others_reject_a_nan_sender():
+    import dataclasses
+
+    _, averagers, first = swarm(4, min_part=1000)
+    seen_by_others = []
+    for epoch in range(first.epoch, first.epoch + 4):
+        plan = dataclasses.replace(first, epoch=epoch)
+        arrays, weights = inputs(4, seed=epoch)
+        arrays["p1"][7] = np.nan
+        results = asyncio.run(reduce_all(averagers, plan, arrays, weights))
+        owner = _owner(plan)
+        expected = weighted(arrays, weights, ("p0", "p2", "p3"))
+        for pid, (out, report) in results.items():
+            np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+            assert "p1" not in report.contributors
+        reporters = {pid for pid, (_, report) in results.items()
+                     if any(r.sender == "p1" and r.reason.value == "non_finite"
+                            for r in report.rejections)}
+        assert reporters == {owner}  # only the owner sees the values
+        seen_by_others.append(owner != "p1")
+    assert seen_by_others.count(True) == 3  # every owner but p1's own turn

@@ -269,11 +269,18 @@ def test_weighted_mean_terms_are_bitwise_the_reference(dtype, weights) -> None:
     assert np.array_equal(staged.result()[0].view(np.uint32), expected.view(np.uint32))
 
 
-def test_owner_shares_keep_the_largest_shares_for_small_tensors() -> None:
+def test_owner_shares_give_small_tensors_fewer_owners_in_turn() -> None:
     from moshray.cluster.partition import owner_shares
 
-    assert owner_shares(1000, [1, 3, 2, 3], min_part=1000) == [0, 3, 0, 0]  # tie: lowest index
-    assert owner_shares(2500, [1, 3, 2, 3], min_part=1000) == [0, 3, 0, 3]
+    assert owner_shares(1000, [1, 3, 2, 3], min_part=1000) == [1, 0, 0, 0]
+    assert owner_shares(1000, [1, 3, 2, 3], min_part=1000, rotate=1) == [0, 3, 0, 0]
+    assert owner_shares(2500, [1, 3, 2, 3], min_part=1000, rotate=3) == [1, 0, 0, 3]
     assert owner_shares(10**6, [1, 3, 2, 3], min_part=1000) == [1, 3, 2, 3]  # big: everyone
     assert owner_shares(10, [0, float("nan")], min_part=1000) == [1.0, 0.0]  # none positive
     assert part_sizes(1000, owner_shares(1000, [1, 1, 1], min_part=1)) == (334, 333, 333)
+    # members without a share never own; those with one take turns, one step each
+    turns = [owner_shares(1000, [0, 2, 0, 5], min_part=1000, rotate=r) for r in range(4)]
+    assert turns == [[0, 2, 0, 0], [0, 0, 0, 5], [0, 2, 0, 0], [0, 0, 0, 5]]
+    owners = {owner_shares(1000, [1.0] * 5, min_part=1000, rotate=r).index(1.0)
+              for r in range(5)}
+    assert owners == set(range(5))

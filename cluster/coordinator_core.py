@@ -124,7 +124,7 @@ class CoordinatorCore:
         peers' first samples (``ProgressTracker.plan_ahead``): they run it right after."""
         if self.progress.stop or not (self._lost_peer or self._rebalance_pending()):
             return
-        if (self._no_step_in_flight(now) and self.progress.plan_now(now)) or (
+        if (self._no_step_in_flight(now) and self.progress.plan_now(now, empty_ok=True)) or (
                 self.notice_plans_ahead and self._rebalance_pending()
                 and self.progress.plan_ahead(now)):
             self._lost_peer = False

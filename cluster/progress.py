@@ -370,17 +370,20 @@ class ProgressTracker:
         return any(p in self.reports and self.ahead.next_plan(
             self.plan, p, self.reports[p].epoch) is not None for p in eligible)
 
-    def plan_now(self, now: float, current: list[ProgressReport] | None = None) -> bool:
+    def plan_now(self, now: float, current: list[ProgressReport] | None = None,
+                 empty_ok: bool = False) -> bool:
         """Publish the next epoch's plan over the ready live peers at the current epoch
         (``current``: their reports; default all of them), whatever their samples. Used when
-        the batch is full, and at once after a notice (the swarm re-plans without the
-        node). False if no peer or no sample is there to step with."""
+        the batch is full, and at once after a notice or a lost peer (the swarm re-plans
+        without the node). False if no peer is there to step with, or no sample unless
+        ``empty_ok``: a replica takes a plan at its next micro-batch, so it steps with at
+        least that one even when it had reported none (right after the step before)."""
         if current is None:
             live = {p.peer_id for p in self.membership.live(now)}
             current = [self.reports[p] for p in sorted(self.ready)
                        if p in live and p in self.reports and self.reports[p].epoch == self.epoch]
         samples = sum(r.samples for r in current)
-        if not current or samples <= 0:
+        if not current or (samples <= 0 and not empty_ok):
             return False
         at_epoch = tuple(r.peer_id for r in current)
         total, n = self._loss.pop(self.epoch, (0.0, 0))

@@ -314,12 +314,14 @@ def test_epoch_rolls_back_when_every_holder_of_the_newest_step_is_gone() -> None
     assert core.mark_ready("a", 0) and core.mark_ready("b", 0)
     assert _report(core, "a", 0).plan is not None  # epoch 1 planned over a alone
     core.leave("b")
-    _report(core, "a", 1, samples=0)  # a applied epoch 1
+    # a applied epoch 1; b's loss re-plans at once (a steps with its next micro-batch)
+    _report(core, "a", 1, samples=0)
+    assert core.progress.plan.epoch == 2
     assert core.mark_ready("c", 0) is False  # a holds epoch 1: c must copy it
     core.leave("a")  # a dies with epoch 1; no ready peer is left
     core.register("c", handle=None)
     assert core.mark_ready("c", 0) is True  # go on from the newest state still held
-    assert core.membership.epoch == 0 and core.progress.rollbacks == [(1, 0)]
+    assert core.membership.epoch == 0 and core.progress.rollbacks == [(2, 0)]
     assert core.stats()["rollbacks"] == 1
     assert core.mark_ready("d", 1) is False  # a state from the future is never accepted
 

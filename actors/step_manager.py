@@ -57,7 +57,6 @@ class StepManager:
         self.joined = False  # contributed to an averaged step yet?
         self._init_state_ref = init_state_ref
         self._plan: RoundPlan | None = None  # pushed by the Coordinator, not yet taken
-        self._ahead: RoundPlan | None = None  # of state.epoch + 2: taken once +1 is applied
         # (epoch sent at, rejoin generation sent in, reply)
         self._inflight: list[tuple[int, int, asyncio.Future]] = []
         # others' rejected contributions, for the Coordinator: (sender, reason, epoch, numel)
@@ -128,7 +127,6 @@ class StepManager:
         async with self.lock:
             self.state.load(loaded, from_donor)
             self.samples, self.micro, self.loss_sum = 0, 0, 0.0
-            self._ahead = None  # made for the state before
 
     async def snapshot(self) -> dict:
         """The state at the training loop's next sync point (inside ``opt.step``, after the
@@ -166,16 +164,13 @@ class StepManager:
 
     def receive_plan(self, plan: RoundPlan) -> None:
         """A plan from the Coordinator (pushed, or in a report's reply): the next step's
-        (``state.epoch + 1``) is taken at the next micro-batch; one made ahead of the step
-        this replica still runs (``state.epoch + 2``, see cluster/plan_ahead.py) is kept
-        until that step is applied (``_commit``). Any other is stale and ignored."""
+        (``state.epoch + 1``) is taken at the next micro-batch; any other is stale and
+        ignored."""
         if self.state is None:
             return
         if plan.epoch == self.state.epoch + 1 and self._pending is None:
             self._plan = plan
             self.phases.plan_arrived()
-        elif plan.epoch == self.state.epoch + 2:
-            self._ahead = plan
 
     def send_report(self, force: bool = False) -> None:
         """Progress to the Coordinator without waiting for the reply; at most one routine
@@ -309,10 +304,6 @@ class StepManager:
         s.lineage.apply(plan.epoch)
         s.step_checksum = step_digest(s.model, plan.epoch)
         s.epoch = plan.epoch
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.epoch == s.epoch + 1:
-            self._plan = ahead  # made ahead of this step: the next one, run right after
-            self.phases.plan_arrived()
 
     async def _after_round(self, plan: RoundPlan, report) -> None:
         """Metrics, rejections for the Coordinator, and a resync after too many of our own

@@ -69,9 +69,6 @@ class CoordinatorCore:
         # Called with every new plan the moment it exists (the actor shell pushes it to the
         # participants); None in pure tests, where plans travel only in report replies.
         self.push_plan: Callable[[RoundPlan], None] | None = None
-        # A notice plans the next step ahead of the one in flight (plan_ahead.py). Off: with
-        # it, the short chaos run stalled after a quarantine in 3 of 4 runs (not diagnosed).
-        self.notice_plans_ahead = False
 
     def register(self, peer_id: str, handle, node_id: str = "", capacity: float = 1.0) -> int:
         self.membership.register(PeerInfo(peer_id, handle, node_id, capacity), self.clock())
@@ -118,15 +115,13 @@ class CoordinatorCore:
 
     def _replan(self, now: float) -> None:
         """After a notice or the loss of a ready peer, plan the next step over the staying
-        peers with the samples they have, instead of at the next full batch. The loss of a
-        peer: at once, or right after the step in flight (at the first report that finds
-        none). A notice: at once, if need be ahead of the step in flight or of the staying
-        peers' first samples (``ProgressTracker.plan_ahead``): they run it right after."""
+        peers with the samples they have, instead of at the next full batch: at once, or
+        right after the step in flight (at the first report that finds none: the replicas'
+        report right after a step does). Also with no sample reported yet: a replica takes
+        a plan at its next micro-batch, so it steps with at least that one."""
         if self.progress.stop or not (self._lost_peer or self._rebalance_pending()):
             return
-        if (self._no_step_in_flight(now) and self.progress.plan_now(now, empty_ok=True)) or (
-                self.notice_plans_ahead and self._rebalance_pending()
-                and self.progress.plan_ahead(now)):
+        if self._no_step_in_flight(now) and self.progress.plan_now(now, empty_ok=True):
             self._lost_peer = False
             self._publish()
             self._note_rebalanced(now)
@@ -262,13 +257,9 @@ class CoordinatorCore:
         notice (both measured on that node, so no two machines' clocks are compared). The
         node counts as rebalanced at the first plan published after this call (every such
         plan excludes its peers); a node without peers is rebalanced at once. That plan is
-        made at once over the staying peers (``_replan``): with the samples they have when
-        no step is in flight and they have some; else ahead, as the plan of the step after
-        the one in flight (or after their next samples), which they run right after it.
-        It waits for the first report that allows a plan only while another plan made ahead
-        is in flight, or when no plan of the current epoch exists (a fresh or rebuilt
-        swarm). A second notice for the same node re-marks it draining but keeps the first
-        record.
+        made over the staying peers (``_replan``) at once when no step is in flight, else
+        at the first report after the step in flight. A second notice for the same node
+        re-marks it draining but keeps the first record.
         """
         peers = self.mark_draining(node_id, deadline_s)
         now = self.clock()

@@ -10,8 +10,8 @@ parameters. When the samples reported by ready peers at the current epoch reach
 goes to each participant as soon as it exists (the Coordinator pushes it; see
 ``take_new_plan``) and in the reply to its next report. Peers that hold another digest than
 the majority at the same epoch, or that fell behind the last plan without being in it, are
-told to resync from a donor. After a notice, the next plan may be made ahead of the step
-in flight (``plan_ahead``; see ``plan_ahead.py``). Time is injected.
+told to resync from a donor. After a notice or a lost peer the Coordinator plans the next
+step as soon as no step is in flight (``plan_now`` with ``empty_ok``). Time is injected.
 
 Committed steps are never rolled back while a replica that holds them may still be up. The
 tracker remembers, per peer, the newest epoch it was seen holding (``_held``: reports,
@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 from .membership import Membership
 from .messages import RoundPlan
-from .plan_ahead import PlanAhead
 from .quarantine import Quarantine
 from .step_samples import StepSamples
 
@@ -99,7 +98,6 @@ class ProgressTracker:
     ready: set[str] = field(default_factory=set)
     reports: dict[str, ProgressReport] = field(default_factory=dict)
     plan: RoundPlan | None = None  # the latest published plan (of the current epoch)
-    ahead: PlanAhead = field(default_factory=PlanAhead)  # when ``plan`` was made ahead
     history: list[StepRecord] = field(default_factory=list)
     stop: bool = False
     timings: dict[int, StepTiming] = field(default_factory=dict)  # epoch -> its timing
@@ -200,20 +198,25 @@ class ProgressTracker:
     def _may_fall_back(self, state_epoch: int, now: float) -> bool:
         """No replica that may still be up holds (or is taking) a step after
         ``state_epoch``: not during the rebuild window, not while a member or a peer seen
-        within ``hold_s`` holds a newer epoch, not while a member takes a published plan
-        (the latest, or the one in flight before a plan made ahead)."""
+        within ``hold_s`` holds a newer epoch, not while a member takes the latest plan."""
         if self._rebuilding(now):
             return False
         for p, (e, seen) in self._held.items():
             if e > state_epoch and (self.membership.is_member(p) or now - seen <= self.hold_s):
                 return False
-        return not any(plan is not None and plan.epoch > state_epoch
-                       and any(self.membership.is_member(p) for p in plan.participants)
-                       for plan in (self.plan, self.ahead.prior))
+        plan = self.plan
+        return not (plan is not None and plan.epoch > state_epoch
+                    and any(self.membership.is_member(p) for p in plan.participants))
 
     def _drop_plans(self) -> None:
         self.plan = None
-        self.ahead.clear()
+
+    def _next_plan(self, peer_id: str, epoch: int) -> RoundPlan | None:
+        """The latest plan if ``peer_id`` takes part in it and holds the epoch before it."""
+        plan = self.plan
+        if plan is not None and plan.epoch == epoch + 1 and peer_id in plan.participants:
+            return plan
+        return None
 
     def _rebuilding(self, now: float) -> bool:
         return self.rebuild_until is not None and now < self.rebuild_until
@@ -276,8 +279,7 @@ class ProgressTracker:
             timing.committed_at = now
         if r.contributed is not None:
             self.step_samples.correct(self.history, r.peer_id, *r.contributed)
-        # The published plan this peer takes next (the latest, or one in flight before it).
-        nxt = self.ahead.next_plan(self.plan, r.peer_id, r.epoch)
+        nxt = self._next_plan(r.peer_id, r.epoch)  # the published plan it takes next
         if self.stop:
             # Finish a published step first, so no participant waits for a stopped peer.
             if r.peer_id in self.ready and nxt is not None:
@@ -307,10 +309,8 @@ class ProgressTracker:
         if r.epoch == self.epoch:
             self._record_loss(r)
             self._maybe_plan(now)
-            nxt = self.ahead.next_plan(self.plan, r.peer_id, r.epoch)
+            nxt = self._next_plan(r.peer_id, r.epoch)
         if nxt is not None:
-            if nxt is self.plan:
-                self.ahead.count(r, self.history)
             return ProgressReply(nxt, global_epoch=self.epoch)
         return ProgressReply(None, global_epoch=self.epoch)
 
@@ -365,10 +365,10 @@ class ProgressTracker:
         self.plan_now(now, current)
 
     def _finishing(self, eligible: list[str]) -> bool:
-        """Some of ``eligible`` take part in a published plan and still report the epoch
+        """Some of ``eligible`` take part in the latest plan and still report the epoch
         before it (they are applying that step)."""
-        return any(p in self.reports and self.ahead.next_plan(
-            self.plan, p, self.reports[p].epoch) is not None for p in eligible)
+        return any(p in self.reports and self._next_plan(p, self.reports[p].epoch) is not None
+                   for p in eligible)
 
     def plan_now(self, now: float, current: list[ProgressReport] | None = None,
                  empty_ok: bool = False) -> bool:
@@ -391,31 +391,10 @@ class ProgressTracker:
         if plan is None:
             return False
         self.plan = plan
-        self.ahead.clear()
         self._unpushed = plan
         self._full_since = None
         self.history.append(StepRecord(plan.epoch, now, samples, total / n if n else None,
                                        len(at_epoch)))
         self.step_samples.planned(plan.epoch, {r.peer_id: r.samples for r in current})
-        self.timings[plan.epoch] = StepTiming(plan.epoch, now, tuple(plan.participants))
-        return True
-
-    def plan_ahead(self, now: float) -> bool:
-        """Publish the next epoch's plan at once over the staying peers, also while the
-        current epoch's step is in flight (after a notice, when ``plan_now`` cannot plan);
-        False (nothing changes) when ``PlanAhead.plan`` makes none (see plan_ahead.py)."""
-        latest = self.plan
-        plan = self.ahead.plan(latest, self.membership, self.ready, self.reports, now)
-        if plan is None:
-            return False
-        self.plan = self._unpushed = plan
-        self._full_since = None
-        self._loss.pop(latest.epoch, None)  # (its loss is its participants', see record)
-        self.history.append(StepRecord(plan.epoch, now, 0, None, len(plan.participants)))
-        self.ahead.record(self.history)  # what its participants reported so far
-        # ... until each reports what it really put in (step_samples.py)
-        seen = self.ahead.seen
-        self.step_samples.planned(plan.epoch, {p: seen[p].samples if p in seen else 0
-                                               for p in plan.participants})
         self.timings[plan.epoch] = StepTiming(plan.epoch, now, tuple(plan.participants))
         return True

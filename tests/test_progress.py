@@ -21,7 +21,6 @@ def swarm(peers=("a", "b", "c"), target=24, grace=0.5):
     core = CoordinatorCore(MembershipConfig(peer_ttl_s=30.0), clock=clock,
                            target_batch_size=target)
     core.progress.grace_s = grace
-    core.notice_plans_ahead = True  # (off in the product for now: see CoordinatorCore)
     pushed = []
     core.push_plan = pushed.append
     for i, p in enumerate(peers):
@@ -76,19 +75,22 @@ def test_a_notice_replans_at_once_without_the_node():
     assert core.notice_stats()["node-c"]["rebalance_s"] == 0.0
 
 
-def test_a_notice_during_a_step_plans_the_next_step_ahead_at_once():
+def test_a_notice_during_a_step_plans_the_next_step_right_after_it():
     core, clock, pushed = swarm(("a", "b"), target=20)
     report(core, "a", 0, 10)
     report(core, "b", 0, 10)  # step 1 planned over a and b, in flight
     assert len(pushed) == 1
     clock.t += 0.5
     core.note_notice("node-b", deadline_s=30.0, notice_age_s=0.25)
-    # step 2 planned at once over the staying peer, ahead of step 1 (see test_plan_ahead)
-    assert len(pushed) == 2 and (pushed[1].epoch, pushed[1].participants) == (2, ("a",))
-    assert core.notice_stats()["node-b"]["rebalance_s"] == 0.25  # its age: planned at once
+    assert len(pushed) == 1  # nothing while step 1 is in flight
     assert report(core, "b", 0, 12).plan is pushed[0]  # b finishes step 1 ...
-    assert report(core, "b", 1, 0).stop  # ... then stops
-    assert report(core, "a", 1, 4).plan is pushed[1]  # a runs step 2 right after step 1
+    clock.t += 0.25
+    # ... a's report right after step 1, with no sample yet, re-plans without b
+    report(core, "a", 1, 0)
+    assert len(pushed) == 2 and (pushed[1].epoch, pushed[1].participants) == (2, ("a",))
+    assert core.notice_stats()["node-b"]["rebalance_s"] == 0.5  # its age + 0.25 s
+    assert report(core, "b", 1, 0).stop  # b stops after its last step
+    assert report(core, "a", 1, 4).plan is pushed[1]  # a takes step 2 at its next report
 
 
 def test_a_one_to_one_digest_split_resolves_to_the_smallest_peer():

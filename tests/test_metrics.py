@@ -254,11 +254,11 @@ def test_coordinator_serves_metrics_from_its_state_and_events(local_cluster):
         for i in range(3):
             ray.get(c.register.remote(f"p{i}", None, f"node-{i}"), timeout=30)
             assert ray.get(c.mark_ready.remote(f"p{i}", 0), timeout=30)
-        # a preemption notice for p2's node, received 0.5 s ago on that node
-        assert ray.get(c.note_notice.remote("node-2", 30.0, 0.5), timeout=30) == ("p2",)
-        # the notice re-plans at the first samples (the staying peers step with what they
-        # have): step 1 without p2, planned on p0's 16, p1 taking part with none yet
         ray.get(c.report.remote(ProgressReport("p0", 0, 16, loss=3.0)), timeout=30)
+        # a preemption notice for p2's node, received 0.5 s ago on that node: it re-plans
+        # at once (the staying peers step with what they have): step 1 without p2,
+        # planned on p0's 16, p1 taking part with none yet
+        assert ray.get(c.note_notice.remote("node-2", 30.0, 0.5), timeout=30) == ("p2",)
         reply = ray.get(c.report.remote(ProgressReport("p1", 0, 16, loss=2.0)), timeout=30)
         assert reply.plan is not None and reply.plan.participants == ("p0", "p1")
         applied = ray.get(c.record.remote((

@@ -26,6 +26,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
+from moshray.jobs.cli import add_train_bench_arguments
+
 LOSS_WINDOW = 20  # steps averaged for a loss figure (fewer are too noisy with small batches)
 MODES = ("off", "on")
 
@@ -107,11 +109,7 @@ def _fmt(x, spec: str = ".3f") -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="local nodes (one replica each)")
     parser.add_argument("--seconds", type=float, default=90.0, help="length of each run")
-    parser.add_argument("--config", metavar="FILE", help="TrainConfig file (TOML or JSON)")
-    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=None,
-                        help="override a TrainConfig setting (both runs)")
-    parser.add_argument("--out", default="runs/bench-overlap", metavar="DIR")
-    parser.add_argument("--json", action="store_true", help="one JSON line on stdout")
+    add_train_bench_arguments(parser, out="runs/bench-overlap", runs="both runs")
 
 
 def main(args: argparse.Namespace) -> int:

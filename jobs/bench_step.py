@@ -23,6 +23,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from moshray.jobs.cli import add_train_bench_arguments
+
 PHASE_COLUMNS = ("wall_s", "compute_s", "control_s", "round_s", "apply_s", "plan_lag_s")
 
 
@@ -100,11 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", default="1,2,4", help="node counts, e.g. 1,2,4")
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="length of each run (start-up included)")
-    parser.add_argument("--config", metavar="FILE", help="TrainConfig file (TOML or JSON)")
-    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=None,
-                        help="override a TrainConfig setting (every run)")
-    parser.add_argument("--out", default="runs/bench-step", metavar="DIR")
-    parser.add_argument("--json", action="store_true", help="one JSON line on stdout")
+    add_train_bench_arguments(parser, out="runs/bench-step", runs="every run")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -6,7 +6,8 @@ subcommand's parser is built, so one command's heavy imports do not slow the oth
 Exit codes: 0 success, 2 bad arguments or configuration (one line on stderr saying what to fix),
 1 anything else.
 
-To add a subcommand, add one row to :data:`COMMANDS`.
+To add a subcommand, add one row to :data:`COMMANDS`. Arguments several subcommands share
+are added by helpers here (:func:`add_train_bench_arguments`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,18 @@ def build_parser(argv_hint: list[str] | None = None) -> argparse.ArgumentParser:
         if hint[: len(command.words)] == command.words:
             importlib.import_module(command.module).add_arguments(child)
     return parser
+
+
+def add_train_bench_arguments(parser: argparse.ArgumentParser, *, out: str,
+                               runs: str) -> None:
+    """``--config``, ``--set``, ``--out`` and ``--json`` of a bench that runs the training job
+    with one JSON line of figures (``bench step``, ``bench overlap``): ``out`` is ``--out``'s
+    default directory, ``runs`` says in ``--set``'s help which runs it applies to."""
+    parser.add_argument("--config", metavar="FILE", help="TrainConfig file (TOML or JSON)")
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=None,
+                        help=f"override a TrainConfig setting ({runs})")
+    parser.add_argument("--out", default=out, metavar="DIR")
+    parser.add_argument("--json", action="store_true", help="one JSON line on stdout")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 MAX_OWN_REJECTIONS = 3  # consecutive steps with our contribution rejected -> resync
 SYNC_ATTEMPTS = 600
 SNAPSHOT_WAIT_S = 5.0  # a donor's state waits at most this long for the loop's sync point
+RECORD_EVERY_S = 1.0  # metrics events go to the Coordinator in batches, at most this often
 
 
 class StepManager:
@@ -74,6 +75,8 @@ class StepManager:
         self._profiled = None  # the last step's StepPhases, sent with its metrics events
         self._pending_size = (0, 0)  # an overlapped step's (samples, micro-batches)
         self._contributed: tuple[int, int] | None = None  # (epoch, samples) to report once
+        self._events: list = []  # metrics events not sent yet (``record``)
+        self._recorded_at = time.monotonic()
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -159,6 +162,7 @@ class StepManager:
         if self.state is not None:
             await self._finish_pending(wait=True)
             await self._serve_snapshots()
+        self.record((), flush=True)
 
     # -- progress --------------------------------------------------------------------------
 
@@ -342,12 +346,19 @@ class StepManager:
             events.append(metrics.JoinEvent(max(0.0, time.monotonic() - self.started_at)))
         self.record(tuple(events))
 
-    def record(self, events: tuple) -> None:
-        """Metrics events to the Coordinator, fire-and-forget (nothing if it is gone)."""
-        if not events:
+    def record(self, events: tuple, flush: bool = False) -> None:
+        """Metrics events to the Coordinator, fire-and-forget, in batches: what came since
+        the last batch goes once ``RECORD_EVERY_S`` passed since it, or at once with
+        ``flush`` (the heartbeat flushes every second, the loop's end and ``close`` too).
+        One call per batch rather than per step: the step's control path stays short.
+        Events are lost only if the Coordinator is gone (logged)."""
+        self._events.extend(events)
+        now = time.monotonic()
+        if not self._events or not (flush or now - self._recorded_at >= RECORD_EVERY_S):
             return
+        batch, self._events, self._recorded_at = tuple(self._events), [], now
         try:
-            self.coordinator.record.remote(events)
+            self.coordinator.record.remote(batch)
         except ray.exceptions.RayError as exc:
             log.info("%s: metrics not recorded (%s)", self.peer_id, type(exc).__name__)
 
@@ -356,6 +367,7 @@ class StepManager:
     async def _beat(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            self.record((), flush=True)
             try:
                 generation = self._generation
                 if not await self.coordinator.heartbeat.remote(
@@ -384,6 +396,7 @@ class StepManager:
                     epoch, "ready" if ready else "syncing" if syncing else "to resync")
 
     def close(self) -> None:
+        self.record((), flush=True)
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         for _, _, future in self._inflight:

@@ -305,6 +305,9 @@ class GroupRound:
         enc = await off_loop(values.nbytes, comp.encode, values, self.codec)
         # Keep exactly what the others will decode, so every peer holds equal values.
         await off_loop(values.nbytes, comp.decode_into, enc, dest)
+        others = [peer for peer in self.group.everyone if peer != self.me]
+        if not others:
+            return  # a group of one (a single replica): nobody to send the result to
         ref = await off_loop(values.nbytes, self.transport.put, enc)
         result = PartResult(
             epoch=self.plan.epoch,
@@ -317,10 +320,9 @@ class GroupRound:
             contributors=tuple(contributors),
             ref=ref,
         )
-        for peer in self.group.everyone:
-            if peer != self.me:
-                self.bytes_sent += enc.nbytes
-                self._watch_call(peer, self.send(peer, "receive_result", result))
+        for peer in others:
+            self.bytes_sent += enc.nbytes
+            self._watch_call(peer, self.send(peer, "receive_result", result))
 
     async def _await_result(
         self, part: int, owner: str, size: int, dest: np.ndarray, deadlines: Deadlines

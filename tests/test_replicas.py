@@ -124,7 +124,13 @@ def test_local_sgd_with_outer_nesterov_keeps_replicas_identical(local_cluster):
     try:
         swarm.wait_epoch(4, timeout=180)
         history = swarm.stats()["history"]
-        profile = ray.get(swarm.coordinator.step_profile.remote(), timeout=30)
+        # replicas send their metrics events in batches, at most a second apart
+        deadline = time.monotonic() + 30
+        while True:
+            profile = ray.get(swarm.coordinator.step_profile.remote(), timeout=30)
+            if profile["steps"] >= 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
     finally:
         statuses = swarm.stop()
     assert len(statuses) == 2 and consistent(statuses)

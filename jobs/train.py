@@ -273,7 +273,11 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
     t = config.training
     coordinator = controller.coordinator
     started = time.monotonic()
-    printed, samples, last_ckpt = 0, 0, 0  # printed: the last epoch shown
+    printed, last_ckpt = 0, 0  # printed: the last epoch shown
+    # samples/s on the console: the history's counts are corrected as replicas report what
+    # they really averaged (cluster/step_samples.py), so each line sums it afresh; a
+    # restarted Coordinator starts a new history, whose sum adds to the earlier ones'
+    earlier, current = 0, 0
     committed = 0  # the newest step seen applied, across Coordinator restarts
     stats: dict = {"history": [], "epoch": 0}
     while True:
@@ -288,11 +292,14 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
         history = stats["history"]
         elapsed = time.monotonic() - started
         fraction = run_report.run_fraction(stats["epoch"], elapsed, t.max_steps, t.max_seconds)
+        total = sum(h[2] for h in history)
+        if total < current:  # a restarted Coordinator's new history
+            earlier += current
+        current = total
         for h in history:  # by epoch: a restarted Coordinator starts a new history
             if h[0] > printed:
-                samples += h[2]
                 printed = h[0]
-                print(run_report.progress_line(h, samples, elapsed, stats["live"],
+                print(run_report.progress_line(h, earlier + current, elapsed, stats["live"],
                                                stats["preemptions"], fraction), file=out,
                       flush=True)
         epoch = stats["epoch"]

@@ -1,4 +1,5 @@
-"""Shared fixtures: one multi-node Ray cluster on 127.0.0.1 for the whole session.
+"""Shared fixtures: one multi-node Ray cluster on 127.0.0.1 for the whole session, and moto's
+EC2 server (tests/fake_ec2.py), one per test that asks for it.
 
 Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when imported, so it is set here, before any
 test module imports Ray.
@@ -27,3 +28,17 @@ def local_cluster():
         yield cluster
     finally:
         cluster.shutdown()
+
+
+@pytest.fixture
+def moto_ec2(monkeypatch):
+    """moto's EC2 server behind tests/fake_ec2.py's proxy, with fake credentials in the env."""
+    from fake_ec2 import FAKE_CREDENTIALS, FakeEC2  # moto, imported only where it is used
+
+    for key, value in FAKE_CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    fake = FakeEC2().start()
+    try:
+        yield fake
+    finally:
+        fake.stop()

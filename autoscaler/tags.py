@@ -1,7 +1,7 @@
 """Names shared by the NodeProviders, the cluster YAMLs, the watcher and the Terraform modules.
 
 One place, so that what Terraform tags, what the IAM policy conditions on, and what the
-providers filter on cannot drift apart (``tests/test_infra.py`` checks the Terraform side).
+providers filter on cannot drift apart (``tests/test_infra_bootstrap.py`` checks the Terraform side).
 GCP label keys and values allow only lowercase letters, digits, ``_`` and ``-``; every name
 here is valid as both an AWS tag key and a GCP label key.
 """

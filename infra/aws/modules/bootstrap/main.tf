@@ -3,7 +3,7 @@
 # This module creates no resource and needs no provider: it turns the cluster's facts (names,
 # pools, the worker launch template, the head's address, the token's secret) into the tags,
 # the Ray autoscaler config and the two startup scripts. Keeping it provider-free lets
-# tests/test_infra.py render it with Terraform itself, offline, and check the result
+# tests/test_infra_bootstrap.py render it with Terraform itself, offline, and check the result
 # against the Python package (tag names, provider module path, CLI commands).
 
 terraform {

@@ -40,6 +40,34 @@ def progress_line(h, total_samples: int, elapsed: float, live: int, preemptions:
             f"(live {live}) | preemptions {preemptions}")
 
 
+class Console:
+    """The progress lines of a run, one per global step, each printed once (by epoch).
+
+    ``show`` prints the steps of ``stats["history"]`` not shown yet. The samples/s of a
+    line sums the history afresh: its counts are corrected as replicas report what they
+    really averaged (cluster/step_samples.py). A restarted Coordinator starts a new
+    history (its sum drops): the old one's sum is kept and added."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+        self.printed = 0  # the last epoch shown
+        self._earlier = 0  # samples of the histories of earlier Coordinator lives
+        self._current = 0
+
+    def show(self, stats: dict, elapsed: float, fraction: float | None = None) -> None:
+        history = stats.get("history", [])
+        total = sum(h[2] for h in history)
+        if total < self._current:
+            self._earlier += self._current
+        self._current = total
+        for h in history:
+            if h[0] > self.printed:
+                self.printed = h[0]
+                print(progress_line(h, self._earlier + total, elapsed, stats.get("live", 0),
+                                    stats.get("preemptions", 0), fraction),
+                      file=self.out, flush=True)
+
+
 def write_outputs(run_dir: str, history: list, summary: dict, marks: dict) -> str | None:
     """``<run_dir>/summary.json`` and ``<run_dir>/training.png`` (loss, samples/s and peers
     over time, lost nodes and joins marked); returns the plot's path, None if it failed."""

@@ -273,11 +273,8 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
     t = config.training
     coordinator = controller.coordinator
     started = time.monotonic()
-    printed, last_ckpt = 0, 0  # printed: the last epoch shown
-    # samples/s on the console: the history's counts are corrected as replicas report what
-    # they really averaged (cluster/step_samples.py), so each line sums it afresh; a
-    # restarted Coordinator starts a new history, whose sum adds to the earlier ones'
-    earlier, current = 0, 0
+    console = run_report.Console(out)
+    last_ckpt = 0
     committed = 0  # the newest step seen applied, across Coordinator restarts
     stats: dict = {"history": [], "epoch": 0}
     while True:
@@ -289,19 +286,9 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
         if stats.get("committed", committed) < committed:  # a restarted Coordinator:
             coordinator.note_committed.remote(committed)  # a fall back below is a rollback
         committed = max(committed, stats.get("committed", 0))
-        history = stats["history"]
         elapsed = time.monotonic() - started
         fraction = run_report.run_fraction(stats["epoch"], elapsed, t.max_steps, t.max_seconds)
-        total = sum(h[2] for h in history)
-        if total < current:  # a restarted Coordinator's new history
-            earlier += current
-        current = total
-        for h in history:  # by epoch: a restarted Coordinator starts a new history
-            if h[0] > printed:
-                printed = h[0]
-                print(run_report.progress_line(h, earlier + current, elapsed, stats["live"],
-                                               stats["preemptions"], fraction), file=out,
-                      flush=True)
+        console.show(stats, elapsed, fraction)
         epoch = stats["epoch"]
         if config.checkpoint.uri and epoch - last_ckpt >= config.checkpoint.every_steps:
             checkpoint_through_replica(config.checkpoint.uri, controller)
@@ -323,6 +310,7 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
     if config.checkpoint.uri:
         checkpoint_through_replica(config.checkpoint.uri, controller)
     stats = call_with_retries(coordinator.stats, "read the final stats") or stats
+    console.show(stats, wall, 1.0 if (t.max_steps or t.max_seconds) else None)  # the last ones
     summary = run_report.summarize(stats, statuses, controller.leaving(), wall,
                                    controller.hard_losses)
     state = final_state(controller, summary["steps"]) if controller.spec.job.return_state \

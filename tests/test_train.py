@@ -177,6 +177,28 @@ def test_progress_line_has_a_bar_when_the_run_is_bounded():
     assert "[" not in progress_line(row, 6400, 10.0, live=3, preemptions=1)
 
 
+def test_console_shows_every_step_once_with_corrected_samples():
+    import io
+
+    from moshray.jobs.run_report import Console
+
+    out = io.StringIO()
+    console = Console(out)
+    stats = {"history": [(1, 0.5, 32, 3.0, 2), (2, 1.0, 32, 2.9, 2)], "live": 2,
+             "preemptions": 0}
+    console.show(stats, 1.0)
+    console.show(stats, 1.5)  # nothing new: nothing printed
+    # step 1's count corrected to what was really averaged, step 3 committed at the stop
+    stats["history"] = [(1, 0.5, 48, 3.0, 2), (2, 1.0, 32, 2.9, 2), (3, 1.6, 40, 2.8, 2)]
+    console.show(stats, 2.0)
+    # a restarted Coordinator: a new history, whose samples add to the earlier ones'
+    console.show({"history": [(4, 0.1, 20, 2.7, 1)], "live": 1, "preemptions": 1}, 2.5)
+    lines = out.getvalue().splitlines()
+    assert [int(line.split()[1]) for line in lines] == [1, 2, 3, 4]
+    assert "64.0 samples/s" in lines[1] and "60.0 samples/s" in lines[2]  # 120 / 2.0
+    assert "56.0 samples/s" in lines[3]  # (120 + 20) / 2.5
+
+
 def test_declared_gpus_get_one_replica_each_with_cpu_fallback():
     """A node that declares 2 GPUs runs two replicas, each given one GPU by Ray (its own
     device id); this machine has no CUDA, so they train on the CPU and stay consistent."""

@@ -58,12 +58,17 @@ def test_rebalance_timed_on_plans_made_by_collaborative_steps():
     core, clock = _core()
     for peer in "abcd":
         assert core.mark_ready(peer, 0)
-    core.note_notice("n3", deadline_s=30)
-    clock.t += 0.5
-    # The first step's plan is made inside report(), once the samples reach the target.
     replies = [core.report(ProgressReport(peer, 0, 2)) for peer in "abcd"]
-    plan = next(r.plan for r in replies if r.plan is not None)
-    assert "d" not in plan.participants and plan.epoch == 1
+    first = next(r.plan for r in replies if r.plan is not None)
+    assert first.epoch == 1 and "d" in first.participants  # step 1 in flight ...
+    core.note_notice("n3", deadline_s=30)  # ... when d's node gets its notice
+    clock.t += 0.5
+    # The re-plan is made inside report(), at the first report that finds no step in
+    # flight (each replica's report right after step 1), with no sample needed.
+    replies = [core.report(ProgressReport(peer, 1, 0)) for peer in "abcd"]
+    plan = core.progress.plan
+    assert plan.epoch == 2 and "d" not in plan.participants
+    assert replies[-1].stop  # d finished step 1 and stops
     assert core.notice_stats()["n3"]["rebalance_s"] == 0.5
 
 

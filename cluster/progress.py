@@ -175,7 +175,7 @@ class ProgressTracker:
                         "newer steps is left", self._top_held, epoch)
         self._top_held = epoch
         self.membership.epoch = epoch
-        self._drop_plans()
+        self.plan = None
         return True
 
     def _fall_back(self, state_epoch: int, now: float) -> bool:
@@ -192,7 +192,7 @@ class ProgressTracker:
             self.abandoned.append((self.epoch, state_epoch))
         self._top_held = state_epoch
         self.membership.epoch = state_epoch
-        self._drop_plans()
+        self.plan = None
         return True
 
     def _may_fall_back(self, state_epoch: int, now: float) -> bool:
@@ -207,9 +207,6 @@ class ProgressTracker:
         plan = self.plan
         return not (plan is not None and plan.epoch > state_epoch
                     and any(self.membership.is_member(p) for p in plan.participants))
-
-    def _drop_plans(self) -> None:
-        self.plan = None
 
     def _next_plan(self, peer_id: str, epoch: int) -> RoundPlan | None:
         """The latest plan if ``peer_id`` takes part in it and holds the epoch before it."""
@@ -251,7 +248,7 @@ class ProgressTracker:
         self.hold(peer_id, state_epoch, now)
         if state_epoch > self.epoch:
             self.membership.epoch = state_epoch
-            self._drop_plans()
+            self.plan = None
         if state_epoch == self.epoch and not syncing:
             self._make_ready(peer_id, state_epoch, now)
             return True
@@ -264,7 +261,7 @@ class ProgressTracker:
         if r.epoch > self.epoch and r.peer_id in self.ready:
             # A step planned before a Coordinator restart completed among its peers.
             self.membership.epoch = r.epoch
-            self._drop_plans()
+            self.plan = None
         self.reports[r.peer_id] = r
         made = [self.quarantine.note(r.peer_id, *seen[:3], now, *seen[3:])
                 for seen in r.saw_rejections]

@@ -31,14 +31,9 @@ def local_cluster():
 
 
 @pytest.fixture
-def moto_ec2(monkeypatch):
+def moto_ec2():
     """moto's EC2 server behind tests/fake_ec2.py's proxy, with fake credentials in the env."""
-    from fake_ec2 import FAKE_CREDENTIALS, FakeEC2  # moto, imported only where it is used
+    from fake_ec2 import running_fake_ec2  # moto, imported only where it is used
 
-    for key, value in FAKE_CREDENTIALS.items():
-        monkeypatch.setenv(key, value)
-    fake = FakeEC2().start()
-    try:
+    with running_fake_ec2() as fake:
         yield fake
-    finally:
-        fake.stop()

@@ -18,6 +18,7 @@ Every request passes through ``requests`` (parsed form parameters) for assertion
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import threading
@@ -223,3 +224,21 @@ class FakeEC2:
         if self.proxy is not None:
             self.proxy.stop()
         self.moto.stop()
+
+
+@contextlib.contextmanager
+def running_fake_ec2():
+    """A started ``FakeEC2`` with ``FAKE_CREDENTIALS`` in the environment, for the fixtures
+    that share one (module- or function-scoped); stopped and the environment restored on
+    exit."""
+    import pytest
+
+    mp = pytest.MonkeyPatch()
+    for key, value in FAKE_CREDENTIALS.items():
+        mp.setenv(key, value)
+    fake = FakeEC2().start()
+    try:
+        yield fake
+    finally:
+        fake.stop()
+        mp.undo()

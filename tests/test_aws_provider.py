@@ -21,7 +21,7 @@ from ray.autoscaler.tags import (
     TAG_RAY_USER_NODE_TYPE,
 )
 
-from fake_ec2 import FAKE_CREDENTIALS, FakeEC2
+from fake_ec2 import running_fake_ec2
 from moshray.autoscaler.aws_provider import AWSSpotNodeProvider
 from moshray.autoscaler.pools import EventKind, Pool
 from moshray.autoscaler.tags import (
@@ -40,15 +40,8 @@ _names = itertools.count()
 
 @pytest.fixture(scope="module")
 def ec2_server():
-    mp = pytest.MonkeyPatch()
-    for key, value in FAKE_CREDENTIALS.items():
-        mp.setenv(key, value)
-    fake = FakeEC2().start()
-    try:
+    with running_fake_ec2() as fake:
         yield fake
-    finally:
-        fake.stop()
-        mp.undo()
 
 
 @pytest.fixture

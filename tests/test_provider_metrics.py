@@ -14,7 +14,7 @@ from moto.core import DEFAULT_ACCOUNT_ID
 from prometheus_client.parser import text_string_to_metric_families
 from ray.autoscaler.tags import TAG_RAY_NODE_KIND, TAG_RAY_USER_NODE_TYPE
 
-from fake_ec2 import FAKE_CREDENTIALS, FakeEC2
+from fake_ec2 import running_fake_ec2
 from moshray.autoscaler import provider_metrics
 from moshray.autoscaler.aws_provider import AWSSpotNodeProvider
 from moshray.autoscaler.pools import Pool
@@ -41,15 +41,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def fake():
-    mp = pytest.MonkeyPatch()
-    for key, val in FAKE_CREDENTIALS.items():
-        mp.setenv(key, val)
-    server = FakeEC2().start()
-    try:
+    with running_fake_ec2() as server:
         yield server
-    finally:
-        server.stop()
-        mp.undo()
 
 
 def test_launches_failures_terminations_and_preemptions_by_pool(fake):

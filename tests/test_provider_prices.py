@@ -10,7 +10,7 @@ import datetime as dt
 
 import pytest
 
-from fake_ec2 import FAKE_CREDENTIALS, FakeEC2
+from fake_ec2 import running_fake_ec2
 from moshray.autoscaler.aws_provider import AWSSpotNodeProvider
 from moshray.autoscaler.gcp_provider import GCPSpotNodeProvider
 from moshray.autoscaler.pools import Pool
@@ -95,15 +95,8 @@ def test_bad_price_config_says_what_to_fix(cfg, message):
 
 @pytest.fixture(scope="module")
 def ec2_server():
-    mp = pytest.MonkeyPatch()
-    for key, value in FAKE_CREDENTIALS.items():
-        mp.setenv(key, value)
-    fake = FakeEC2().start()
-    try:
+    with running_fake_ec2() as fake:
         yield fake
-    finally:
-        fake.stop()
-        mp.undo()
 
 
 def aws_provider(fake, name, **extra):

@@ -341,7 +341,9 @@ class ByteBatches:
         """Length of this shard's byte stream."""
         return len(self.stream)
 
-    def _windows(self, offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def windows(self, offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)`` for the windows starting at ``offsets`` (``(batch,)`` ints in
+        ``[0, num_bytes - seq_len - 1]``); see ``next_batch``."""
         idx = offsets[:, None] + np.arange(self.seq_len + 1)  # (batch, seq_len + 1)
         chunk = torch.from_numpy(self.stream[idx].astype(np.int64))  # (batch, seq_len + 1)
         return chunk[:, :-1], chunk[:, 1:]  # x, y: (batch, seq_len), y[t] = x[t + 1]
@@ -349,7 +351,7 @@ class ByteBatches:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, y)`` int64 tensors ``(batch_size, seq_len)``; ``y`` is ``x`` shifted by one."""
         offsets = self._rng.integers(0, self.train_end - self.seq_len, size=self.batch_size)
-        return self._windows(offsets)
+        return self.windows(offsets)
 
     def held_out_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Deterministic evaluation batch from the last 5% of the stream.
@@ -362,7 +364,7 @@ class ByteBatches:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         last = self.num_bytes - self.seq_len - 1  # last valid offset
         offsets = np.linspace(self.held_out_start, last, batch_size).astype(np.int64)
-        return self._windows(offsets)
+        return self.windows(offsets)
 
     def state_dict(self) -> dict:
         """Sampling RNG state, so a resumed replica continues the same sequence."""

@@ -6,7 +6,7 @@ Protocol (group of members M = (m_0..m_{k-1}) plus receivers):
 1. Every member splits its flat float32 vector into k parts sized by the members'
    shares, encodes them with the round's codec and ``put``s the k-1 parts it does
    not own. It sends one ``Contribution`` (the tuple of part refs, never the bytes) to
-   every other member.
+   every other member (none if it put nothing: a sole owner's parts all stay with it).
 2. The owner of part j starts fetching part j of each contribution the moment it lands
    (streaming: no barrier, all fetches in flight at once), validates it, and adds it to a
    weighted mean *in the group's member order* (a value waits until the members before it
@@ -296,6 +296,11 @@ class GroupRound:
             numel=flat.size,
             part_refs=tuple(refs),
         )
+        if all(ref is None for ref in refs):
+            # Nothing for anyone (the sole owner: its own part stays here): the others
+            # would only keep it for re-reducing a part we own, and that dies with us.
+            # The members still waiting on us probe us (``_probe_members``).
+            return
         for peer in members:
             if peer != self.me:
                 self._watch_call(peer, self.send(peer, "receive_contribution", message))

@@ -201,3 +201,43 @@ def test_a_small_tensors_owners_take_turns_so_others_reject_a_nan_sender():
         assert reporters == {owner}  # only the owner sees the values
         seen_by_others.append(owner != "p1")
     assert seen_by_others.count(True) == 3  # every owner but p1's own turn
+
+
+def test_a_sole_owner_sends_no_contribution_and_a_dead_member_is_still_dropped():
+    """The sole owner's contribution would carry no part for anyone, so it sends none: the
+    three others send theirs (to everyone, for re-reducing a dead owner's part). A member
+    that dies without contributing is found by the owner's probes, not by that message."""
+    from moshray.cluster.messages import Contribution
+
+    network, averagers, plan = swarm(4, min_part=1000)
+    owner = _owner(plan)
+    sent: list[tuple[str, str]] = []
+    for pid in averagers:
+        transport = averagers[pid].transport
+        original = transport.send
+
+        def counting(handle, method, message, original=original, pid=pid):
+            if isinstance(message, Contribution):
+                sent.append((pid, handle))
+            return original(handle, method, message)
+
+        transport.send = counting
+    arrays, weights = inputs(4, seed=2)
+    results = asyncio.run(reduce_all(averagers, plan, arrays, weights))
+    assert not [s for s in sent if s[0] == owner]
+    assert sorted(sent) == sorted((p, q) for p in averagers if p != owner
+                                  for q in averagers if q != p)
+    first = next(iter(results.values()))[0]
+    assert all(np.array_equal(out, first) for out, _ in results.values())
+
+    network, averagers, plan = swarm(4, min_part=1000)  # a fresh swarm, same owner
+    dead = next(p for p in averagers if p != owner)
+    network.kill(dead)
+    arrays, weights = inputs(4, seed=3)
+    results = asyncio.run(reduce_all(averagers, plan, arrays, weights, skip={dead}))
+    survivors = sorted(set(arrays) - {dead})
+    expected = weighted(arrays, weights, survivors)
+    for pid in survivors:
+        out, report = results[pid]
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+        assert dead not in report.contributors

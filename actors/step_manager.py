@@ -281,7 +281,7 @@ class StepManager:
         s = self.state
         self.phases.step_begins()
         async with self.lock:
-            self.strategy.finish_step(s.model, s.optimizer, averaged)
+            self.strategy.finish_step(s.model, s.optimizer, averaged, report.total_weight)
             self._commit(plan)
         self._profiled = self.phases.step_ends(plan.epoch, report.seconds, *self._pending_size,
                                                overlapped=True, round_phases=report.phases)

@@ -7,6 +7,9 @@
   step averages the parameters, optionally followed by an outer Nesterov step on the
   averaged delta (``OuterNesterov``).
 
+A collaborative step scales the optimizer's learning rates by ``lr_scale`` of the samples it
+really averaged (``training.lr_scaling``), for that step only (``scaled_lr``).
+
 Both run their global step on the replica's event loop while the training loop's thread
 waits; ``after_backward`` runs in that thread. A fault injected for tests (``"nan"``,
 ``"shape"``) corrupts what this replica contributes; its peers reject it.
@@ -14,10 +17,47 @@ waits; ``after_backward`` runs in that thread. A fault injected for tests (``"na
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 
 from moshray.cluster.averager import Averager
 from moshray.cluster.messages import RoundPlan
+
+
+LR_SCALE_RANGE = (0.25, 2.0)  # a step far off the target moves at most 2x (1/4x) as far
+
+
+def lr_scale(samples: float, target: int, rule: str) -> float:
+    """The factor one collaborative step multiplies the learning rates by.
+
+    ``"sqrt"``: ``sqrt(samples / target)``, the square-root rule for Adam-type optimizers
+    (the configured rate is for a step of ``target`` samples), clipped to
+    ``LR_SCALE_RANGE``; ``"none"``, or no samples: 1. Pure and exact for equal inputs:
+    every replica of a step passes the same averaged ``total_weight`` (a sum of integer
+    sample counts), so the replicas stay bitwise identical."""
+    if rule == "none" or not samples > 0 or not target > 0:
+        return 1.0
+    low, high = LR_SCALE_RANGE
+    return min(high, max(low, math.sqrt(samples / target)))
+
+
+@contextlib.contextmanager
+def scaled_lr(optimizer: torch.optim.Optimizer, factor: float):
+    """Inside the block, every param group's ``lr`` times ``factor``; restored after (also
+    on error), so a user's learning-rate scheduler keeps owning the rates."""
+    if factor == 1.0:
+        yield
+        return
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved):
+            group["lr"] = lr
 
 
 def clip(model: torch.nn.Module, max_norm: float) -> None:
@@ -51,9 +91,11 @@ class Collaborative:
 
     outer_state = None
 
-    def __init__(self, grad_clip: float, overlap: bool = False):
+    def __init__(self, grad_clip: float, overlap: bool = False, lr_scaling: str = "none",
+                 target_batch_size: int = 1):
         self.grad_clip = grad_clip
         self.overlap = overlap
+        self.lr_scaling, self.target_batch_size = lr_scaling, target_batch_size
 
     def after_backward(self, model, optimizer, fault: str | None) -> None:
         corrupt_grads(model, fault)
@@ -81,15 +123,19 @@ class Collaborative:
         """``(averaged, report)``: ``grads`` averaged over ``plan`` (weighted by samples)."""
         return await averager.all_reduce(_with_fault(grads, fault), samples, plan, timeout_s)
 
-    def finish_step(self, model, optimizer, averaged: list[torch.Tensor]) -> None:
-        """One optimizer step with ``averaged``; gradients accumulated since
-        ``take_gradients`` are kept for the next step. Call at a sync point of the loop."""
+    def finish_step(self, model, optimizer, averaged: list[torch.Tensor],
+                    samples: float = 0.0) -> None:
+        """One optimizer step with ``averaged`` (the mean over ``samples``, the report's
+        ``total_weight``: it scales the rates, see ``lr_scale``); gradients accumulated
+        since ``take_gradients`` are kept for the next step. Call at a sync point of the
+        loop."""
         params = list(model.parameters())
         pending = [p.grad for p in params]
         for p, g in zip(params, averaged):
             p.grad = g.to(p.device)
         clip(model, self.grad_clip)
-        optimizer.step()
+        with scaled_lr(optimizer, lr_scale(samples, self.target_batch_size, self.lr_scaling)):
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         for p, g in zip(params, pending):
             p.grad = g
@@ -98,7 +144,7 @@ class Collaborative:
                           samples: int, micro: int, timeout_s: float, fault: str | None):
         grads = self.take_gradients(model, micro)
         averaged, report = await self.average(averager, grads, plan, samples, timeout_s, fault)
-        self.finish_step(model, optimizer, averaged)
+        self.finish_step(model, optimizer, averaged, report.total_weight)
         return report
 
 
@@ -167,4 +213,5 @@ def make_strategy(training, model: torch.nn.Module, device: torch.device | None 
                  if training.outer_optimizer == "nesterov" else None)
         return LocalSGD(training.grad_clip, outer)
     cuda = device is not None and torch.device(device).type == "cuda"
-    return Collaborative(training.grad_clip, training.overlaps(cuda))
+    return Collaborative(training.grad_clip, training.overlaps(cuda), training.lr_scaling,
+                         training.target_batch_size)

@@ -36,6 +36,7 @@ Mode = Literal["collaborative", "local_sgd"]
 OuterOptimizer = Literal["none", "nesterov"]
 Compression = Literal["auto", "none", "fp16", "uint8", "blockwise8"]
 Overlap = Literal["auto", "on", "off"]
+LrScaling = Literal["sqrt", "none"]
 NoticeSourceName = Literal["auto", "aws", "gcp", "none"]
 
 
@@ -124,7 +125,11 @@ class TrainingSection(_Section):
     CPUs (see ``overlaps``). ``min_part``: fewest values a part owner of an averaging group
     gets (``RoundPlan.min_part``; default 262144: a small model's tensor has one owner, fewer
     transfers per round; owners take turns step by step, see ``partition.owner_shares``);
-    1: every member owns a part.
+    1: every member owns a part. ``lr_scaling`` (collaborative mode): ``lr`` is the rate for
+    a step of ``target_batch_size`` samples; a step that averaged more (replicas keep
+    computing while its plan forms) or fewer scales it by ``sqrt(samples / target)``,
+    within [1/4, 2] (``sqrt``, the square-root rule for Adam-type optimizers), or not at
+    all (``none``); see ``actors/strategies.lr_scale``.
     """
 
     _section = "training"
@@ -148,6 +153,7 @@ class TrainingSection(_Section):
     step_grace_s: float = 2.0
     overlap: Overlap = "auto"
     min_part: int = 262144  # partition.MIN_PART
+    lr_scaling: LrScaling = "sqrt"
 
     def overlaps(self, cuda: bool) -> bool:
         """Whether a collaborative replica (on CUDA if ``cuda``) overlaps its averaging."""

@@ -10,7 +10,9 @@ steps through ``ray.train.report(checkpoint=...)`` to a local ``storage_path``.
 The model, data and hyper-parameters come from the same :class:`~moshray.jobs.config.TrainConfig`
 moshray trains with: ``build_model(ModelConfig, seed)``, ``ByteBatches`` shard ``rank`` of
 ``cluster.max_nodes``, AdamW(lr, weight_decay), gradient clipping, and the same global batch:
-each step accumulates ``ceil(target_batch_size / (world * batch_size))`` micro-batches per worker.
+each step accumulates ``ceil(target_batch_size / (world * batch_size))`` micro-batches per worker
+(the learning rate follows the same ``training.lr_scaling`` rule as moshray's steps, for the
+group's step size).
 
 What happens on a preemption is deliberately nothing special: the node disappears, a DDP
 collective fails or the worker actor dies, Ray Train's controller tears the whole worker group
@@ -155,6 +157,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     from moshray.actors.data import ByteBatches
     from moshray.actors.model import build_model
+    from moshray.actors.strategies import lr_scale
 
     cfg = BaselineConfig(**loop_config)
     tc = TrainConfig.from_dict(cfg.train)
@@ -184,6 +187,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
     data = ByteBatches(list(cfg.files), rank % cfg.max_workers, cfg.max_workers,
                        tc.model.seq_len, t.batch_size, t.seed + step)
     accum = max(1, math.ceil(t.target_batch_size / (world * t.batch_size)))
+    # moshray's rate rule (``training.lr_scaling``): ``lr`` is for a step of the target
+    # batch; this group's steps are world * accum * batch_size (after a checkpoint's load,
+    # which brings back the rate of the group before).
+    rate = t.lr * lr_scale(world * accum * t.batch_size, t.target_batch_size, t.lr_scaling)
+    for group in optimizer.param_groups:
+        group["lr"] = rate
     distributed = world > 1 and dist.is_available() and dist.is_initialized()
     steady_deadline = math.inf  # set after this group's first step when steady_seconds is
 

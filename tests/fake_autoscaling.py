@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from raystart import free_port
 
 LOOPBACK = "127.0.0.1"
 SPOT = 1000  # the `spot` resource of a worker node, as in infra/ray/*.yaml
@@ -36,12 +37,6 @@ SYSTEM_CONFIG = {  # a dead raylet is noticed within a few seconds
     "health_check_timeout_ms": 1000,
     "health_check_failure_threshold": 3,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def _children() -> dict[int, list[int]]:

@@ -18,7 +18,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from moshray.cluster import metrics as m
+from raystart import free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -69,12 +69,6 @@ def prometheus_binary() -> str:
         if found:
             return found
     pytest.skip("prometheus is not installed and `apt-get install prometheus` failed")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_json(url: str, timeout: float = 10) -> dict:

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.autoscaler.tags import TAG_RAY_NODE_KIND, TAG_RAY_USER_NODE_TYPE
 
 from fake_ec2 import running_fake_ec2
+from raystart import free_port
 from moshray.autoscaler import provider_metrics
 from moshray.autoscaler.aws_provider import AWSSpotNodeProvider
 from moshray.autoscaler.pools import Pool
@@ -31,12 +32,6 @@ WORKER = {TAG_RAY_NODE_KIND: "worker", TAG_RAY_USER_NODE_TYPE: "spot"}
 
 def value(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from ray.autoscaler.tags import TAG_RAY_NODE_KIND, TAG_RAY_USER_NODE_TYPE
 
 from fake_ec2 import FakeEC2
 from fake_gcp import FakeCompute
+from raystart import free_port
 from moshray.autoscaler.aws_provider import AWSSpotNodeProvider
 from moshray.autoscaler.gcp_provider import GCPSpotNodeProvider
 from moshray.autoscaler.tags import AWS_PROVIDER, GCP_PROVIDER, POOL_TAG
@@ -182,14 +183,6 @@ def cluster_config(cloud, name: str, metrics_port: int) -> dict:
         "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [],
         "head_start_ray_commands": [], "worker_start_ray_commands": [],
     })
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

@@ -23,7 +23,6 @@ import os
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ REFUSAL_TIMEOUT_S = 180
 CLUSTER_SCRIPT = r"""
 import json, os, signal, sys
 from moshray.jobs.local_cluster import LocalCluster, LocalClusterConfig
+from raystart import free_port
 
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 cluster = LocalCluster(LocalClusterConfig(spot_nodes=0, head_cpus=1, dashboard=True,
@@ -58,12 +58,6 @@ finally:
     print(json.dumps({"down": True, "token_file_left": os.path.exists(token_path or ""),
                       "mode_after": os.environ.get("RAY_AUTH_MODE")}), flush=True)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def client_env(home: Path, token_path: str | None = None, token: str | None = None) -> dict:

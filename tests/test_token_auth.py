@@ -31,6 +31,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from raystart import free_port
 
 STARTUP_TIMEOUT_S = 300
 JOB_TIMEOUT_S = 240
@@ -39,7 +40,6 @@ REFUSAL_TIMEOUT_S = 180
 CLUSTER_SCRIPT = r"""
 import json, os, signal, sys
 from moshray.jobs.local_cluster import LocalCluster, LocalClusterConfig
-from raystart import free_port
 
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 cluster = LocalCluster(LocalClusterConfig(spot_nodes=0, head_cpus=1, dashboard=True,

@@ -9,6 +9,7 @@ byte windows at random offsets over the whole corpus.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -51,20 +52,28 @@ class ByteCorpus:
     regions: int = 1
 
     def open(self, shard: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        slices = [ByteBatches(list(self.files), r, self.regions, self.seq_len,
-                              self.batch_size, seed) for r in range(self.regions)]
-        starts = np.array([b.train_end - self.seq_len for b in slices])  # offsets per slice
-        total = int(starts.sum())
+        slices = _slices(self.files, self.regions, self.seq_len)
+        ends = np.cumsum([b.train_end - self.seq_len for b in slices])  # offsets, cumulated
+        starts = np.concatenate(([0], ends[:-1]))
+        total = int(ends[-1])
         rng = np.random.default_rng([seed, shard])
         count = max(1, total // (self.num_shards * self.seq_len * self.batch_size))
         for _ in range(count):
             # A window's index over all slices' offsets, then which slice holds it.
             flat = rng.integers(0, total, size=self.batch_size)
-            which = np.searchsorted(np.cumsum(starts), flat, side="right")
-            offsets = flat - np.concatenate(([0], np.cumsum(starts)))[which]
+            which = np.searchsorted(ends, flat, side="right")
+            offsets = flat - starts[which]
             xs, ys = zip(*(slices[r].windows(offsets[which == r])
                            for r in range(self.regions) if (which == r).any()))
             yield torch.cat(xs), torch.cat(ys)
+
+
+@functools.lru_cache(maxsize=4)
+def _slices(files: tuple[DataFile, ...], regions: int, seq_len: int) -> list[ByteBatches]:
+    """The corpus's ``regions`` slices, read once per process (every shard a replica opens
+    draws from the same ones; only their windows are used, so batch size and seed do not
+    matter)."""
+    return [ByteBatches(list(files), r, regions, seq_len, 1, 0) for r in range(regions)]
 
 
 def train_loop(session: Session) -> None:

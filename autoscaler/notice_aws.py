@@ -38,7 +38,9 @@ class AWSMetadataSource(NoticeSource):
 
     ``poll`` checks both documents every ``interval_s`` (AWS suggests every 5 s; the
     default 1 s is cheap and tightens the notice->drain time) until something new shows up
-    or ``timeout_s`` passes. A termination notice is returned before a rebalance
+    or ``timeout_s`` passes. The period holds across calls: a caller polling with a shorter
+    timeout (to notice its own stop sooner) does not make the checks more frequent, and a
+    ``poll(0)`` before the next check is due returns None without a request. A termination notice is returned before a rebalance
     recommendation seen in the same check; each distinct document is returned once.
     """
 
@@ -77,6 +79,7 @@ class AWSMetadataSource(NoticeSource):
         self._token_expires = 0.0  # time.monotonic() after which the token is refreshed
         self._seen: set[tuple[str, bytes]] = set()
         self._pending: list[PreemptionNotice] = []
+        self._next_check = 0.0  # time.monotonic() at which the documents are due again
 
     def describe(self) -> str:
         return f"aws-imds {self.base_url}"
@@ -159,15 +162,18 @@ class AWSMetadataSource(NoticeSource):
         while not self.closed:
             if self._pending:
                 return self._pending.pop(0)
-            try:
-                self._check()
-            except _TransientError as e:
-                self.errors += 1
-                log.warning("AWS metadata poll failed (will retry): %s", e)
-            if self._pending:
-                return self._pending.pop(0)
-            left = end - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= self._next_check:
+                self._next_check = now + self.interval_s
+                try:
+                    self._check()
+                except _TransientError as e:
+                    self.errors += 1
+                    log.warning("AWS metadata poll failed (will retry): %s", e)
+                if self._pending:
+                    return self._pending.pop(0)
+            now = time.monotonic()
+            if now >= end:
                 return None
-            time.sleep(min(self.interval_s, left))
+            time.sleep(max(0.0, min(self._next_check, end) - now))
         return None

@@ -157,8 +157,20 @@ def test_aws_termination_before_rebalance_seen_in_the_same_check(imds):
     assert [source.poll(0).action, source.poll(0).action] == ["terminate", "rebalance"]
 
 
+def test_aws_checks_at_its_interval_however_short_the_polls(imds):
+    source = AWSMetadataSource(NODE, imds.url, interval_s=0.5)
+    end = time.monotonic() + 1.2
+    while time.monotonic() < end:  # a watcher polling every 0.05 s to notice its stop
+        assert source.poll(0.05) is None
+    checks = [r for r in imds.seen("/latest/meta-data/spot")]
+    assert len(checks) == 3  # at 0, 0.5 and 1.0 s: not one per poll
+    imds.interrupt()
+    notice = source.poll(1.0)  # the next due check finds it
+    assert notice is not None and notice.action == "terminate"
+
+
 def test_aws_token_refreshed_after_expiry(imds):
-    source = AWSMetadataSource(NODE, imds.url, interval_s=0.05)
+    source = AWSMetadataSource(NODE, imds.url, interval_s=0.001)
     assert source.poll(0) is None
     imds.expire_tokens()
     imds.interrupt()
@@ -178,7 +190,7 @@ def test_aws_token_refreshed_before_ttl_runs_out(imds):
 
 
 def test_aws_transient_errors_do_not_crash(imds):
-    source = AWSMetadataSource(NODE, imds.url, interval_s=0.05)
+    source = AWSMetadataSource(NODE, imds.url, interval_s=0.001)
     imds.fail_next(3, status=503)
     assert source.poll(0) is None  # the token PUT failed: logged, counted
     assert source.errors == 1

@@ -4,14 +4,19 @@ store in the product, ``transport.RayTransport``; plain asyncio, no Ray, here).
 Protocol (group of members M = (m_0..m_{k-1}) plus receivers):
 
 1. Every member splits its flat float32 vector into k parts sized by the members'
-   shares, encodes them with the round's codec and ``put``s the k-1 parts it does
-   not own. It sends one ``Contribution`` (the tuple of part refs, never the bytes) to
-   every other member (none if it put nothing: a sole owner's parts all stay with it).
+   shares and encodes them with the round's codec. Large parts (any over
+   ``INLINE_MAX_BYTES``): it ``put``s the k-1 parts it does not own and sends one
+   ``Contribution`` (the tuple of part refs, never the bytes) to every other member. Small
+   parts: each member's ``Contribution`` carries its own part ``Inline`` (the actor call
+   moves the bytes, no object store) and the others ``InBundle``: one put of all of them,
+   fetched only to re-reduce a dead owner's part. None is sent if there is nothing for
+   anyone (a sole owner's parts all stay with it).
 2. The owner of part j starts fetching part j of each contribution the moment it lands
    (streaming: no barrier, all fetches in flight at once), validates it, and adds it to a
    weighted mean *in the group's member order* (a value waits until the members before it
    are settled). When all live members have been heard, or the contribution deadline
-   passes, it encodes the mean, puts it, and sends a ``PartResult`` ref to everyone.
+   passes, it encodes the mean and sends it to everyone in a ``PartResult`` (inline if
+   small, else as a ref to one put).
 3. Every peer fetches the results and writes them straight into its output vector.
 
 Bitwise equality: every member's value enters the mean exactly as the others receive it
@@ -47,7 +52,8 @@ import numpy as np
 from . import compression as comp
 from .capacity import busy_seconds, round_throughput
 from .mailbox import GroupMailbox, RoundKey
-from .messages import Contribution, Group, PartResult, Probe, Rejection, RejectReason, RoundPlan
+from .messages import (Contribution, Group, InBundle, Inline, PartResult, Probe, Rejection,
+                       RejectReason, RoundPlan)
 from .part_reduce import off_loop, reduce_part
 from .partition import owner_shares, part_sizes, part_slices
 from .transport import Transport
@@ -57,6 +63,12 @@ log = logging.getLogger(__name__)
 __all__ = ["Deadlines", "GroupMailbox", "GroupRound", "RoundKey", "RoundOutcome", "PROBE_S"]
 
 PROBE_S = 0.5  # how often a waiting peer checks that the members it waits on are alive
+# Parts up to this many encoded bytes travel inside the actor calls (``Inline``): for them
+# the object store's put, pull and reference counting cost several times the bytes' copy.
+# Ray inlines call arguments only up to ``max_direct_call_object_size`` (100 KiB by
+# default): ``ACTOR_ENV`` raises that for the actors that run rounds (the replicas).
+INLINE_MAX_BYTES = 1 << 20
+ACTOR_ENV = {"RAY_max_direct_call_object_size": str(2 * INLINE_MAX_BYTES)}
 
 
 @dataclass
@@ -275,35 +287,44 @@ class GroupRound:
     async def _contribute(self, flat: np.ndarray, weight: float, slices, own: int) -> None:
         members = self.group.members
 
-        def put_parts() -> list:
-            refs = []
+        def encode_parts() -> list:
+            encs = []
             for j, s in enumerate(slices):
                 if j == own or s.stop == s.start:  # ours, or a member that owns nothing
-                    refs.append(None)
+                    encs.append(None)
                     continue
                 enc = comp.encode(flat[s], self.codec)  # none: a view, put copies it once
                 self.bytes_sent += enc.nbytes
-                refs.append(self.transport.put(enc))
-            return refs
+                encs.append(enc)
+            return encs
 
-        refs = await off_loop(flat.nbytes, put_parts)
-        message = Contribution(
-            epoch=self.plan.epoch,
-            round_index=self.round_index,
-            group_index=self.group_index,
-            sender=self.me,
-            weight=float(weight),
-            numel=flat.size,
-            part_refs=tuple(refs),
-        )
-        if all(ref is None for ref in refs):
+        encs = await off_loop(flat.nbytes, encode_parts)
+        if all(enc is None for enc in encs):
             # Nothing for anyone (the sole owner: its own part stays here): the others
             # would only keep it for re-reducing a part we own, and that dies with us.
             # The members still waiting on us probe us (``_probe_members``).
             return
-        for peer in members:
-            if peer != self.me:
-                self._watch_call(peer, self.send(peer, "receive_contribution", message))
+        if max(enc.nbytes for enc in encs if enc is not None) <= INLINE_MAX_BYTES:
+            bundle = self.transport.put(tuple(encs))  # fetched only if an owner dies
+            messages = {
+                peer: tuple(None if enc is None else Inline(enc) if k == j else
+                            InBundle(bundle, k) for k, enc in enumerate(encs))
+                for j, peer in enumerate(members) if peer != self.me}
+        else:
+            refs = await off_loop(flat.nbytes, lambda: tuple(
+                None if enc is None else self.transport.put(enc) for enc in encs))
+            messages = {peer: refs for peer in members if peer != self.me}
+        for peer, part_refs in messages.items():
+            message = Contribution(
+                epoch=self.plan.epoch,
+                round_index=self.round_index,
+                group_index=self.group_index,
+                sender=self.me,
+                weight=float(weight),
+                numel=flat.size,
+                part_refs=part_refs,
+            )
+            self._watch_call(peer, self.send(peer, "receive_contribution", message))
 
     async def _publish(self, part: int, values: np.ndarray, total: float, contributors,
                        dest: np.ndarray) -> None:
@@ -313,7 +334,8 @@ class GroupRound:
         others = [peer for peer in self.group.everyone if peer != self.me]
         if not others:
             return  # a group of one (a single replica): nobody to send the result to
-        ref = await off_loop(values.nbytes, self.transport.put, enc)
+        ref = Inline(enc) if enc.nbytes <= INLINE_MAX_BYTES else \
+            await off_loop(values.nbytes, self.transport.put, enc)
         result = PartResult(
             epoch=self.plan.epoch,
             round_index=self.round_index,

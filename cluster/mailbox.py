@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from . import compression as comp
-from .messages import Contribution, PartResult
+from .messages import Contribution, InBundle, Inline, PartResult
 
 RoundKey = tuple[int, int, int]  # (epoch, round_index, group_index)
 
@@ -69,15 +69,28 @@ class GroupMailbox:
         return task
 
     async def _timed_fetch(self, ref) -> comp.Encoded:
+        if isinstance(ref, Inline):  # came with the message: nothing moved, nothing to time
+            return ref.value
         start = time.perf_counter()
-        enc = await self.fetch(ref)
+        enc = await self.resolve(ref)
         self.fetch_log.append((start, time.perf_counter(), getattr(enc, "nbytes", 0)))
         return enc
+
+    async def resolve(self, payload) -> comp.Encoded:
+        """The encoded bytes behind a message's payload (``messages.Payload``): an
+        ``Inline`` value as is, an ``InBundle`` element from its fetched tuple, else the
+        transport's fetch of the ref. Raises what the fetch raises (e.g. the object was lost
+        with its owner)."""
+        if isinstance(payload, Inline):
+            return payload.value
+        if isinstance(payload, InBundle):
+            return (await self.fetch(payload.ref))[payload.index]
+        return await self.fetch(payload)
 
     def fetch_result(self, part: int) -> asyncio.Task:
         task = self.result_fetches.get(part)
         if task is None:
-            task = asyncio.ensure_future(self.fetch(self.results[part].ref))
+            task = asyncio.ensure_future(self.resolve(self.results[part].ref))
             task.add_done_callback(lambda _: self.notify())
             self.result_fetches[part] = task
         return task

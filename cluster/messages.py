@@ -1,10 +1,17 @@
 """Typed messages that cross actor boundaries in the collective.
 
 Every message is a frozen dataclass with tuples, not lists, so that it is hashable, cheap
-to pickle and cannot be mutated by the receiver. Tensor bytes never travel inside these
-messages: a ``Contribution`` or ``PartResult`` carries ``ray.ObjectRef``s nested in a tuple
-(Ray does not resolve nested refs, so only the reference crosses the actor call and the
-receiver fetches the bytes from the object store when it is ready to reduce them).
+to pickle and cannot be mutated by the receiver. A ``Contribution`` or ``PartResult``
+carries its tensor bytes one of two ways (a *payload*):
+
+- a ``ray.ObjectRef`` nested in the message (Ray does not resolve nested refs, so only the
+  reference crosses the actor call and the receiver fetches the bytes from the object store
+  when it is ready to reduce them): large parts;
+- ``Inline``: the encoded bytes in the message itself, so the actor call carries them
+  straight to the receiver, with no object-store put, transfer or reference to count
+  (small parts: ``allreduce.INLINE_MAX_BYTES``); ``InBundle`` names one part of a tuple
+  the sender put once (a small contribution's copies for re-reducing a dead owner's part,
+  fetched only then).
 """
 
 from __future__ import annotations
@@ -16,6 +23,24 @@ from typing import Any
 # A ray.ObjectRef; typed as Any so this module imports without Ray.
 ObjectRef = Any
 ActorHandle = Any
+
+
+@dataclass(frozen=True)
+class Inline:
+    """A payload carried in the message itself (see module docstring)."""
+
+    value: Any  # compression.Encoded
+
+
+@dataclass(frozen=True)
+class InBundle:
+    """Element ``index`` of the tuple behind ``ref`` (see module docstring)."""
+
+    ref: ObjectRef
+    index: int
+
+
+Payload = Any  # ObjectRef | Inline | InBundle
 
 
 class RejectReason(str, enum.Enum):
@@ -133,11 +158,12 @@ class RoundPlan:
 
 @dataclass(frozen=True)
 class Contribution:
-    """One member's tensor for one group, split into parts, as object refs.
+    """One member's tensor for one group, split into parts, as payloads.
 
     ``part_refs[j]`` is the encoded slice the owner of part j reduces. Every member of
     the group receives the whole tuple, so a survivor can re-reduce a part whose owner
-    died.
+    died. A small contribution gives each member its own part ``Inline`` and the others
+    ``InBundle`` (one put for all of them); a large one gives object refs throughout.
     """
 
     epoch: int
@@ -146,7 +172,7 @@ class Contribution:
     sender: str
     weight: float
     numel: int
-    part_refs: tuple[ObjectRef, ...]
+    part_refs: tuple[Payload, ...]
 
 
 @dataclass(frozen=True)
@@ -161,7 +187,7 @@ class PartResult:
     numel: int  # the owner's whole-tensor length; a mismatch means a different layout
     total_weight: float
     contributors: tuple[str, ...]
-    ref: ObjectRef
+    ref: Payload  # an ObjectRef, or Inline for a small part
 
 
 @dataclass(frozen=True)

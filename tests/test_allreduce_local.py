@@ -241,3 +241,53 @@ def test_a_sole_owner_sends_no_contribution_and_a_dead_member_is_still_dropped()
         out, report = results[pid]
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
         assert dead not in report.contributors
+
+
+@pytest.mark.parametrize("inline_max", [None, 0], ids=["small-inline", "large-refs"])
+def test_small_parts_travel_inline_large_ones_as_refs_and_both_survive_a_dead_owner(
+        inline_max, monkeypatch):
+    """Small parts ride in the call (``Inline``, the other members' copies ``InBundle``:
+    one put); with the threshold at 0 every part is an object ref. Either way the round
+    is exact and bitwise equal, and a dead owner's part is re-reduced from the copies."""
+    from moshray.cluster import allreduce
+    from moshray.cluster.messages import Contribution, InBundle, Inline, PartResult
+    from moshray.cluster.transport import LocalRef
+
+    if inline_max is not None:
+        monkeypatch.setattr(allreduce, "INLINE_MAX_BYTES", inline_max)
+    network, averagers, plan = swarm(4)
+    payloads: list[tuple[str, object]] = []  # (message kind, payload)
+    for pid in averagers:
+        transport = averagers[pid].transport
+        original = transport.send
+
+        def recording(handle, method, message, original=original):
+            if isinstance(message, Contribution):
+                payloads.extend(("contribution", p) for p in message.part_refs
+                                if p is not None)
+            elif isinstance(message, PartResult):
+                payloads.append(("result", message.ref))
+            return original(handle, method, message)
+
+        transport.send = recording
+    dead = "p3"  # owns a part (min_part 1): the others re-reduce it from their copies
+    network.kill(dead)
+    arrays, weights = inputs(4, seed=7)
+    results = asyncio.run(reduce_all(averagers, plan, arrays, weights, skip={dead}))
+    survivors = ["p0", "p1", "p2"]
+    expected = weighted(arrays, weights, survivors)
+    first = results["p0"][0]
+    for pid in survivors:
+        out, report = results[pid]
+        assert np.array_equal(out, first), pid
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+        assert dead not in report.contributors
+    kinds = {type(p) for _, p in payloads}
+    if inline_max is None:
+        assert kinds == {Inline, InBundle}
+        assert all(isinstance(p, Inline) for kind, p in payloads if kind == "result")
+        # each contribution carries exactly one part inline: the recipient's own
+        inline = sum(isinstance(p, Inline) for kind, p in payloads if kind == "contribution")
+        assert inline == 3 * 3  # three live senders, to each other member (dead or not)
+    else:
+        assert kinds == {LocalRef}

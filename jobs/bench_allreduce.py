@@ -20,20 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import numpy as np
 
-from moshray.jobs.local_cluster import LocalCluster, LocalClusterConfig, pin_loopback
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from moshray.jobs.local_cluster import LocalCluster, LocalClusterConfig, free_ports, pin_loopback
 
 
 def expected_sample(numel: int, weights: list[float], stride: int) -> np.ndarray:
@@ -143,7 +136,7 @@ def run(args: argparse.Namespace) -> dict:
         Gloo = _gloo_actor_class()
         env = {"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}}
         gloo = [Gloo.options(runtime_env=env, **where[i]).remote() for i in range(args.peers)]
-        port = _free_port()
+        port = free_ports(1)[0]
         ray.get([g.setup.remote(i, args.peers, port) for i, g in enumerate(gloo)], timeout=120)
         results = ray.get([g.run.remote(numel, i, weights[i], sum(weights), args.reps + 1, stride)
                            for i, g in enumerate(gloo)], timeout=600)

@@ -123,11 +123,17 @@ class _TokenAuthEnv:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _free_port() -> int:
-    """A TCP port free on loopback right now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on loopback right now (the OS picks them; all sockets
+    are held until every port is known, so two calls cannot return the same one)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind((LOOPBACK, 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def pin_loopback() -> None:
@@ -182,6 +188,7 @@ class LocalCluster:
         self.config = config
         self._lock = threading.Lock()
         self._auth = _TokenAuthEnv() if config.token_auth else None
+        agent_port, client_port = free_ports(2)
         head_args = dict(
             node_ip_address=LOOPBACK,
             num_cpus=config.head_cpus,
@@ -191,8 +198,8 @@ class LocalCluster:
             # Ray's fixed defaults (52365, 10001) would clash with a second cluster on this
             # machine; the head's job agent then never binds and job submission answers
             # "No available agent".
-            dashboard_agent_listen_port=_free_port(),
-            ray_client_server_port=_free_port(),
+            dashboard_agent_listen_port=agent_port,
+            ray_client_server_port=client_port,
         )
         if config.dashboard:
             head_args["dashboard_host"] = LOOPBACK

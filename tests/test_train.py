@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from raystart import free_port
 
 SMALL = [
     "--set", "model.n_layers=2", "--set", "model.d_model=64", "--set", "model.d_ff=128",
@@ -54,10 +54,6 @@ def test_bad_config_exits_2_with_one_line():
     assert proc.returncode == 2 and "training.mode" in proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _scrape(port: int) -> dict | None:
@@ -86,7 +82,7 @@ def test_trace_preempts_and_adds_nodes_while_training(tmp_path: Path):
     trace = tmp_path / "trace.csv"
     trace.write_text("0,add,node0\n0,add,node1\n0,add,node2\n"
                      "20000,remove,node2\n28000,add,node3\n")
-    port = _free_port()
+    port = free_port()
     run_dir = tmp_path / "run"
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     env.pop("RAY_ADDRESS", None)

@@ -13,6 +13,7 @@ every plan made after ``mark_draining`` returns.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ class CoordinatorCore:
         self.membership = Membership(config)
         self.clock = clock
         self.started = clock()
+        self.incarnation = uuid.uuid4().hex  # a restarted Coordinator is a new one
         self.progress = ProgressTracker(self.membership, target_batch_size,
                                         grace_s=step_grace_s, hold_s=2 * config.peer_ttl_s)
         if restarted:
@@ -214,10 +216,16 @@ class CoordinatorCore:
     def request_stop(self) -> None:
         self.progress.stop = True
 
-    def stats(self) -> dict:
+    def stats(self, since: int = 0) -> dict:
+        """The run's counters and its step history from row ``since`` on (a poller passes
+        how many rows it holds, so a long run's history is not resent every poll).
+        ``history_len`` is the whole history's length and ``incarnation`` tells this
+        Coordinator from a restarted one (whose history starts over)."""
         now = self.clock()
         history: list[StepRecord] = self.progress.history
         return {
+            "incarnation": self.incarnation,
+            "history_len": len(history),
             "epoch": self.membership.epoch,
             "live": len(self.membership.live(now)),
             "ready": len(self.progress.ready),
@@ -230,7 +238,7 @@ class CoordinatorCore:
             "now_s": now - self.started,  # the clock of history's at_s (for plots)
             **self._notice_summary(),
             "history": [(h.epoch, h.at_s - self.started, h.samples, h.loss, h.peers)
-                        for h in history],
+                        for h in history[max(0, since):]],
         }
 
     def step_timings(self, since_epoch: int = 0) -> dict:

@@ -264,6 +264,21 @@ def _stop_experts(experts) -> dict:
     return summary
 
 
+def read_stats(fetch, last: dict) -> dict:
+    """The Coordinator's stats with its whole step history; ``fetch(since)`` is its
+    ``stats(since)`` and ``last`` the previous answer. Only the rows after those held are
+    fetched from the same Coordinator; a restarted one (a new ``incarnation``) is read from
+    its first row, as its history starts over."""
+    held = last["history"] if last.get("incarnation") else []
+    stats = fetch(len(held))
+    if stats["incarnation"] != last.get("incarnation"):
+        if held:  # another Coordinator than the rows held: read its history from the start
+            stats = fetch(0)
+        return stats
+    stats["history"] = held + stats["history"]
+    return stats
+
+
 def _supervise(config: TrainConfig, controller, out) -> dict:
     """Run the controller until ``max_steps`` / ``max_seconds``; then stop and summarize."""
     import ray
@@ -280,7 +295,8 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
     while True:
         controller.step()
         try:
-            stats = ray.get(coordinator.stats.remote(), timeout=30)
+            stats = read_stats(
+                lambda since: ray.get(coordinator.stats.remote(since), timeout=30), stats)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             log.warning("Coordinator stats not read (%s)", type(exc).__name__)
         if stats.get("committed", committed) < committed:  # a restarted Coordinator:

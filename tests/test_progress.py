@@ -375,3 +375,29 @@ def test_step_samples_forget_old_steps_and_unplanned_peers():
     assert s.contributed(1, "a", 12) == 12
     s.planned(1 + KEEP_EPOCHS, {"a": 8})
     assert s.contributed(1, "a", 20) is None  # too old to correct
+
+
+def test_the_driver_reads_only_new_history_rows_and_starts_over_after_a_restart():
+    from moshray.jobs.train import read_stats
+
+    core, _, _ = swarm(target=24)
+    coordinators, asked = [core], []
+
+    def fetch(since):
+        asked.append(since)
+        return coordinators[-1].stats(since)
+
+    stats = read_stats(fetch, {"history": [], "epoch": 0})
+    assert stats["history"] == [] and asked == [0]
+    for peer in ("a", "b", "c"):
+        report(core, peer, 0, 8)  # a full batch: the step's plan is in the history
+    stats = read_stats(fetch, stats)
+    full = core.stats()["history"]
+    assert len(full) == 1 and stats["history"] == full and asked[-1] == 0
+    again = read_stats(fetch, stats)
+    assert again["history"] == full and asked[-1] == 1  # the held row is not resent
+    coordinators.append(CoordinatorCore(MembershipConfig(), target_batch_size=24,
+                                        restarted=True))
+    restarted = read_stats(fetch, again)
+    assert restarted["history"] == [] and asked[-2:] == [1, 0]  # read again from row 0
+    assert restarted["incarnation"] != again["incarnation"]

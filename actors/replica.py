@@ -20,6 +20,7 @@ from typing import Any
 import ray
 import torch
 
+from moshray.cluster import inline
 from moshray.cluster.messages import Contribution, PartResult, RoundPlan
 
 from .checkpoint import CheckpointStore
@@ -71,11 +72,13 @@ class ReplicaActor:
 
     # -- transport ---------------------------------------------------------------------------
 
-    async def receive_contribution(self, c: Contribution) -> None:
-        self.manager.averager.deliver_contribution(c)
+    async def receive_contribution(self, c: Contribution, *chunks) -> None:
+        """A member's contribution; ``chunks``: its inline bytes (``cluster/inline.py``)."""
+        self.manager.averager.deliver_contribution(inline.join(c, chunks))
 
-    async def receive_result(self, r: PartResult) -> None:
-        self.manager.averager.deliver_result(r)
+    async def receive_result(self, r: PartResult, *chunks) -> None:
+        """A part's result; ``chunks``: its inline bytes (``cluster/inline.py``)."""
+        self.manager.averager.deliver_result(inline.join(r, chunks))
 
     async def receive_plan(self, plan: RoundPlan) -> None:
         """The Coordinator pushes each plan this replica takes part in the moment it exists;

@@ -63,12 +63,10 @@ log = logging.getLogger(__name__)
 __all__ = ["Deadlines", "GroupMailbox", "GroupRound", "RoundKey", "RoundOutcome", "PROBE_S"]
 
 PROBE_S = 0.5  # how often a waiting peer checks that the members it waits on are alive
-# Parts up to this many encoded bytes travel inside the actor calls (``Inline``): for them
-# the object store's put, pull and reference counting cost several times the bytes' copy.
-# Ray inlines call arguments only up to ``max_direct_call_object_size`` (100 KiB by
-# default): ``ACTOR_ENV`` raises that for the actors that run rounds (the replicas).
+# Parts up to this many encoded bytes travel inside the actor calls (``Inline``, as chunks
+# under Ray's inline-argument limit: ``inline.py``): for them the object store's put, pull
+# and reference counting cost several times the bytes' copy.
 INLINE_MAX_BYTES = 1 << 20
-ACTOR_ENV = {"RAY_max_direct_call_object_size": str(2 * INLINE_MAX_BYTES)}
 
 
 @dataclass

@@ -1,10 +1,13 @@
 """The Moshpit averager a peer embeds: d group rounds over a ``RoundPlan``.
 
 An ``Averager`` lives inside an async Ray actor (``AveragingPeer`` here, the replica actor
-in training). The actor forwards two transport methods to it::
+in training). The actor forwards two transport methods to it (``RayTransport`` sends a
+small payload's bytes as extra arguments, ``inline.py``)::
 
-    async def receive_contribution(self, c): self.averager.deliver_contribution(c)
-    async def receive_result(self, r): self.averager.deliver_result(r)
+    async def receive_contribution(self, c, *chunks):
+        self.averager.deliver_contribution(inline.join(c, chunks))
+    async def receive_result(self, r, *chunks):
+        self.averager.deliver_result(inline.join(r, chunks))
 
 and a training loop calls ``await averager.all_reduce(tensors, weight, plan, timeout)``.
 

@@ -15,7 +15,7 @@ import os
 import numpy as np
 import ray
 
-from . import faults
+from . import faults, inline
 from .averager import Averager
 from .messages import AllReduceReport, Contribution, PartResult, RoundPlan
 
@@ -36,11 +36,11 @@ class AveragingPeer:
         self.averager = Averager(peer_id)
         self._synthetic: dict[tuple[int, int], np.ndarray] = {}
 
-    async def receive_contribution(self, c: Contribution) -> None:
-        self.averager.deliver_contribution(c)
+    async def receive_contribution(self, c: Contribution, *chunks) -> None:
+        self.averager.deliver_contribution(inline.join(c, chunks))
 
-    async def receive_result(self, r: PartResult) -> None:
-        self.averager.deliver_result(r)
+    async def receive_result(self, r: PartResult, *chunks) -> None:
+        self.averager.deliver_result(inline.join(r, chunks))
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

@@ -5,7 +5,9 @@ calls a ``Transport`` for the four things that cross machines and never imports 
 
 - ``send(handle, method, message)``: a fire-and-forget call of ``method`` on the peer
   behind ``handle``; returns an awaitable that fails (with one of ``gone_errors``) if that
-  peer is gone, and is otherwise only awaited to learn so.
+  peer is gone, and is otherwise only awaited to learn so. ``RayTransport`` sends the
+  bytes of ``Inline`` payloads as extra call arguments (``inline.py``), so the receiving
+  actor method takes ``(message, *chunks)``.
 - ``put(value)``: a reference to ``value`` that other peers can fetch (the bytes stay with
   the putter until fetched; they are lost with it).
 - ``fetch(ref)``: the value behind a reference (raises if it was lost).
@@ -22,6 +24,8 @@ import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from . import inline
 
 
 class Transport(Protocol):
@@ -44,7 +48,10 @@ class RayTransport:
         self.gone_errors = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
     def send(self, handle: Any, method: str, message: object) -> Awaitable[Any]:
-        return getattr(handle, method).remote(message)
+        """``method(message, *chunks)`` on the peer: a small payload's bytes ride in the
+        call as argument-sized chunks (``inline.split``; the receiver ``inline.join``s)."""
+        skeleton, chunks = inline.split(message)
+        return getattr(handle, method).remote(skeleton, *chunks)
 
     def put(self, value: Any) -> Any:
         return self._ray.put(value)

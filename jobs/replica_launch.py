@@ -2,9 +2,7 @@
 
 ``launch_replica`` pins the ReplicaActor to its node with Ray's node-affinity scheduling
 (``soft=False``: it runs there or not at all; no shared custom resource decides where) and
-gives it ``num_gpus`` GPUs through Ray, then starts its ``run()``. Its worker process gets
-``allreduce.ACTOR_ENV`` (merged into the job's runtime environment), so the small parts of
-its averaging rounds travel inside the actor calls. The elastic controller
+gives it ``num_gpus`` GPUs through Ray, then starts its ``run()``. The elastic controller
 uses it for every replica; ``ReplicaSupervisor`` is a small by-slot wrapper around it for
 tests and benchmarks that drive replicas on the embedded cluster directly.
 """
@@ -37,11 +35,9 @@ def launch_replica(spec: ReplicaSpec, peer_id: str, node_id: str,
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from moshray.actors.replica import ReplicaActor
-    from moshray.cluster.allreduce import ACTOR_ENV
 
     handle = ReplicaActor.options(
         num_cpus=1, num_gpus=num_gpus, max_concurrency=16,
-        runtime_env={"env_vars": dict(ACTOR_ENV)},
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(peer_id, spec.config, spec.job, spec.coordinator, spec.init_state_ref)
     return handle, handle.run.remote()

@@ -124,8 +124,8 @@ class _TokenAuthEnv:
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on loopback right now (the OS picks them; all sockets
-    are held until every port is known, so two calls cannot return the same one)."""
+    """``n`` distinct TCP ports free on loopback right now (the OS picks them; every socket
+    is held until all ports are known, so no two of the ``n`` are the same)."""
     socks = [socket.socket() for _ in range(n)]
     try:
         for sock in socks:

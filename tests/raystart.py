@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,9 +22,9 @@ LOOPBACK = "127.0.0.1"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+    from moshray.jobs.local_cluster import free_ports
+
+    return free_ports(1)[0]
 
 
 def ray_env(token: str | None = None) -> dict:

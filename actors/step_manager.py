@@ -191,6 +191,13 @@ class StepManager:
         ref = self.coordinator.report.remote(report)
         self._inflight.append((s.epoch, self._generation, asyncio.ensure_future(_awaited(ref))))
 
+    def _plan_due(self) -> bool:
+        """This micro-batch takes a held plan in a synchronous step, which reports right
+        after: a routine report now is not needed (what it carries stays queued)."""
+        plan = self._plan
+        return (plan is not None and plan.epoch == self.state.epoch + 1
+                and self._pending is None and not getattr(self.strategy, "overlap", False))
+
     def _numel(self) -> int:
         """The length of the tensor this replica averages (its parameters, flattened)."""
         if self._layout_numel is None:
@@ -236,7 +243,8 @@ class StepManager:
         self.loss_sum += loss * samples
         applied = await self._finish_pending(wait=False)
         await self._serve_snapshots()
-        self.send_report(force=applied)
+        if applied or not self._plan_due():
+            self.send_report(force=applied)
         verdict = self._replies()
         if verdict is not None:
             applied = await self._finish_pending(wait=True) or applied
@@ -347,10 +355,8 @@ class StepManager:
         self.record(tuple(events))
 
     def record(self, events: tuple, flush: bool = False) -> None:
-        """Metrics events to the Coordinator, fire-and-forget, in batches: what came since
-        the last batch goes once ``RECORD_EVERY_S`` passed since it, or at once with
-        ``flush`` (the heartbeat flushes every second, the loop's end and ``close`` too).
-        One call per batch rather than per step: the step's control path stays short.
+        """Metrics events to the Coordinator, fire-and-forget, in batches (one call per
+        ``RECORD_EVERY_S``, or at once with ``flush``: heartbeat, loop end, ``close``).
         Events are lost only if the Coordinator is gone (logged)."""
         self._events.extend(events)
         now = time.monotonic()

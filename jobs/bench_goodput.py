@@ -220,9 +220,14 @@ def run(args: argparse.Namespace) -> dict:
     # 3. the ideal: both systems' failure-free rates at each node count the trace uses
     counts = sorted(n for n in seconds_at if n > 0)
     calib_counts = counts if args.calib_nodes is None else [args.calib_nodes]
-    m_rates = calibrate_moshray(config, calib_counts, args.calib_seconds)
-    rt_rates = calibrate_raytrain(config, calib_counts, args.calib_seconds, options,
-                                  out_dir / f"raytrain-calib-{stamp}")
+    # Count by count, the two systems back to back: the shared machine's speed drifts over
+    # the minutes a calibration takes, and a pair measured together shares the drift.
+    m_rates: dict[int, float] = {}
+    rt_rates: dict[int, float] = {}
+    for n in calib_counts:
+        m_rates.update(calibrate_moshray(config, [n], args.calib_seconds))
+        rt_rates.update(calibrate_raytrain(config, [n], args.calib_seconds, options,
+                                           out_dir / f"raytrain-calib-{stamp}"))
     rates = compare_rates(m_rates, rt_rates, seconds_at, args.calib_nodes)
     ideal = ideal_samples(rates.ideal, seconds_at)
 

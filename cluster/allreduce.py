@@ -10,7 +10,10 @@ Protocol (group of members M = (m_0..m_{k-1}) plus receivers):
    parts: each member's ``Contribution`` carries its own part ``Inline`` (the actor call
    moves the bytes, no object store) and the others ``InBundle``: one put of all of them,
    fetched only to re-reduce a dead owner's part. None is sent if there is nothing for
-   anyone (a sole owner's parts all stay with it).
+   anyone (a sole owner's parts all stay with it). A member that owns no part (small
+   tensors have fewer owners than members) is not sent contributions: each is held back
+   (``hold``) and sent only if that member asks for it (``CopyRequest``) to re-reduce a
+   dead owner's part. So a failure-free round moves 2(k-1) messages per owner, not k(k-1).
 2. The owner of part j starts fetching part j of each contribution the moment it lands
    (streaming: no barrier, all fetches in flight at once), validates it, and adds it to a
    weighted mean *in the group's member order* (a value waits until the members before it
@@ -31,8 +34,9 @@ Ray knows (process exit: about a second; a lost node: its health checks), and th
 stops waiting for that peer then instead of at the deadline. A member that misses the
 contribution deadline drops out of that part's average. If a part's owner is dead or its
 result misses the round deadline (or is malformed), each surviving member re-reduces that
-part itself from the contributions it received (plus its own) in member order, so all
-survivors compute the same bytes; receivers keep their local values for such a part.
+part itself from the contributions it received (plus its own; first asking the live
+members for the contributions they held back) in member order, so all survivors compute
+the same bytes; receivers keep their local values for such a part.
 Values of a result are trusted as its owner validated every input (no second pass). An owner
 with no valid value at all (its own was NaN or misshapen, none arrived) publishes an empty
 result: it keeps zeros, and the members re-reduce the part as a dead owner's, so junk never
@@ -52,8 +56,8 @@ import numpy as np
 from . import compression as comp
 from .capacity import busy_seconds, round_throughput
 from .mailbox import GroupMailbox, RoundKey
-from .messages import (Contribution, Group, InBundle, Inline, PartResult, Probe, Rejection,
-                       RejectReason, RoundPlan)
+from .messages import (Contribution, CopyRequest, Group, InBundle, Inline, PartResult, Probe,
+                       Rejection, RejectReason, RoundPlan)
 from .part_reduce import off_loop, reduce_part
 from .partition import owner_shares, part_sizes, part_slices
 from .transport import Transport
@@ -101,8 +105,10 @@ class GroupRound:
 
     ``transport_send(peer, method, message)`` performs a fire-and-forget call and returns
     an awaitable (awaited only to learn that the callee died); ``transport`` puts this
-    peer's parts and results and names the errors that mean a peer is gone. The round never
-    raises for another peer's failure; it returns a ``RoundOutcome``.
+    peer's parts and results and names the errors that mean a peer is gone; ``hold(peer,
+    send)`` keeps ``send`` (a contribution's delivery to a member that owns no part) for a
+    ``CopyRequest`` from that peer (None: such contributions are sent at once). The round
+    never raises for another peer's failure; it returns a ``RoundOutcome``.
     """
 
     def __init__(
@@ -116,8 +122,10 @@ class GroupRound:
         transport_send: Callable[[str, str, object], object],
         transport: Transport,
         clock: Callable[[], float] = time.monotonic,
+        hold: Callable[[str, Callable[[], object]], None] | None = None,
     ):
         self.me, self.plan, self.group, self.box = me, plan, group, box
+        self.hold = hold
         self.round_index, self.group_index = round_index, group_index
         self.send, self.transport, self.clock = transport_send, transport, clock
         self.codec = comp.Compression(plan.compression)
@@ -245,6 +253,7 @@ class GroupRound:
                 continue
             failed.append(owner)
             if self.me in members:  # re-reduce from the contributions we hold
+                await self._gather_copies(owner, (self.clock() + deadlines.final) / 2)
                 values, total, contributors = await reduce_part(
                     self, j, flat[slices[j]], weight, sizes[j], deadlines.contributions,
                     deadlines.final, exclude=owner,
@@ -322,7 +331,24 @@ class GroupRound:
                 numel=flat.size,
                 part_refs=part_refs,
             )
+            if self.hold is not None and slices[members.index(peer)].stop == \
+                    slices[members.index(peer)].start:  # owns nothing: only on request
+                self.hold(peer, lambda p=peer, m=message: self.send(p, "receive_contribution", m))
+                continue
             self._watch_call(peer, self.send(peer, "receive_contribution", message))
+
+    async def _gather_copies(self, dead_owner: str, until: float) -> None:
+        """Before re-reducing ``dead_owner``'s part: ask every live member whose
+        contribution we lack for the one it held back, and wait for them until ``until``
+        (a member that died meanwhile is dropped by its failed call)."""
+        want = [m for m in self.group.members if m not in (self.me, dead_owner)
+                and m not in self.box.contributions and m not in self.box.dead]
+        request = CopyRequest(self.plan.epoch, self.round_index, self.group_index, self.me)
+        for peer in want:
+            self._watch_call(peer, self.send(peer, "receive_contribution", request))
+        while any(m not in self.box.contributions and m not in self.box.dead for m in want):
+            if not await self.box.wait_changed(self.box.version, until, self.clock):
+                return
 
     async def _publish(self, part: int, values: np.ndarray, total: float, contributors,
                        dest: np.ndarray) -> None:

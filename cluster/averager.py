@@ -43,7 +43,8 @@ from .allreduce import Deadlines, GroupRound
 from .capacity import ThroughputMeter
 from .mailbox import GroupMailbox, RoundKey
 from .messages import (
-    AllReduceReport, Contribution, PartResult, Probe, Rejection, RejectReason, RoundPlan,
+    AllReduceReport, Contribution, CopyRequest, PartResult, Probe, Rejection, RejectReason,
+    RoundPlan,
 )
 from .transport import RayTransport, Transport
 
@@ -113,6 +114,9 @@ class Averager:
         self._boxes: dict[RoundKey, GroupMailbox] = {}
         self._floor_epoch = -1  # contributions below this epoch are stale
         self._done: collections.deque[RoundKey] = collections.deque(maxlen=256)
+        # contributions held back from members that own no part, sent on a CopyRequest;
+        # kept for this epoch and the one before (a survivor may still be re-reducing)
+        self._held: dict[RoundKey, dict[str, Callable[[], object]]] = {}
         self.rejection_counts: collections.Counter[str] = collections.Counter()
         self._pending_rejections: list[Rejection] = []
         self._lock = asyncio.Lock()
@@ -131,6 +135,11 @@ class Averager:
     def deliver_contribution(self, c: Contribution | Probe) -> None:
         if isinstance(c, Probe):
             return  # a member checking that we are alive: answering is the whole reply
+        if isinstance(c, CopyRequest):  # send what we held back, if we still hold it
+            send = self._held.get((c.epoch, c.round_index, c.group_index), {}).get(c.requester)
+            if send is not None:
+                asyncio.ensure_future(_delivered(send(), c.requester))
+            return
         key = (c.epoch, c.round_index, c.group_index)
         if c.epoch < self._floor_epoch:
             self._record(Rejection(c.sender, -1, RejectReason.STALE_EPOCH,
@@ -198,7 +207,7 @@ class Averager:
             deadlines = Deadlines(t0 + CONTRIBUTION_FRACTION * timeout, t0 + timeout,
                                   t0 + FINAL_FRACTION * timeout)
             runner = GroupRound(self.peer_id, plan, r, g, group, box, send, self.transport,
-                                self.clock)
+                                self.clock, hold=self._held.setdefault(key, {}).__setitem__)
             outcome = await runner.run(flat, weight, deadlines)
             self._finish(key)
             flat, weight = outcome.values, outcome.weight
@@ -239,8 +248,19 @@ class Averager:
     def _advance_floor(self, epoch: int) -> None:
         """Forget rounds of older epochs; what they still held was never used (stale)."""
         self._floor_epoch = max(self._floor_epoch, epoch)
+        for key in [k for k in self._held if k[0] < self._floor_epoch - 1]:
+            del self._held[key]
         for key in [k for k in self._boxes if k[0] < self._floor_epoch]:
             box = self._boxes.pop(key)
             for sender in box.contributions:
                 self._record(Rejection(sender, -1, RejectReason.STALE_EPOCH,
                                        f"epoch {key[0]} < current {self._floor_epoch}"))
+
+
+async def _delivered(call, peer: str) -> None:
+    """Await a fire-and-forget call (so its failure is not left unobserved); a requester
+    that died meanwhile needs nothing."""
+    try:
+        await call
+    except Exception as exc:  # noqa: BLE001 - any failure: the peer is gone or going
+        log.info("held-back contribution for %s not delivered: %s", peer, type(exc).__name__)

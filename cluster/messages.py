@@ -225,3 +225,16 @@ class Probe:
     round_index: int
     group_index: int
     sender: str
+
+
+@dataclass(frozen=True)
+class CopyRequest:
+    """A member re-reducing a dead owner's part asks another member for the contribution
+    it held back (a member that owns no part is sent contributions only then), through
+    ``receive_contribution`` like a ``Probe``; the callee answers with that
+    ``Contribution`` if it still holds it, else not at all."""
+
+    epoch: int
+    round_index: int
+    group_index: int
+    requester: str

@@ -165,12 +165,31 @@ def test_a_small_tensor_has_one_owner_and_the_others_move_only_its_part():
 
 
 def test_a_small_tensors_owner_dies_and_the_others_re_reduce_it_alike():
+    """The survivors own no part, so they were sent no contributions: each asks the other
+    live members for the copy they held back (``CopyRequest``), then re-reduces."""
+    from moshray.cluster.messages import Contribution, CopyRequest
+
     network, averagers, plan = swarm(4, min_part=1000)
     owner = _owner(plan)
+    sent: list[tuple[str, str, str]] = []  # (sender, receiver, kind)
+    for pid in averagers:
+        transport = averagers[pid].transport
+        original = transport.send
+
+        def counting(handle, method, message, original=original, pid=pid):
+            if isinstance(message, (Contribution, CopyRequest)):
+                sent.append((pid, handle, type(message).__name__))
+            return original(handle, method, message)
+
+        transport.send = counting
     arrays, weights = inputs(4, seed=5)
     network.kill(owner)
     results = asyncio.run(reduce_all(averagers, plan, arrays, weights, skip={owner}))
     survivors = sorted(set(arrays) - {owner})
+    pairs = sorted((p, q) for p in survivors for q in survivors if q != p)
+    assert sorted((p, q) for p, q, kind in sent if kind == "CopyRequest") == pairs
+    assert sorted((p, q) for p, q, kind in sent
+                  if kind == "Contribution" and q != owner) == pairs  # each copy once
     expected = weighted(arrays, weights, survivors)
     first = results[survivors[0]][0]
     for pid in survivors:
@@ -205,8 +224,9 @@ def test_a_small_tensors_owners_take_turns_so_others_reject_a_nan_sender():
 
 def test_a_sole_owner_sends_no_contribution_and_a_dead_member_is_still_dropped():
     """The sole owner's contribution would carry no part for anyone, so it sends none: the
-    three others send theirs (to everyone, for re-reducing a dead owner's part). A member
-    that dies without contributing is found by the owner's probes, not by that message."""
+    three others send theirs to the owner only (the copies for re-reducing a dead owner's
+    part are held back until asked for). A member that dies without contributing is found
+    by the owner's probes, not by that message."""
     from moshray.cluster.messages import Contribution
 
     network, averagers, plan = swarm(4, min_part=1000)
@@ -225,8 +245,7 @@ def test_a_sole_owner_sends_no_contribution_and_a_dead_member_is_still_dropped()
     arrays, weights = inputs(4, seed=2)
     results = asyncio.run(reduce_all(averagers, plan, arrays, weights))
     assert not [s for s in sent if s[0] == owner]
-    assert sorted(sent) == sorted((p, q) for p in averagers if p != owner
-                                  for q in averagers if q != p)
+    assert sorted(sent) == sorted((p, owner) for p in averagers if p != owner)
     first = next(iter(results.values()))[0]
     assert all(np.array_equal(out, first) for out, _ in results.values())
 

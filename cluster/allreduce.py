@@ -5,7 +5,7 @@ Protocol (group of members M = (m_0..m_{k-1}) plus receivers):
 
 1. Every member splits its flat float32 vector into k parts sized by the members'
    shares and encodes them with the round's codec. Large parts (any over
-   ``INLINE_MAX_BYTES``): it ``put``s the k-1 parts it does not own and sends one
+   ``round_send.INLINE_MAX_BYTES``): it ``put``s the k-1 parts it does not own and sends one
    ``Contribution`` (the tuple of part refs, never the bytes) to every other member. Small
    parts: each member's ``Contribution`` carries its own part ``Inline`` (the actor call
    moves the bytes, no object store) and the others ``InBundle``: one put of all of them,
@@ -56,9 +56,10 @@ import numpy as np
 from . import compression as comp
 from .capacity import busy_seconds, round_throughput
 from .mailbox import GroupMailbox, RoundKey
-from .messages import (Contribution, CopyRequest, Group, InBundle, Inline, PartResult, Probe,
-                       Rejection, RejectReason, RoundPlan)
+from .messages import (CopyRequest, Group, PartResult, Probe, Rejection, RejectReason,
+                       RoundPlan)
 from .part_reduce import off_loop, reduce_part
+from .round_send import contribute, publish
 from .partition import owner_shares, part_sizes, part_slices
 from .transport import Transport
 
@@ -67,10 +68,6 @@ log = logging.getLogger(__name__)
 __all__ = ["Deadlines", "GroupMailbox", "GroupRound", "RoundKey", "RoundOutcome", "PROBE_S"]
 
 PROBE_S = 0.5  # how often a waiting peer checks that the members it waits on are alive
-# Parts up to this many encoded bytes travel inside the actor calls (``Inline``, as chunks
-# under Ray's inline-argument limit: ``inline.py``): for them the object store's put, pull
-# and reference counting cost several times the bytes' copy.
-INLINE_MAX_BYTES = 1 << 20
 
 
 @dataclass
@@ -149,7 +146,7 @@ class GroupRound:
             self.plan.epoch, self.round_index, sender, part, reason.value, detail,
         )
 
-    def _watch_call(self, peer: str, call_ref, done: Callable[[], None] | None = None) -> None:
+    def watch_call(self, peer: str, call_ref, done: Callable[[], None] | None = None) -> None:
         """Mark ``peer`` dead in the mailbox if the call to it fails."""
 
         async def watch() -> None:
@@ -185,7 +182,7 @@ class GroupRound:
                     continue  # nothing more to wait for from this peer
                 self._probing.add(peer)
                 ref = self.send(peer, "receive_contribution", probe)
-                self._watch_call(peer, ref, done=lambda p=peer: self._probing.discard(p))
+                self.watch_call(peer, ref, done=lambda p=peer: self._probing.discard(p))
 
     # -- the round -----------------------------------------------------------------------
 
@@ -221,7 +218,7 @@ class GroupRound:
 
         if self.me in members and sizes[members.index(self.me)] == 0:
             own = members.index(self.me)
-            await self._contribute(flat, weight, slices, own)
+            await contribute(self, flat, weight, slices, own)
             per_part[own], weights[own] = (), weight
             lap("put")
         elif self.me in members:
@@ -229,7 +226,7 @@ class GroupRound:
             self.box.own_part = own
             for sender in self.box.contributions:  # arrived before our round started
                 self.box.fetch_part(sender, own)
-            await self._contribute(flat, weight, slices, own)
+            await contribute(self, flat, weight, slices, own)
             lap("put")
             values, total, contributors = await reduce_part(
                 self, own, flat[slices[own]], weight, sizes[own], deadlines.contributions,
@@ -237,7 +234,7 @@ class GroupRound:
             )
             self.box.reduced = True
             lap("reduce")
-            await self._publish(own, values, total, contributors, out[slices[own]])
+            await publish(self, own, values, total, contributors, out[slices[own]])
             per_part[own], weights[own] = contributors, total
             lap("publish")
 
@@ -291,52 +288,6 @@ class GroupRound:
             throughput=throughput,
         )
 
-    async def _contribute(self, flat: np.ndarray, weight: float, slices, own: int) -> None:
-        members = self.group.members
-
-        def encode_parts() -> list:
-            encs = []
-            for j, s in enumerate(slices):
-                if j == own or s.stop == s.start:  # ours, or a member that owns nothing
-                    encs.append(None)
-                    continue
-                enc = comp.encode(flat[s], self.codec)  # none: a view, put copies it once
-                self.bytes_sent += enc.nbytes
-                encs.append(enc)
-            return encs
-
-        encs = await off_loop(flat.nbytes, encode_parts)
-        if all(enc is None for enc in encs):
-            # Nothing for anyone (the sole owner: its own part stays here): the others
-            # would only keep it for re-reducing a part we own, and that dies with us.
-            # The members still waiting on us probe us (``_probe_members``).
-            return
-        if max(enc.nbytes for enc in encs if enc is not None) <= INLINE_MAX_BYTES:
-            bundle = self.transport.put(tuple(encs))  # fetched only if an owner dies
-            messages = {
-                peer: tuple(None if enc is None else Inline(enc) if k == j else
-                            InBundle(bundle, k) for k, enc in enumerate(encs))
-                for j, peer in enumerate(members) if peer != self.me}
-        else:
-            refs = await off_loop(flat.nbytes, lambda: tuple(
-                None if enc is None else self.transport.put(enc) for enc in encs))
-            messages = {peer: refs for peer in members if peer != self.me}
-        for peer, part_refs in messages.items():
-            message = Contribution(
-                epoch=self.plan.epoch,
-                round_index=self.round_index,
-                group_index=self.group_index,
-                sender=self.me,
-                weight=float(weight),
-                numel=flat.size,
-                part_refs=part_refs,
-            )
-            if self.hold is not None and slices[members.index(peer)].stop == \
-                    slices[members.index(peer)].start:  # owns nothing: only on request
-                self.hold(peer, lambda p=peer, m=message: self.send(p, "receive_contribution", m))
-                continue
-            self._watch_call(peer, self.send(peer, "receive_contribution", message))
-
     async def _gather_copies(self, dead_owner: str, until: float) -> None:
         """Before re-reducing ``dead_owner``'s part: ask every live member whose
         contribution we lack for the one it held back, and wait for them until ``until``
@@ -345,35 +296,10 @@ class GroupRound:
                 and m not in self.box.contributions and m not in self.box.dead]
         request = CopyRequest(self.plan.epoch, self.round_index, self.group_index, self.me)
         for peer in want:
-            self._watch_call(peer, self.send(peer, "receive_contribution", request))
+            self.watch_call(peer, self.send(peer, "receive_contribution", request))
         while any(m not in self.box.contributions and m not in self.box.dead for m in want):
             if not await self.box.wait_changed(self.box.version, until, self.clock):
                 return
-
-    async def _publish(self, part: int, values: np.ndarray, total: float, contributors,
-                       dest: np.ndarray) -> None:
-        enc = await off_loop(values.nbytes, comp.encode, values, self.codec)
-        # Keep exactly what the others will decode, so every peer holds equal values.
-        await off_loop(values.nbytes, comp.decode_into, enc, dest)
-        others = [peer for peer in self.group.everyone if peer != self.me]
-        if not others:
-            return  # a group of one (a single replica): nobody to send the result to
-        ref = Inline(enc) if enc.nbytes <= INLINE_MAX_BYTES else \
-            await off_loop(values.nbytes, self.transport.put, enc)
-        result = PartResult(
-            epoch=self.plan.epoch,
-            round_index=self.round_index,
-            group_index=self.group_index,
-            part=part,
-            owner=self.me,
-            numel=self.numel,
-            total_weight=total,
-            contributors=tuple(contributors),
-            ref=ref,
-        )
-        for peer in others:
-            self.bytes_sent += enc.nbytes
-            self._watch_call(peer, self.send(peer, "receive_result", result))
 
     async def _await_result(
         self, part: int, owner: str, size: int, dest: np.ndarray, deadlines: Deadlines

@@ -9,7 +9,7 @@ carries its tensor bytes one of two ways (a *payload*):
   when it is ready to reduce them): large parts;
 - ``Inline``: the encoded bytes in the message itself, so the actor call carries them
   straight to the receiver, with no object-store put, transfer or reference to count
-  (small parts: ``allreduce.INLINE_MAX_BYTES``); ``InBundle`` names one part of a tuple
+  (small parts: ``round_send.INLINE_MAX_BYTES``); ``InBundle`` names one part of a tuple
   the sender put once (a small contribution's copies for re-reducing a dead owner's part,
   fetched only then).
 """

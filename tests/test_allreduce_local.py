@@ -268,12 +268,12 @@ def test_small_parts_travel_inline_large_ones_as_refs_and_both_survive_a_dead_ow
     """Small parts ride in the call (``Inline``, the other members' copies ``InBundle``:
     one put); with the threshold at 0 every part is an object ref. Either way the round
     is exact and bitwise equal, and a dead owner's part is re-reduced from the copies."""
-    from moshray.cluster import allreduce
+    from moshray.cluster import round_send
     from moshray.cluster.messages import Contribution, InBundle, Inline, PartResult
     from moshray.cluster.transport import LocalRef
 
     if inline_max is not None:
-        monkeypatch.setattr(allreduce, "INLINE_MAX_BYTES", inline_max)
+        monkeypatch.setattr(round_send, "INLINE_MAX_BYTES", inline_max)
     network, averagers, plan = swarm(4)
     payloads: list[tuple[str, object]] = []  # (message kind, payload)
     for pid in averagers:

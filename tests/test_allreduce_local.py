@@ -310,3 +310,46 @@ def test_small_parts_travel_inline_large_ones_as_refs_and_both_survive_a_dead_ow
         assert inline == 3 * 3  # three live senders, to each other member (dead or not)
     else:
         assert kinds == {LocalRef}
+
+
+def test_held_back_copies_are_kept_one_epoch_back_and_a_late_request_gets_nothing():
+    """A non-owner's held-back contribution can be asked for during its round and the
+    next epoch's (a survivor may still be re-reducing); older ones are dropped, and a
+    request for them is answered with nothing (the requester's wait is bounded)."""
+    import dataclasses
+
+    from moshray.cluster.messages import Contribution, CopyRequest
+
+    network, averagers, first = swarm(4, min_part=1000)
+    delivered: list[tuple[str, str, int]] = []  # (sender, receiver, epoch) of contributions
+    for pid in averagers:
+        transport = averagers[pid].transport
+        original = transport.send
+
+        def counting(handle, method, message, original=original, pid=pid):
+            if isinstance(message, Contribution):
+                delivered.append((pid, handle, message.epoch))
+            return original(handle, method, message)
+
+        transport.send = counting
+    plans = [dataclasses.replace(first, epoch=first.epoch + k) for k in range(3)]
+    for plan in plans:
+        arrays, weights = inputs(4, seed=plan.epoch)
+        asyncio.run(reduce_all(averagers, plan, arrays, weights))
+    for pid, averager in averagers.items():  # this epoch and the one before, if any
+        assert {key[0] for key in averager._held} <= {plans[1].epoch, plans[2].epoch}, pid
+
+    async def ask(plan) -> list:
+        """A non-owner of ``plan`` asks another non-owner for its copy."""
+        owner = _owner(plan)
+        sender, requester = [p for p in sorted(averagers) if p != owner][:2]
+        before = len(delivered)
+        averagers[sender].deliver_contribution(CopyRequest(plan.epoch, 0, 0, requester))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return [(s, r, e) for s, r, e in delivered[before:]], sender, requester
+
+    got, _, _ = asyncio.run(ask(plans[0]))
+    assert got == []  # dropped
+    got, sender, requester = asyncio.run(ask(plans[1]))
+    assert got == [(sender, requester, plans[1].epoch)]

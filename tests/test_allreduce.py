@@ -166,6 +166,38 @@ def test_peer_killed_mid_round(cluster, fault):
         kill_all(peers)
 
 
+def test_a_small_tensors_dead_owner_is_re_reduced_from_copies_asked_for(cluster):
+    """One owner (a small tensor): the other members were sent no contributions, so when
+    the owner dies mid-round each survivor asks the others for their held-back copies
+    (``CopyRequest`` through the real actor calls) and they re-reduce alike."""
+    from moshray.cluster.partition import owner_shares
+
+    peers = spawn(4, "copy-")
+    try:
+        rng = np.random.default_rng(3)
+        arrays = {p: rng.normal(size=40000).astype(np.float32) for p in peers}
+        weights = {p: float(i + 1) for i, p in enumerate(peers)}
+        membership = Membership(MembershipConfig(min_part=1 << 18))
+        for pid, handle in peers.items():
+            membership.register(PeerInfo(pid, handle), now=0.0)
+        plan = membership.plan(now=0.0)
+        members = plan.grid.rounds[0].group_of("copy-0")[1].members
+        shares = owner_shares(40000, [plan.share_of(m) for m in members], plan.min_part,
+                              rotate=plan.epoch)
+        owner = members[shares.index(max(shares))]
+        refs = run(peers, plan, arrays, weights, faults={owner: "die_mid_round"})
+        survivors = sorted(p for p in peers if p != owner)
+        results = dict(zip(survivors, ray.get([refs[p] for p in survivors], timeout=60)))
+        expected = weighted(arrays, weights, survivors)
+        for pid, (out, report) in results.items():
+            np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-6)
+            assert report.contributors == tuple(survivors) and owner in report.failed_owners
+        assert all(np.array_equal(results[survivors[0]][0][0], out[0])
+                   for out, _ in results.values())
+    finally:
+        kill_all(peers)
+
+
 def test_node_removed_mid_round(cluster):
     slot = cluster.add_node()
     try:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -117,6 +118,9 @@ class Averager:
         # contributions held back from members that own no part, sent on a CopyRequest;
         # kept for this epoch and the one before (a survivor may still be re-reducing)
         self._held: dict[RoundKey, dict[str, Callable[[], object]]] = {}
+        # CopyRequests that came before we held anything for that peer (we were slower):
+        # answered the moment we hold it
+        self._asked: dict[RoundKey, set[str]] = {}
         self.rejection_counts: collections.Counter[str] = collections.Counter()
         self._pending_rejections: list[Rejection] = []
         self._lock = asyncio.Lock()
@@ -132,13 +136,16 @@ class Averager:
             box = self._boxes[key] = GroupMailbox(key, fetch=self.transport.fetch)
         return box
 
-    def deliver_contribution(self, c: Contribution | Probe) -> None:
+    def deliver_contribution(self, c: Contribution | Probe | CopyRequest) -> None:
         if isinstance(c, Probe):
             return  # a member checking that we are alive: answering is the whole reply
-        if isinstance(c, CopyRequest):  # send what we held back, if we still hold it
-            send = self._held.get((c.epoch, c.round_index, c.group_index), {}).get(c.requester)
+        if isinstance(c, CopyRequest):  # send what we held back, or once we hold it
+            key = (c.epoch, c.round_index, c.group_index)
+            send = self._held.get(key, {}).get(c.requester)
             if send is not None:
                 asyncio.ensure_future(_delivered(send(), c.requester))
+            elif c.epoch >= self._floor_epoch - 1:
+                self._asked.setdefault(key, set()).add(c.requester)
             return
         key = (c.epoch, c.round_index, c.group_index)
         if c.epoch < self._floor_epoch:
@@ -207,7 +214,7 @@ class Averager:
             deadlines = Deadlines(t0 + CONTRIBUTION_FRACTION * timeout, t0 + timeout,
                                   t0 + FINAL_FRACTION * timeout)
             runner = GroupRound(self.peer_id, plan, r, g, group, box, send, self.transport,
-                                self.clock, hold=self._held.setdefault(key, {}).__setitem__)
+                                self.clock, hold=functools.partial(self._hold, key))
             outcome = await runner.run(flat, weight, deadlines)
             self._finish(key)
             flat, weight = outcome.values, outcome.weight
@@ -238,6 +245,13 @@ class Averager:
         )
         return unflatten(flat, tensors, owned=flat is not given), report
 
+    def _hold(self, key: RoundKey, peer: str, send: Callable[[], object]) -> None:
+        """Keep ``send`` (a contribution held back from ``peer``) for its CopyRequest; if
+        that came already, send now."""
+        if peer in self._asked.get(key, ()):
+            asyncio.ensure_future(_delivered(send(), peer))
+        self._held.setdefault(key, {})[peer] = send
+
     def _finish(self, key: RoundKey) -> None:
         box = self._boxes.pop(key, None)
         self._done.append(key)
@@ -248,8 +262,9 @@ class Averager:
     def _advance_floor(self, epoch: int) -> None:
         """Forget rounds of older epochs; what they still held was never used (stale)."""
         self._floor_epoch = max(self._floor_epoch, epoch)
-        for key in [k for k in self._held if k[0] < self._floor_epoch - 1]:
-            del self._held[key]
+        for kept in (self._held, self._asked):
+            for key in [k for k in kept if k[0] < self._floor_epoch - 1]:
+                del kept[key]
         for key in [k for k in self._boxes if k[0] < self._floor_epoch]:
             box = self._boxes.pop(key)
             for sender in box.contributions:

@@ -353,3 +353,31 @@ def test_held_back_copies_are_kept_one_epoch_back_and_a_late_request_gets_nothin
     assert got == []  # dropped
     got, sender, requester = asyncio.run(ask(plans[1]))
     assert got == [(sender, requester, plans[1].epoch)]
+
+
+def test_a_copy_asked_for_before_it_was_held_goes_out_when_it_is():
+    """A survivor may ask a slower member for its copy before that member has contributed:
+    the request is remembered and the copy is sent the moment it is held back."""
+    import dataclasses
+
+    from moshray.cluster.messages import Contribution, CopyRequest
+
+    network, averagers, first = swarm(4, min_part=1000)
+    plan = dataclasses.replace(first, epoch=first.epoch + 5)
+    owner = _owner(plan)
+    sender, requester = [p for p in sorted(averagers) if p != owner][:2]
+    delivered: list[tuple[str, str, int]] = []
+    transport = averagers[sender].transport
+    original = transport.send
+
+    def counting(handle, method, message):
+        if isinstance(message, Contribution):
+            delivered.append((sender, handle, message.epoch))
+        return original(handle, method, message)
+
+    transport.send = counting
+    averagers[sender].deliver_contribution(CopyRequest(plan.epoch, 0, 0, requester))
+    assert delivered == []  # nothing held yet
+    arrays, weights = inputs(4, seed=11)
+    asyncio.run(reduce_all(averagers, plan, arrays, weights))
+    assert (sender, requester, plan.epoch) in delivered

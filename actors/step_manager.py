@@ -191,12 +191,16 @@ class StepManager:
         ref = self.coordinator.report.remote(report)
         self._inflight.append((s.epoch, self._generation, asyncio.ensure_future(_awaited(ref))))
 
+    @property
+    def _overlapped(self) -> bool:
+        return getattr(self.strategy, "overlap", False)
+
     def _plan_due(self) -> bool:
         """This micro-batch takes a held plan in a synchronous step, which reports right
         after: a routine report now is not needed (what it carries stays queued)."""
         plan = self._plan
         return (plan is not None and plan.epoch == self.state.epoch + 1
-                and self._pending is None and not getattr(self.strategy, "overlap", False))
+                and self._pending is None and not self._overlapped)
 
     def _numel(self) -> int:
         """The length of the tensor this replica averages (its parameters, flattened)."""
@@ -258,7 +262,7 @@ class StepManager:
         plan, self._plan = self._plan, None
         if plan is None or plan.epoch != self.state.epoch + 1 or self._pending is not None:
             return applied
-        if getattr(self.strategy, "overlap", False):
+        if self._overlapped:
             self._begin_overlapped(plan)
             return applied
         await self.global_step(plan)

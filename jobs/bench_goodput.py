@@ -12,10 +12,10 @@ per system and trains the same model on the same data for the same wall seconds,
    are removed at their deadline and added at their time, with no help for Ray Train.
 3. **ideal**: the better system's failure-free throughput times the trace's live seconds. Both
    systems' failure-free rates are measured in the same invocation, at every node count the
-   trace uses, by calibration runs with n nodes and no node event (no checkpoints): moshray
-   for ``--calib-seconds`` (start-up included; the rate from the first step every node took
-   part in), Ray Train (``num_workers=n``) for ``--calib-seconds`` after its worker group's
-   first step. At each count the ideal takes the better of the two rates, so
+   trace uses, by calibration runs with n nodes and no node event (no checkpoints), each
+   system training for ``--calib-seconds`` after its first step with all n nodes (moshray:
+   every replica took part; Ray Train: ``num_workers=n``), the rate over that window; start-up
+   is left out of both. At each count the ideal takes the better of the two rates, so
    ``ideal = sum_n max(moshray(n), raytrain(n)) * seconds_at(n)`` (on a machine whose nodes
    share cores a single-node rate would overstate what n nodes can do). ``--calib-nodes N``
    measures both only with N nodes and scales the better per-node rate linearly.
@@ -92,9 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=600.0, metavar="S",
                         help="wall seconds each system trains")
     parser.add_argument("--calib-seconds", type=float, default=60.0, metavar="S",
-                        help="length of each failure-free calibration run (moshray: start-up "
-                             "included; Ray Train: after its first step) that measures each "
-                             "system's rate at a node count")
+                        help="seconds each failure-free calibration run trains after its "
+                             "first step with all nodes (start-up left out, both systems); "
+                             "it measures each system's rate at a node count")
     parser.add_argument("--calib-nodes", type=int, default=None, metavar="N",
                         help="measure both systems' failure-free rates only with N nodes and "
                              "scale the better per-node rate linearly (default: measure every "
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> dict:
     m_rates: dict[int, float] = {}
     rt_rates: dict[int, float] = {}
     for n in calib_counts:
-        m_rates.update(calibrate_moshray(config, [n], args.calib_seconds))
+        m_rates.update(calibrate_moshray(config, [n], args.calib_seconds, args.startup_timeout))
         rt_rates.update(calibrate_raytrain(config, [n], args.calib_seconds, options,
                                            out_dir / f"raytrain-calib-{stamp}"))
     rates = compare_rates(m_rates, rt_rates, seconds_at, args.calib_nodes)

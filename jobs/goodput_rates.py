@@ -23,6 +23,8 @@ ratio is taken at N and there is no scaling figure.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -75,6 +77,14 @@ def steady_rate(records: Sequence[Progress], peers: Sequence[int] | None = None,
     if span <= 0:
         raise BenchError("calibration steps have no time span; raise --calib-seconds")
     return sum(r.samples for r in records[1:]) / span
+
+
+def steady_elapsed(history: Sequence[Sequence], n: int) -> float:
+    """Seconds from the first step with at least ``n`` participants to the last step, in a
+    Coordinator's history (rows ``(epoch, at_s, samples, loss, peers)``); -inf before such a
+    step."""
+    first = next((row[1] for row in history if row[4] >= n), None)
+    return -math.inf if first is None else history[-1][1] - first
 
 
 def ideal_samples(rates: dict[int, float], seconds: dict[int, float]) -> float:

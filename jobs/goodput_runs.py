@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from moshray.jobs.goodput_curves import Progress
-from moshray.jobs.goodput_rates import BenchError, steady_rate
+from moshray.jobs.goodput_rates import BenchError, steady_elapsed, steady_rate
 
 log = logging.getLogger("moshray.bench_goodput")
 
@@ -60,9 +60,14 @@ def _history_records(history: Sequence[Sequence]) -> list[Progress]:
             for h in history]
 
 
-def run_moshray(config) -> tuple[dict, list[Progress], list[int]]:
+def run_moshray(config, steady: tuple[int, float] | None = None
+                ) -> tuple[dict, list[Progress], list[int]]:
     """Run ``moshray.jobs.train.run(config)``; returns its summary, per-step records and the
     number of peers in each step.
+
+    ``steady = (n, seconds)``: end the job (as SIGTERM would, ``train.STOP``) ``seconds``
+    after its first step with at least ``n`` participants (``config.training.max_seconds``
+    still bounds it); a calibration's window, as long as Ray Train's (``steady_seconds``).
 
     Step times are the Coordinator's (seconds since it started, which is when the trace replay
     starts). The summary gains ``step_profile``: the Coordinator's ``step_profile`` of the
@@ -77,7 +82,16 @@ def run_moshray(config) -> tuple[dict, list[Progress], list[int]]:
     original = train_job._supervise
 
     def supervise_and_capture(cfg, controller, *rest):
-        summary = original(cfg, controller, *rest)
+        done = threading.Event()
+        if steady is not None:
+            coordinator = controller.coordinator
+            threading.Thread(target=_stop_after_steady, daemon=True, args=(
+                lambda since: ray.get(coordinator.stats.remote(since), timeout=30), *steady,
+                train_job.STOP, done)).start()
+        try:
+            summary = original(cfg, controller, *rest)
+        finally:
+            done.set()
         try:
             stats = captured["stats"] = ray.get(controller.coordinator.stats.remote(),
                                                 timeout=30)
@@ -94,6 +108,8 @@ def run_moshray(config) -> tuple[dict, list[Progress], list[int]]:
         summary = train_job.run(config)
     finally:
         train_job._supervise = original
+        if steady is not None:
+            train_job.STOP.clear()
     if "profile" in captured:
         summary = {**summary, "step_profile": captured["profile"]}
     history = summary.get("history")
@@ -102,23 +118,46 @@ def run_moshray(config) -> tuple[dict, list[Progress], list[int]]:
     return summary, _history_records(history), [int(h[4]) for h in history]
 
 
-def calibrate_moshray(config, counts: Sequence[int], seconds: float) -> dict[int, float]:
-    """Failure-free moshray samples/s with each node count in ``counts``: a run of ``seconds``
-    (start-up included) with n nodes and no trace, no checkpoints; the rate from the first
-    step every node took part in (``steady_rate``)."""
+def calibrate_moshray(config, counts: Sequence[int], seconds: float,
+                      startup_timeout_s: float = 300.0) -> dict[int, float]:
+    """Failure-free moshray samples/s with each node count in ``counts``: n nodes, no trace,
+    no checkpoints, training for ``seconds`` after the first step every node took part in
+    (its start-up is not part of the window, as in ``calibrate_raytrain``); the rate over
+    that window (``steady_rate``). A run is bounded by ``startup_timeout_s + seconds``."""
     rates: dict[int, float] = {}
     for n in sorted(set(counts)):
         cfg = replace(config,
                       cluster=replace(config.cluster, trace=None, local_nodes=n),
-                      training=replace(config.training, max_steps=None, max_seconds=seconds),
+                      training=replace(config.training, max_steps=None,
+                                       max_seconds=startup_timeout_s + seconds),
                       checkpoint=replace(config.checkpoint, uri=None))
-        _, records, peers = run_moshray(cfg)
+        _, records, peers = run_moshray(cfg, steady=(n, seconds))
         try:
             rates[n] = steady_rate(records, peers, n)
         except BenchError as exc:
             raise BenchError(f"moshray with {n} node(s): {exc}") from None
         _print_rate("moshray", n, rates[n], len(records))
     return rates
+
+
+def _stop_after_steady(fetch, n: int, seconds: float, stop: threading.Event,
+                      done: threading.Event, poll_s: float = 1.0) -> None:
+    """Set ``stop`` once the Coordinator's history (``fetch(since)`` is its ``stats(since)``)
+    shows ``seconds`` since its first step with at least ``n`` participants; polls every
+    ``poll_s`` until ``done`` (a Coordinator that does not answer is asked at the next poll)."""
+    import ray
+
+    from moshray.jobs.train import read_stats
+
+    stats: dict = {"history": []}
+    while not done.wait(poll_s):
+        try:
+            stats = read_stats(fetch, stats)
+        except (ray.exceptions.RayError, TimeoutError):
+            continue
+        if steady_elapsed(stats["history"], n) >= seconds:
+            stop.set()
+            return
 
 
 def calibrate_raytrain(config, counts: Sequence[int], seconds: float, options: RayTrainOptions,

@@ -9,9 +9,11 @@ moshray and Ray Train, after calibrating both with 2 nodes. Its checks are about
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -111,6 +113,35 @@ def test_steady_rate_uses_full_steps_after_the_first():
     assert gr.steady_rate(records) == pytest.approx(96 / 6.0)
     with pytest.raises(gr.BenchError, match="--calib-seconds"):
         gr.steady_rate(records, [1, 1, 1, 2], 2)
+
+
+def test_steady_window_runs_from_the_first_step_with_every_node():
+    history = [(1, 2.0, 8, None, 1), (2, 5.0, 16, None, 2), (3, 9.5, 16, None, 1),
+               (4, 12.0, 16, None, 2)]
+    assert gr.steady_elapsed(history, 2) == pytest.approx(7.0)
+    assert gr.steady_elapsed(history, 3) == -math.inf
+    assert gr.steady_elapsed([], 1) == -math.inf
+
+
+def test_a_calibration_is_stopped_once_its_steady_window_has_passed():
+    from moshray.jobs.goodput_runs import _stop_after_steady
+
+    rows = [(1, 1.0, 8, None, 1), (2, 3.0, 16, None, 2), (3, 6.0, 16, None, 2),
+            (4, 9.0, 16, None, 2)]
+    shown = iter(range(1, len(rows) + 1))  # one more row at each poll
+
+    def fetch(since):
+        upto = next(shown)
+        return {"incarnation": "c1", "history": rows[since:upto]}
+
+    stop, done = threading.Event(), threading.Event()
+    _stop_after_steady(fetch, 2, 5.0, stop, done, poll_s=0.001)
+    assert stop.is_set()  # at the 4th row: 9.0 - 3.0 >= 5
+    assert next(shown, None) is None
+    stop.clear()
+    done.set()  # the job ended first: nothing is stopped
+    _stop_after_steady(fetch, 2, 5.0, stop, done, poll_s=0.001)
+    assert not stop.is_set()
 
 
 def test_ratio_is_none_when_the_baseline_did_nothing():
@@ -255,7 +286,7 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     proc = subprocess.run(
         [sys.executable, "-m", "moshray.jobs.bench_goodput", "--trace", str(trace),
          "--time-scale", "1", "--max-nodes", "2", "--duration", "90", "--calib-nodes", "2",
-         "--calib-seconds", "60", "--checkpoint-every", "10",
+         "--calib-seconds", "45", "--checkpoint-every", "10",
          "--startup-timeout", "240", "--finish-timeout", "180", "--out", str(out), *TINY,
          "--set", "cluster.notice_s=5", "--json"],
         capture_output=True, text=True, timeout=1400, env=env, cwd=tmp_path)

@@ -200,7 +200,7 @@ class RayTrainRun:
 
     records: tuple[Progress, ...]
     rewinds: tuple[tuple[float, int], ...]  # (t_s, resumed-from step) per worker group start
-    checkpoint: str | None
+    checkpoint: str | None  # the final state file, else the newest persisted (``latest_persisted``)
     error: str | None
     node_log: tuple[tuple[float, str, int], ...]  # (t_s, add|remove, slot) as applied
     worlds: tuple[int, ...] = ()  # the worker group's size at each record
@@ -302,12 +302,13 @@ def run_raytrain(config, events, duration_s: float, options: RayTrainOptions,
         else:
             proc.wait(timeout=60)
         raw = finished["records"]
+        checkpoint = finished.get("checkpoint") or latest_persisted(storage)
         return RayTrainRun(
             records=tuple(Progress(s[0] - t0, int(s[1]), int(s[2]),
                                    None if s[3] is None else float(s[3]))
                           for s in raw["steps"]),
             rewinds=tuple((g[0] - t0, int(g[2])) for g in raw["groups"]),
-            checkpoint=finished.get("checkpoint"), error=finished.get("error"),
+            checkpoint=checkpoint, error=finished.get("error"),
             node_log=tuple(node_log), worlds=tuple(int(s[4]) for s in raw["steps"]))
     finally:
         if proc is not None and proc.poll() is None:
@@ -374,6 +375,18 @@ def moshray_final_state(uri: str | None) -> dict | None:
 
     found = CheckpointStore(uri).load_latest()
     return None if found is None else found[1]["model"]
+
+
+def latest_persisted(storage: str) -> str | None:
+    """The state file of the newest checkpoint Ray Train persisted under ``storage``
+    (``<run>/checkpoint_<timestamp>/state.pt``; the timestamp orders them, and the newest is
+    what a restarted group resumes from), or None. For a driver that never handed over its
+    final checkpoint (killed after ``--finish-timeout``, mid-restart)."""
+    from moshray.jobs.raytrain_baseline import STATE_FILE
+
+    found = sorted(Path(storage).glob(f"*/checkpoint_*/{STATE_FILE}"),
+                   key=lambda path: path.parent.name)
+    return str(found[-1]) if found else None
 
 
 def raytrain_final_state(path: str | None) -> dict | None:

@@ -144,6 +144,20 @@ def test_a_calibration_is_stopped_once_its_steady_window_has_passed():
     assert not stop.is_set()
 
 
+def test_a_killed_ray_train_driver_is_evaluated_on_its_newest_persisted_checkpoint(tmp_path):
+    from moshray.jobs.goodput_runs import latest_persisted
+
+    assert latest_persisted(str(tmp_path)) is None
+    run = tmp_path / "raytrain-baseline-1"
+    for stamp in ("2026-11-25_00-16-14.747637", "2026-11-25_00-16-16.805877",
+                  "2026-11-25_00-09-50.838672"):
+        (run / f"checkpoint_{stamp}").mkdir(parents=True)
+        (run / f"checkpoint_{stamp}" / "state.pt").write_bytes(b"x")
+    (run / "checkpoint_2026-11-25_00-17-00.000000").mkdir()  # not written yet: no state
+    assert latest_persisted(str(tmp_path)) == str(
+        run / "checkpoint_2026-11-25_00-16-16.805877" / "state.pt")
+
+
 def test_ratio_is_none_when_the_baseline_did_nothing():
     assert gr.ratio(10, 4) == 2.5 and gr.ratio(10, 0) is None
 

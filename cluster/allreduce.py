@@ -60,7 +60,7 @@ from .messages import (CopyRequest, Group, PartResult, Probe, Rejection, RejectR
                        RoundPlan)
 from .part_reduce import off_loop, reduce_part
 from .round_send import contribute, publish
-from .partition import owner_shares, part_sizes, part_slices
+from .partition import group_part_sizes, part_slices
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -198,9 +198,7 @@ class GroupRound:
         self.numel = flat.size
         # Small tensors have fewer owners than members (``owner_shares``): a member whose
         # part is empty contributes and receives but reduces and publishes nothing.
-        sizes = self.sizes = part_sizes(
-            flat.size, owner_shares(flat.size, [self.plan.share_of(m) for m in members],
-                                    self.plan.min_part, rotate=self.plan.epoch))
+        sizes = self.sizes = group_part_sizes(self.plan, members, flat.size)
         slices = part_slices(sizes)
         out = np.empty(flat.size, dtype=np.float32)  # every part is written exactly once
         per_part: dict[int, tuple[str, ...]] = {}

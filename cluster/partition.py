@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .messages import RejectReason
+from .messages import RejectReason, RoundPlan
 
 
 def part_sizes(numel: int, shares: Sequence[float]) -> tuple[int, ...]:
@@ -69,6 +69,15 @@ def owner_shares(numel: int, shares: Sequence[float], min_part: int = MIN_PART,
     start = rotate % len(positive)
     keep = {positive[(start + k) % len(positive)] for k in range(owners)}
     return [s if i in keep else 0.0 for i, s in enumerate(clean)]
+
+
+def group_part_sizes(plan: RoundPlan, members: Sequence[str], numel: int) -> tuple[int, ...]:
+    """Each member's part of a ``numel``-value tensor in a group round of ``plan``: sized by
+    the members' shares, with the plan's ``min_part`` and the owners taking turns by epoch
+    (``owner_shares``). Every peer of the group derives the same sizes."""
+    shares = owner_shares(numel, [plan.share_of(m) for m in members], plan.min_part,
+                          rotate=plan.epoch)
+    return part_sizes(numel, shares)
 
 
 def part_slices(sizes: Sequence[int]) -> tuple[slice, ...]:

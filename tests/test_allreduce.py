@@ -170,7 +170,7 @@ def test_a_small_tensors_dead_owner_is_re_reduced_from_copies_asked_for(cluster)
     """One owner (a small tensor): the other members were sent no contributions, so when
     the owner dies mid-round each survivor asks the others for their held-back copies
     (``CopyRequest`` through the real actor calls) and they re-reduce alike."""
-    from moshray.cluster.partition import owner_shares
+    from moshray.cluster.partition import group_part_sizes
 
     peers = spawn(4, "copy-")
     try:
@@ -182,9 +182,8 @@ def test_a_small_tensors_dead_owner_is_re_reduced_from_copies_asked_for(cluster)
             membership.register(PeerInfo(pid, handle), now=0.0)
         plan = membership.plan(now=0.0)
         members = plan.grid.rounds[0].group_of("copy-0")[1].members
-        shares = owner_shares(40000, [plan.share_of(m) for m in members], plan.min_part,
-                              rotate=plan.epoch)
-        owner = members[shares.index(max(shares))]
+        sizes = group_part_sizes(plan, members, 40000)
+        owner = members[sizes.index(max(sizes))]
         refs = run(peers, plan, arrays, weights, faults={owner: "die_mid_round"})
         survivors = sorted(p for p in peers if p != owner)
         results = dict(zip(survivors, ray.get([refs[p] for p in survivors], timeout=60)))

@@ -140,12 +140,12 @@ def test_a_wrong_length_is_rejected_with_the_length_the_sender_sent():
 
 
 def _owner(plan) -> str:
+    from moshray.cluster.partition import group_part_sizes
+
     members = plan.grid.rounds[0].group_of("p0")[1].members
-    from moshray.cluster.partition import owner_shares
-    shares = owner_shares(1000, [plan.share_of(m) for m in members], plan.min_part,
-                          rotate=plan.epoch)
-    assert sum(s > 0 for s in shares) == 1
-    return members[shares.index(max(shares))]
+    sizes = group_part_sizes(plan, members, 1000)
+    assert sum(s > 0 for s in sizes) == 1
+    return members[sizes.index(max(sizes))]
 
 
 def test_a_small_tensor_has_one_owner_and_the_others_move_only_its_part():

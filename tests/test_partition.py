@@ -284,3 +284,14 @@ def test_owner_shares_give_small_tensors_fewer_owners_in_turn() -> None:
     owners = {owner_shares(1000, [1.0] * 5, min_part=1000, rotate=r).index(1.0)
               for r in range(5)}
     assert owners == set(range(5))
+
+
+def test_group_part_sizes_follow_the_plans_shares_min_part_and_epoch() -> None:
+    from types import SimpleNamespace
+
+    from moshray.cluster.partition import group_part_sizes
+
+    plan = SimpleNamespace(min_part=1000, epoch=1, share_of={"a": 1, "b": 3, "c": 2}.get)
+    assert group_part_sizes(plan, ["a", "b", "c"], 1000) == (0, 1000, 0)  # one owner, in turn
+    assert sum(group_part_sizes(plan, ["a", "b", "c"], 6000)) == 6000  # big: everyone
+    assert group_part_sizes(plan, ["a", "b", "c"], 6000) == (1000, 3000, 2000)

@@ -5,10 +5,11 @@ shipped trace's name; see ``moshray.autoscaler.trace``) onto a fresh embedded lo
 per system and trains the same model on the same data for the same wall seconds, three ways:
 
 1. **moshray**: ``moshray.jobs.train.run`` (collaborative DeDLOC steps, Moshpit averaging,
-   replicas started and dropped as nodes come and go).
+   replicas started and dropped as nodes come and go), driven as a separate driver process
+   (``goodput_moshray``) with its own embedded cluster, which replays the trace.
 2. **Ray Train**: ``moshray.jobs.raytrain_baseline`` (``TorchTrainer``, DDP, elastic
    ``ScalingConfig(num_workers=(1, max_nodes))``, ``FailureConfig(max_failures=-1)``, a checkpoint
-   every ``--checkpoint-every`` steps), driven as a separate driver process; the trace's nodes
+   every ``--checkpoint-every`` steps), driven as a separate driver process too; the trace's nodes
    are removed at their deadline and added at their time, with no help for Ray Train.
 3. **ideal**: the better system's failure-free throughput times the trace's live seconds. Both
    systems' failure-free rates are measured in the same invocation, at every node count the
@@ -44,8 +45,9 @@ is one JSON object (``moshray_samples``, ``raytrain_samples``, ``ideal_samples``
 to ``<out>/goodput.png``.
 
 Modules: ``goodput_curves`` (one system's records -> figures), ``goodput_rates`` (node counts,
-failure-free rates, the ideal, the comparisons), ``goodput_runs`` (the runners and
-calibrations), ``goodput_report`` (plot and tables); this one parses the command and runs them.
+failure-free rates, the ideal, the comparisons), ``goodput_moshray`` and ``goodput_runs`` (the
+runners and calibrations: every run of either system is a fresh driver process),
+``goodput_report`` (plot and tables); this one parses the command and runs them.
 
 Bad arguments (missing or malformed trace, non-positive sizes, bad ``--set``) exit with status
 2 and one line on stderr.
@@ -108,9 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raytrain-fixed", action="store_true",
                         help="Ray Train with fixed num_workers=max_nodes, not (1, max_nodes)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
-                        help="bound on the Ray Train driver's start")
+                        help="bound on each driver's start (both systems)")
     parser.add_argument("--finish-timeout", type=float, default=240.0, metavar="S",
-                        help="bound on the Ray Train driver's end after the window")
+                        help="bound on each driver's end after its window (both systems)")
     parser.add_argument("--out", default="runs/bench-goodput", metavar="DIR",
                         help="where goodput.json, goodput.png and the run files go")
     parser.add_argument("--config", metavar="FILE", help="TrainConfig file (TOML or JSON)")
@@ -163,9 +165,10 @@ def run(args: argparse.Namespace) -> dict:
         TraceError, initial_slots, live_node_seconds, load_trace, schedule)
     from moshray.jobs.config import load_config
     from moshray.jobs.goodput_report import fmt, plot, rates_table, table, to_end
+    from moshray.jobs.goodput_moshray import calibrate_moshray, run_moshray_driver
     from moshray.jobs.goodput_runs import (
-        RayTrainOptions, calibrate_moshray, calibrate_raytrain, held_out_loss,
-        moshray_final_state, raytrain_final_state, run_moshray, run_raytrain)
+        RayTrainOptions, calibrate_raytrain, held_out_loss, moshray_final_state,
+        raytrain_final_state, run_raytrain)
     from moshray.jobs.plots import plot_path_for
 
     trace_path = _check_args(args)
@@ -225,15 +228,21 @@ def run(args: argparse.Namespace) -> dict:
     m_rates: dict[int, float] = {}
     rt_rates: dict[int, float] = {}
     for n in calib_counts:
-        m_rates.update(calibrate_moshray(config, [n], args.calib_seconds, args.startup_timeout))
+        m_rates.update(calibrate_moshray(config, [n], args.calib_seconds,
+                                         out_dir / f"moshray-calib-{stamp}",
+                                         args.startup_timeout, args.finish_timeout))
         rt_rates.update(calibrate_raytrain(config, [n], args.calib_seconds, options,
                                            out_dir / f"raytrain-calib-{stamp}"))
     rates = compare_rates(m_rates, rt_rates, seconds_at, args.calib_nodes)
     ideal = ideal_samples(rates.ideal, seconds_at)
 
     # 1. moshray under the trace
-    print(f"moshray: {duration:.0f} s under the trace", flush=True)
-    m_summary, m_records, _ = run_moshray(config)
+    m_dir = out_dir / f"moshray-{stamp}"
+    print(f"moshray: {duration:.0f} s under the trace (its driver's log: "
+          f"{m_dir / 'moshray-driver.log'})", flush=True)
+    m_summary, m_records, _ = run_moshray_driver(config, m_dir,
+                                                 startup_timeout_s=args.startup_timeout,
+                                                 finish_timeout_s=args.finish_timeout)
     moshray = summarize("moshray", m_records, duration, args.stall_gap)
     moshray_eval = held_out_loss(config, files, moshray_final_state(config.checkpoint.uri))
 

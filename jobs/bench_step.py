@@ -2,8 +2,9 @@
 
 For each node count, trains the goodput bench's small model (``bench goodput``'s defaults,
 ``--set`` overrides them) on the embedded cluster for ``--seconds`` with no failure and no
-checkpoint, and prints the steady rate (``goodput_rates.steady_rate``: from the first step
-every node took part in) next to the per-step profile the replicas sent the Coordinator
+checkpoint (each count a driver process of its own, as in ``bench goodput``), and prints
+the steady rate (``goodput_rates.steady_rate``: from the first step every node took part
+in) next to the per-step profile the replicas sent the Coordinator
 (``cluster/step_profile.py``): the median wall time of one replica's step and its split into
 compute (the training loop), control (reports and replies), round (the all-reduce) and apply
 (optimizer step and commit), the plan's wait in the replica, the samples one replica put
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> dict:
     from moshray.jobs.bench_goodput import BENCH_DEFAULTS
     from moshray.jobs.config import load_config, parse_set
     from moshray.jobs.goodput_rates import BenchError, steady_rate
-    from moshray.jobs.goodput_runs import run_moshray
+    from moshray.jobs.goodput_moshray import run_moshray_driver
 
     out: dict = {"seconds": args.seconds, "counts": {}}
     for n in parse_counts(args.nodes):
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> dict:
                          training=replace(config.training, max_steps=None),
                          checkpoint=replace(config.checkpoint, uri=None))
         print(f"step profile: {n} node(s), {args.seconds:g} s", file=sys.stderr, flush=True)
-        summary, records, peers = run_moshray(config)
+        summary, records, peers = run_moshray_driver(config, Path(config.run_dir))
         try:
             rate = steady_rate(records, peers, n)
         except BenchError as exc:

@@ -1,13 +1,12 @@
-"""`moshray bench goodput`, the runners: each system on a fresh local cluster, calibrations.
+"""`moshray bench goodput`, Ray Train's runners and calibrations, and the held-out loss.
 
-* :func:`run_moshray`: ``moshray.jobs.train.run`` (its embedded cluster replays the trace);
-  per-step records from its Coordinator.
 * :func:`run_raytrain`: a fresh ``LocalCluster`` with the schedule's initial nodes, the Ray
   Train driver (``moshray.jobs.raytrain_baseline``) in a subprocess, the schedule's later node
   events applied from this (main) thread at their times after the driver's ``fit()`` start.
-* :func:`calibrate_moshray`, :func:`calibrate_raytrain`: each system's failure-free rate at
-  each node count (the same model and batches, n nodes for the whole run, no node event, no
-  checkpoint), as :func:`~moshray.jobs.goodput_rates.steady_rate` measures it.
+* :func:`calibrate_raytrain`: Ray Train's failure-free rate at each node count (the same
+  model and batches, n nodes for the whole run, no node event, no checkpoint), as
+  :func:`~moshray.jobs.goodput_rates.steady_rate` measures it. moshray's counterparts, each
+  run a driver process of its own too, are in ``goodput_moshray``.
 * :func:`held_out_loss`: the final model's loss on held-out batches, the same for both.
 
 Every wait is bounded; a calibration that cannot measure a rate raises ``BenchError`` (one
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 from moshray.jobs.goodput_curves import Progress
-from moshray.jobs.goodput_rates import BenchError, steady_elapsed, steady_rate
+from moshray.jobs.goodput_rates import BenchError, steady_rate
 
 log = logging.getLogger("moshray.bench_goodput")
 
@@ -52,112 +51,6 @@ class RayTrainOptions:
     startup_timeout_s: float = 300.0
     finish_timeout_s: float = 240.0
     steady_seconds: float | None = None
-
-
-def _history_records(history: Sequence[Sequence]) -> list[Progress]:
-    """Coordinator ``stats()["history"]`` rows ``(epoch, at_s, samples, loss, peers)``."""
-    return [Progress(float(h[1]), int(h[0]), int(h[2]), None if h[3] is None else float(h[3]))
-            for h in history]
-
-
-def run_moshray(config, steady: tuple[int, float] | None = None
-                ) -> tuple[dict, list[Progress], list[int]]:
-    """Run ``moshray.jobs.train.run(config)``; returns its summary, per-step records and the
-    number of peers in each step.
-
-    ``steady = (n, seconds)``: end the job (as SIGTERM would, ``train.STOP``) ``seconds``
-    after its first step with at least ``n`` participants (``config.training.max_seconds``
-    still bounds it); a calibration's window, as long as Ray Train's (``steady_seconds``).
-
-    Step times are the Coordinator's (seconds since it started, which is when the trace replay
-    starts). The summary gains ``step_profile``: the Coordinator's ``step_profile`` of the
-    steps from the first one with the most participants on. If the summary carries no ``history``, the Coordinator's history is read right
-    after the job's supervision loop ends (by wrapping ``train._supervise`` for this call).
-    """
-    import ray
-
-    from moshray.jobs import train as train_job
-
-    captured: dict = {}
-    original = train_job._supervise
-
-    def supervise_and_capture(cfg, controller, *rest):
-        done = threading.Event()
-        if steady is not None:
-            coordinator = controller.coordinator
-            threading.Thread(target=_stop_after_steady, daemon=True, args=(
-                lambda since: ray.get(coordinator.stats.remote(since), timeout=30), *steady,
-                train_job.STOP, done)).start()
-        try:
-            summary = original(cfg, controller, *rest)
-        finally:
-            done.set()
-        try:
-            stats = captured["stats"] = ray.get(controller.coordinator.stats.remote(),
-                                                timeout=30)
-            most = max((h[4] for h in stats["history"]), default=0)
-            since = next((h[0] for h in stats["history"] if h[4] >= most), 0)
-            captured["profile"] = ray.get(controller.coordinator.step_profile.remote(since),
-                                          timeout=30)
-        except (ray.exceptions.RayError, TimeoutError) as exc:
-            log.warning("could not read the coordinator's history: %s", type(exc).__name__)
-        return summary
-
-    train_job._supervise = supervise_and_capture
-    try:
-        summary = train_job.run(config)
-    finally:
-        train_job._supervise = original
-        if steady is not None:
-            train_job.STOP.clear()
-    if "profile" in captured:
-        summary = {**summary, "step_profile": captured["profile"]}
-    history = summary.get("history")
-    if history is None:
-        history = captured.get("stats", {}).get("history", [])
-    return summary, _history_records(history), [int(h[4]) for h in history]
-
-
-def calibrate_moshray(config, counts: Sequence[int], seconds: float,
-                      startup_timeout_s: float = 300.0) -> dict[int, float]:
-    """Failure-free moshray samples/s with each node count in ``counts``: n nodes, no trace,
-    no checkpoints, training for ``seconds`` after the first step every node took part in
-    (its start-up is not part of the window, as in ``calibrate_raytrain``); the rate over
-    that window (``steady_rate``). A run is bounded by ``startup_timeout_s + seconds``."""
-    rates: dict[int, float] = {}
-    for n in sorted(set(counts)):
-        cfg = replace(config,
-                      cluster=replace(config.cluster, trace=None, local_nodes=n),
-                      training=replace(config.training, max_steps=None,
-                                       max_seconds=startup_timeout_s + seconds),
-                      checkpoint=replace(config.checkpoint, uri=None))
-        _, records, peers = run_moshray(cfg, steady=(n, seconds))
-        try:
-            rates[n] = steady_rate(records, peers, n)
-        except BenchError as exc:
-            raise BenchError(f"moshray with {n} node(s): {exc}") from None
-        _print_rate("moshray", n, rates[n], len(records))
-    return rates
-
-
-def _stop_after_steady(fetch, n: int, seconds: float, stop: threading.Event,
-                      done: threading.Event, poll_s: float = 1.0) -> None:
-    """Set ``stop`` once the Coordinator's history (``fetch(since)`` is its ``stats(since)``)
-    shows ``seconds`` since its first step with at least ``n`` participants; polls every
-    ``poll_s`` until ``done`` (a Coordinator that does not answer is asked at the next poll)."""
-    import ray
-
-    from moshray.jobs.train import read_stats
-
-    stats: dict = {"history": []}
-    while not done.wait(poll_s):
-        try:
-            stats = read_stats(fetch, stats)
-        except (ray.exceptions.RayError, TimeoutError):
-            continue
-        if steady_elapsed(stats["history"], n) >= seconds:
-            stop.set()
-            return
 
 
 def calibrate_raytrain(config, counts: Sequence[int], seconds: float, options: RayTrainOptions,
@@ -185,11 +78,11 @@ def calibrate_raytrain(config, counts: Sequence[int], seconds: float, options: R
         except BenchError as exc:
             raise BenchError(f"Ray Train with {n} node(s): {exc}; see "
                              f"{run_dir / 'raytrain-driver.log'}") from None
-        _print_rate("Ray Train", n, rates[n], len(rt.records))
+        print_rate("Ray Train", n, rates[n], len(rt.records))
     return rates
 
 
-def _print_rate(system: str, n: int, rate: float, steps: int) -> None:
+def print_rate(system: str, n: int, rate: float, steps: int) -> None:
     print(f"calibration: {system}, {n} node(s) failure-free: {rate:.1f} samples/s "
           f"({rate / n:.1f} per node, {steps} steps)", flush=True)
 

@@ -124,7 +124,7 @@ def test_steady_window_runs_from_the_first_step_with_every_node():
 
 
 def test_a_calibration_is_stopped_once_its_steady_window_has_passed():
-    from moshray.jobs.goodput_runs import _stop_after_steady
+    from moshray.jobs.goodput_moshray import _stop_after_steady
 
     rows = [(1, 1.0, 8, None, 1), (2, 3.0, 16, None, 2), (3, 6.0, 16, None, 2),
             (4, 9.0, 16, None, 2)]
@@ -334,5 +334,9 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     assert result["raytrain_samples_processed"] >= result["raytrain_samples"]
     assert result["raytrain_error"] is None
     assert result["moshray_preemptions"] >= 1
+    # moshray ran as driver processes of its own: 1 calibration and the trace run
+    results = sorted(out.glob("moshray-*/**/moshray-result.json"))
+    assert len(results) == 2, results
+    assert all(json.loads(r.read_text())["history"] for r in results)
     plot = Path(result["plot"])
     assert plot.parent == out and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

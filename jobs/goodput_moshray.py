@@ -5,8 +5,8 @@
   bench runs Ray Train's driver; returns the summary, per-step records and peers per step.
 * :func:`calibrate_moshray`: moshray's failure-free rate at each node count, each calibration
   a driver process of its own.
-* :func:`run_moshray`: the run itself, in this process (what the driver process calls; also
-  ``moshray bench step``).
+* :func:`moshray_history`: the run itself, in this process (what the driver process calls),
+  ended early for a calibration by :func:`steady_stop` (``train.run``'s ``stop_when``).
 
 Why a process per run: one bench runs eight calibrations and two trace runs, about half an
 hour. moshray's trace run, done in the bench's own process after the calibrations, trained
@@ -30,7 +30,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
@@ -54,70 +53,37 @@ def _split(summary: dict, history: Sequence[Sequence]
     return summary, _history_records(history), [int(h[4]) for h in history]
 
 
+def steady_stop(n: int, seconds: float):
+    """A ``train.run`` ``stop_when``: True once the Coordinator's history shows ``seconds``
+    since its first step with at least ``n`` participants (a calibration's window, as long
+    as Ray Train's ``steady_seconds``)."""
+    return lambda stats: steady_elapsed(stats.get("history", []), n) >= seconds
+
+
 def moshray_history(config, steady: tuple[int, float] | None = None
                     ) -> tuple[dict, list[list]]:
     """Run ``moshray.jobs.train.run(config)`` in this process; returns its summary and the
     Coordinator's history rows ``[epoch, at_s, samples, loss, peers]``.
 
-    ``steady = (n, seconds)``: end the job (as SIGTERM would, ``train.STOP``) ``seconds``
-    after its first step with at least ``n`` participants (``config.training.max_seconds``
-    still bounds it); a calibration's window, as long as Ray Train's (``steady_seconds``).
+    ``steady = (n, seconds)``: end the job (as its time limit would) ``seconds`` after its
+    first step with at least ``n`` participants (:func:`steady_stop`;
+    ``config.training.max_seconds`` still bounds it).
 
     Step times are the Coordinator's (seconds since it started, which is when the trace replay
-    starts). The summary gains ``step_profile``: the Coordinator's ``step_profile`` of the
-    steps from the first one with the most participants on. The history is read right after
-    the job's supervision loop ends (by wrapping ``train._supervise`` for this call); if the
-    Coordinator does not answer, the summary's own ``history`` (if any) is used, else none.
+    starts). The summary's ``step_profile`` covers the steps from the first one with the most
+    participants on. The history is the one the job wrote to ``<run_dir>/summary.json``;
+    raises ``BenchError`` if that file is missing or unreadable.
     """
-    import ray
-
     from moshray.jobs import train as train_job
 
-    captured: dict = {}
-    original = train_job._supervise
-
-    def supervise_and_capture(cfg, controller, *rest):
-        done = threading.Event()
-        if steady is not None:
-            coordinator = controller.coordinator
-            threading.Thread(target=_stop_after_steady, daemon=True, args=(
-                lambda since: ray.get(coordinator.stats.remote(since), timeout=30), *steady,
-                train_job.STOP, done)).start()
-        try:
-            summary = original(cfg, controller, *rest)
-        finally:
-            done.set()
-        try:
-            stats = captured["stats"] = ray.get(controller.coordinator.stats.remote(),
-                                                timeout=30)
-            most = max((h[4] for h in stats["history"]), default=0)
-            since = next((h[0] for h in stats["history"] if h[4] >= most), 0)
-            captured["profile"] = ray.get(controller.coordinator.step_profile.remote(since),
-                                          timeout=30)
-        except (ray.exceptions.RayError, TimeoutError) as exc:
-            log.warning("could not read the coordinator's history: %s", type(exc).__name__)
-        return summary
-
-    train_job._supervise = supervise_and_capture
+    stop_when = None if steady is None else steady_stop(*steady)
+    summary = train_job.run(config, stop_when=stop_when)
+    saved = Path(config.run_dir).expanduser() / "summary.json"
     try:
-        summary = train_job.run(config)
-    finally:
-        train_job._supervise = original
-        if steady is not None:
-            train_job.STOP.clear()
-    if "profile" in captured:
-        summary = {**summary, "step_profile": captured["profile"]}
-    history = summary.get("history")
-    if history is None:
-        history = captured.get("stats", {}).get("history", [])
+        history = json.loads(saved.read_text())["history"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise BenchError(f"the run's history is not in {saved}: {exc}") from None
     return summary, [list(h) for h in history]
-
-
-def run_moshray(config, steady: tuple[int, float] | None = None
-                ) -> tuple[dict, list[Progress], list[int]]:
-    """:func:`moshray_history` in this process; returns its summary, per-step records and the
-    number of peers in each step."""
-    return _split(*moshray_history(config, steady))
 
 
 def _driver_command(config_file: Path, out_file: Path,
@@ -132,13 +98,16 @@ def _driver_command(config_file: Path, out_file: Path,
 def run_moshray_driver(config, run_dir: Path, steady: tuple[int, float] | None = None,
                        startup_timeout_s: float = 300.0, finish_timeout_s: float = 240.0
                        ) -> tuple[dict, list[Progress], list[int]]:
-    """:func:`run_moshray` as a driver process of its own (``python -m
+    """:func:`moshray_history` as a driver process of its own (``python -m
     moshray.jobs.goodput_moshray``, its own embedded cluster, ``RAY_ADDRESS`` unset), with
     its config, result and log (``moshray-driver.log``: the job's progress and errors) under
-    ``run_dir``. Bounded by ``training.max_seconds + startup_timeout_s + finish_timeout_s``,
+    ``run_dir``, which is also the job's own ``run_dir`` (its ``summary.json`` and
+    ``training.png``). Bounded by ``training.max_seconds + startup_timeout_s + finish_timeout_s``,
     then SIGTERM and, ``TERM_GRACE_S`` later, SIGKILL of the driver's process group. Raises
     ``BenchError`` (one line naming the log) if the driver ends without a result."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    config = replace(config, run_dir=str(run_dir))
+    (run_dir / "summary.json").unlink(missing_ok=True)  # only this run's may be read back
     config_file, out_file = run_dir / "moshray-config.json", run_dir / "moshray-result.json"
     config_file.write_text(json.dumps(config.to_dict()))
     out_file.unlink(missing_ok=True)
@@ -211,26 +180,6 @@ def calibrate_moshray(config, counts: Sequence[int], seconds: float, out_dir: Pa
             raise BenchError(f"moshray with {n} node(s): {exc}") from None
         print_rate("moshray", n, rates[n], len(records))
     return rates
-
-
-def _stop_after_steady(fetch, n: int, seconds: float, stop: threading.Event,
-                       done: threading.Event, poll_s: float = 1.0) -> None:
-    """Set ``stop`` once the Coordinator's history (``fetch(since)`` is its ``stats(since)``)
-    shows ``seconds`` since its first step with at least ``n`` participants; polls every
-    ``poll_s`` until ``done`` (a Coordinator that does not answer is asked at the next poll)."""
-    import ray
-
-    from moshray.jobs.train import read_stats
-
-    stats: dict = {"history": []}
-    while not done.wait(poll_s):
-        try:
-            stats = read_stats(fetch, stats)
-        except (ray.exceptions.RayError, TimeoutError):
-            continue
-        if steady_elapsed(stats["history"], n) >= seconds:
-            stop.set()
-            return
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -87,6 +87,11 @@ def write_outputs(run_dir: str, history: list, summary: dict, marks: dict) -> st
         return None
 
 
+def full_size_epoch(history: list) -> int:
+    """The epoch of the first step the swarm took at its largest (most peers) in ``history``
+    rows ``(epoch, at_s, samples, loss, peers)``; 0 for an empty history."""
+    most = max((h[4] for h in history), default=0)
+    return next((h[0] for h in history if h[4] >= most), 0)
 
 
 def summarize(stats: dict, statuses: list[dict], leaving: set[str], wall_s: float,

@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 from moshray.jobs.config import (
     ConfigError,
@@ -45,18 +46,24 @@ POLL_S = 0.5
 # Set by SIGTERM (`ray job stop`, a scheduler, a test): the run stops as at its time limit,
 # with a checkpoint and a summary, instead of dying mid-step.
 STOP = threading.Event()
+# A caller's own end condition: given the Coordinator's stats (its whole step history rows
+# ``(epoch, at_s, samples, loss, peers)`` included) at every supervision poll; True ends the
+# run as its time limit would.
+StopWhen = Callable[[dict], bool]
 
 
-def run(config: TrainConfig, job=None) -> dict:
+def run(config: TrainConfig, job=None, stop_when: StopWhen | None = None) -> dict:
     """Train ``job`` (``actors.replica.Job``: the user's loop and data; None: the built-in
     LM) on the cluster at ``cluster.address`` / ``RAY_ADDRESS``, else on the embedded local
-    cluster (started and stopped here); returns the run's summary."""
+    cluster (started and stopped here); returns the run's summary. ``stop_when`` (optional)
+    ends the run early, as ``max_seconds`` would (replicas stopped, final checkpoint and
+    summary); an exception it raises propagates and the replicas are not stopped cleanly."""
     address = config.cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
-        return run_job(config, address, job)
+        return run_job(config, address, job, stop_when)
     from moshray.jobs.local_cloud import run_embedded
 
-    return run_embedded(config, lambda addr: run_job(config, addr, job))
+    return run_embedded(config, lambda addr: run_job(config, addr, job, stop_when))
 
 
 def is_node_local(uri: str) -> bool:
@@ -122,7 +129,8 @@ def durability_warning(config: TrainConfig, machines: int) -> str | None:
     return None
 
 
-def run_job(config: TrainConfig, address: str, job=None) -> dict:
+def run_job(config: TrainConfig, address: str, job=None,
+            stop_when: StopWhen | None = None) -> dict:
     """The job's driver on the cluster at ``address``: the same on every cluster. ``job``
     may be a callable of the connected driver returning the ``Job`` (data sources that
     need Ray, such as a Ray Dataset's blocks, are made there)."""
@@ -176,7 +184,7 @@ def run_job(config: TrainConfig, address: str, job=None) -> dict:
         spec = ReplicaSpec(config.to_dict(), job, coordinator, init_state_ref)
         controller = ElasticController(config, spec, experts, out)
         try:
-            summary = _supervise(config, controller, out)
+            summary = _supervise(config, controller, out, stop_when)
         finally:
             controller.stop_watchers()
         if experts is not None:
@@ -279,8 +287,10 @@ def read_stats(fetch, last: dict) -> dict:
     return stats
 
 
-def _supervise(config: TrainConfig, controller, out) -> dict:
-    """Run the controller until ``max_steps`` / ``max_seconds``; then stop and summarize."""
+def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None = None
+               ) -> dict:
+    """Run the controller until ``max_steps`` / ``max_seconds`` / ``STOP`` / ``stop_when``;
+    then stop and summarize."""
     import ray
 
     from moshray.jobs import run_report
@@ -310,7 +320,8 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
             checkpoint_through_replica(config.checkpoint.uri, controller)
             last_ckpt = epoch
         if (t.max_steps is not None and epoch >= t.max_steps) or \
-                (t.max_seconds is not None and elapsed >= t.max_seconds) or STOP.is_set():
+                (t.max_seconds is not None and elapsed >= t.max_seconds) or STOP.is_set() \
+                or (stop_when is not None and stop_when(stats)):
             break
         STOP.wait(POLL_S)
     call_with_retries(coordinator.request_stop, "stop the replicas")
@@ -329,6 +340,11 @@ def _supervise(config: TrainConfig, controller, out) -> dict:
     console.show(stats, wall, 1.0 if (t.max_steps or t.max_seconds) else None)  # the last ones
     summary = run_report.summarize(stats, statuses, controller.leaving(), wall,
                                    controller.hard_losses)
+    try:  # where a replica's time went per step, at the swarm's largest
+        summary["step_profile"] = ray.get(coordinator.step_profile.remote(
+            run_report.full_size_epoch(stats["history"])), timeout=30)
+    except (ray.exceptions.RayError, TimeoutError) as exc:
+        log.warning("step profile not read (%s)", type(exc).__name__)
     state = final_state(controller, summary["steps"]) if controller.spec.job.return_state \
         else None
     summary["replica_lifecycle"] = controller.states()

@@ -13,7 +13,6 @@ import math
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -124,24 +123,16 @@ def test_steady_window_runs_from_the_first_step_with_every_node():
 
 
 def test_a_calibration_is_stopped_once_its_steady_window_has_passed():
-    from moshray.jobs.goodput_moshray import _stop_after_steady
+    from moshray.jobs.goodput_moshray import steady_stop
 
     rows = [(1, 1.0, 8, None, 1), (2, 3.0, 16, None, 2), (3, 6.0, 16, None, 2),
             (4, 9.0, 16, None, 2)]
-    shown = iter(range(1, len(rows) + 1))  # one more row at each poll
-
-    def fetch(since):
-        upto = next(shown)
-        return {"incarnation": "c1", "history": rows[since:upto]}
-
-    stop, done = threading.Event(), threading.Event()
-    _stop_after_steady(fetch, 2, 5.0, stop, done, poll_s=0.001)
-    assert stop.is_set()  # at the 4th row: 9.0 - 3.0 >= 5
-    assert next(shown, None) is None
-    stop.clear()
-    done.set()  # the job ended first: nothing is stopped
-    _stop_after_steady(fetch, 2, 5.0, stop, done, poll_s=0.001)
-    assert not stop.is_set()
+    stop_when = steady_stop(2, 5.0)
+    # the job's supervision loop asks at every poll, with the history so far
+    asked = [stop_when({"history": rows[:k]}) for k in range(len(rows) + 1)]
+    assert asked == [False, False, False, False, True]  # at the 4th row: 9.0 - 3.0 >= 5
+    assert not steady_stop(3, 1.0)({"history": rows})  # never 3 participants
+    assert not stop_when({})  # a Coordinator not read yet
 
 
 def test_a_killed_ray_train_driver_is_evaluated_on_its_newest_persisted_checkpoint(tmp_path):
@@ -338,5 +329,12 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     results = sorted(out.glob("moshray-*/**/moshray-result.json"))
     assert len(results) == 2, results
     assert all(json.loads(r.read_text())["history"] for r in results)
+    for r in results:  # each driver is a job of its own: its own summary.json, its profile
+        summary = json.loads(r.read_text())["summary"]
+        assert json.loads((r.parent / "summary.json").read_text())["steps"] == summary["steps"]
+        assert summary["step_profile"]["steps"] > 0, summary.get("step_profile")
+    # the calibration ended by its steady window (stop_when), not at its max_seconds bound
+    calib = json.loads(next(r for r in results if "calib" in str(r)).read_text())
+    assert calib["summary"]["wall_s"] < 240 + 45 - 30, calib["summary"]["wall_s"]
     plot = Path(result["plot"])
     assert plot.parent == out and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

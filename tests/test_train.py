@@ -173,6 +173,16 @@ def test_progress_line_has_a_bar_when_the_run_is_bounded():
     assert "[" not in progress_line(row, 6400, 10.0, live=3, preemptions=1)
 
 
+def test_the_step_profile_covers_the_steps_at_the_swarms_largest():
+    from moshray.jobs.run_report import full_size_epoch
+
+    rows = [(1, 0.5, 8, 3.0, 1), (2, 1.0, 16, 2.9, 2), (3, 1.5, 24, 2.8, 3),
+            (4, 2.0, 16, 2.7, 2), (5, 2.5, 24, 2.6, 3)]
+    assert full_size_epoch(rows) == 3  # the first step with 3 peers
+    assert full_size_epoch(rows[:2]) == 2
+    assert full_size_epoch([]) == 0
+
+
 def test_console_shows_every_step_once_with_corrected_samples():
     import io
 

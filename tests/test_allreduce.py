@@ -72,7 +72,7 @@ def cluster(local_cluster):
 
 @pytest.mark.parametrize(
     "n,max_group",
-    [(1, 16), (2, 16), (5, 16), (4, 2), (6, 4), (7, 4), (8, 2), (9, 3), (11, 4)],
+    [(1, 16), (2, 16), (5, 16), (4, 2), (6, 4), (8, 2), (9, 3), (11, 4)],
 )
 def test_exact_weighted_average(cluster, n, max_group):
     peers = spawn(n, f"x{n}-{max_group}-")

@@ -286,13 +286,14 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     trace = tmp_path / "trace.csv"
     trace.write_text("0,add,node0\n0,add,node1\n60000,remove,node1\n70000,add,node2\n")
     out = tmp_path / "out"
+    calib_s, startup_s = 20, 240
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(
         [sys.executable, "-m", "moshray.jobs.bench_goodput", "--trace", str(trace),
          "--time-scale", "1", "--max-nodes", "2", "--duration", "90", "--calib-nodes", "2",
-         "--calib-seconds", "20", "--checkpoint-every", "10",
-         "--startup-timeout", "240", "--finish-timeout", "180", "--out", str(out), *TINY,
+         "--calib-seconds", str(calib_s), "--checkpoint-every", "10",
+         "--startup-timeout", str(startup_s), "--finish-timeout", "180", "--out", str(out), *TINY,
          "--set", "cluster.notice_s=5", "--json"],
         capture_output=True, text=True, timeout=1400, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -335,6 +336,6 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
         assert summary["step_profile"]["steps"] > 0, summary.get("step_profile")
     # the calibration ended by its steady window (stop_when), not at its max_seconds bound
     calib = json.loads(next(r for r in results if "calib" in str(r)).read_text())
-    assert calib["summary"]["wall_s"] < 240 + 20 - 30, calib["summary"]["wall_s"]
+    assert calib["summary"]["wall_s"] < startup_s + calib_s - 30, calib["summary"]["wall_s"]
     plot = Path(result["plot"])
     assert plot.parent == out and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -37,7 +37,12 @@ reach a new high, including the start-up gap). From the calibrations (``goodput_
 ``--calib-nodes``, that count), and ``moshray_scaling`` / ``raytrain_scaling`` (each system's
 failure-free rate at the largest measured count over its rate at the smallest measured count
 >= 2, the counts in ``scaling_nodes``; ``scaling_vs_raytrain`` = their ratio, >= 1 when
-moshray's rate falls no more than DDP's as nodes are added). ``--json``: the last stdout line
+moshray's rate falls no more than DDP's as nodes are added). Where the gap to the ideal comes
+from: ``moshray_failure_free_samples`` / ``raytrain_failure_free_samples`` (each system at its
+own failure-free rates over the trace's seconds at each count), ``moshray_elasticity`` /
+``raytrain_elasticity`` (samples under the trace over those: what the node events cost) and
+``moshray_failure_free_vs_ideal`` (the most ``moshray_vs_ideal`` could be at moshray's measured
+rates; ``moshray_vs_ideal`` = elasticity x that). ``--json``: the last stdout line
 is one JSON object (``moshray_samples``, ``raytrain_samples``, ``ideal_samples``,
 ``moshray_vs_ideal``, ``moshray_vs_raytrain``, ``steady_state_vs_raytrain``,
 ``moshray_final_loss``, ``raytrain_final_loss`` and more); the same object is written to
@@ -65,7 +70,8 @@ from pathlib import Path
 
 from moshray.jobs.goodput_curves import summarize
 from moshray.jobs.goodput_rates import (
-    BenchError, compare_rates, count_seconds, ideal_curve, ideal_samples, live_timeline, ratio)
+    MOSHRAY, RAYTRAIN, BenchError, compare_rates, count_seconds, ideal_curve, live_timeline,
+    ratio)
 
 # A model that steps quickly on CPU (the README's small configuration).
 BENCH_DEFAULTS: dict[str, str] = {
@@ -234,7 +240,7 @@ def run(args: argparse.Namespace) -> dict:
         rt_rates.update(calibrate_raytrain(config, [n], args.calib_seconds, options,
                                            out_dir / f"raytrain-calib-{stamp}"))
     rates = compare_rates(m_rates, rt_rates, seconds_at, args.calib_nodes)
-    ideal = ideal_samples(rates.ideal, seconds_at)
+    ideal = rates.ideal_total
 
     # 1. moshray under the trace
     m_dir = out_dir / f"moshray-{stamp}"
@@ -287,6 +293,9 @@ def run(args: argparse.Namespace) -> dict:
         "moshray_replicas_consistent": m_summary.get("replicas_consistent"),
         "calib_seconds": args.calib_seconds, "calib_nodes": args.calib_nodes,
         **rates.to_json(),
+        # the share of its own failure-free samples each system kept through the node events
+        "moshray_elasticity": rates.elasticity(MOSHRAY, moshray.samples),
+        "raytrain_elasticity": rates.elasticity(RAYTRAIN, raytrain.samples),
         "stall_gap_s": args.stall_gap, "checkpoint_every": args.checkpoint_every,
         "plot": str(plot_path),
     }
@@ -298,6 +307,11 @@ def run(args: argparse.Namespace) -> dict:
           f"{fmt(result['moshray_vs_raytrain'])}; Ray Train restarts "
           f"{result['raytrain_restarts']}, lost samples "
           f"{raytrain.samples_processed - raytrain.samples}; plot {plot_path}", flush=True)
+    print(f"elasticity (samples under the trace / the same system's failure-free samples on "
+          f"the trace's node counts): moshray {fmt(result['moshray_elasticity'])}, Ray Train "
+          f"{fmt(result['raytrain_elasticity'])}; moshray failure-free / ideal "
+          f"{fmt(result['moshray_failure_free_vs_ideal'])} (the most moshray / ideal could be "
+          "at its measured rates)", flush=True)
     return result
 
 

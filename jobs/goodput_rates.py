@@ -14,7 +14,12 @@ steps). From the two systems' rates :func:`compare_rates` derives:
   measured count over its rate at the smallest measured count >= 2 (1 node has no
   communication, so it says nothing about scaling). 1.0 = the total rate holds as nodes
   are added, below 1 = it falls. "moshray's rate does not fall from 2 to 4 nodes by more
-  than DDP's" reads as ``moshray_scaling >= raytrain_scaling``.
+  than DDP's" reads as ``moshray_scaling >= raytrain_scaling``;
+* each system's failure-free samples on the trace (:func:`ideal_samples` of its own rates):
+  what it would train if no node event cost it anything. A system's samples under the trace
+  over that figure is its *elasticity* (the share of its own failure-free training it kept
+  through the node events), and moshray's failure-free samples over the ideal is the most
+  ``moshray_vs_ideal`` could be at its measured rates; ``moshray_vs_ideal`` is their product.
 
 With one calibration count (``--calib-nodes N``) both systems are measured only with N nodes,
 the ideal's rate is the better per-node rate scaled linearly to every count, the steady-state
@@ -205,7 +210,9 @@ class RateComparison:
     ``moshray`` and ``raytrain`` are the measured ``{count: samples/s}``; ``ideal`` the rate the
     ideal uses at every count the trace holds and ``ideal_source`` which system it came from;
     ``steady_nodes`` the count of ``steady_state_vs_raytrain`` (moshray / Ray Train, None if
-    Ray Train's rate is 0); the scalings are None without two measured counts >= 2.
+    Ray Train's rate is 0); the scalings are None without two measured counts >= 2;
+    ``failure_free`` each system's samples at its own rates over the trace's seconds
+    (module docstring), ``ideal_total`` the ideal's.
     """
 
     moshray: dict[int, float]
@@ -216,6 +223,13 @@ class RateComparison:
     steady_state_vs_raytrain: float | None
     moshray_scaling: Scaling | None
     raytrain_scaling: Scaling | None
+    failure_free: dict[str, float]
+    ideal_total: float
+
+    def elasticity(self, system: str, samples: float) -> float | None:
+        """``samples`` (``system``'s useful samples under the trace) over its failure-free
+        samples on the same trace; None if those are 0."""
+        return ratio(samples, self.failure_free[system])
 
     def to_json(self) -> dict:
         """The JSON fields (counts as string keys, as JSON objects need)."""
@@ -237,6 +251,10 @@ class RateComparison:
             "raytrain_scaling": self.raytrain_scaling.value if self.raytrain_scaling else None,
             "scaling_vs_raytrain": (ratio(self.moshray_scaling.value,
                                           self.raytrain_scaling.value) if both else None),
+            "moshray_failure_free_samples": self.failure_free[MOSHRAY],
+            "raytrain_failure_free_samples": self.failure_free[RAYTRAIN],
+            "moshray_failure_free_vs_ideal": ratio(self.failure_free[MOSHRAY],
+                                                   self.ideal_total),
         }
 
 
@@ -259,13 +277,18 @@ def compare_rates(moshray: Mapping[int, float], raytrain: Mapping[int, float],
         if missing:
             raise BenchError(f"no failure-free {name} rate measured for node counts {missing}")
     ideal, source = best_rates(measured)
+    own = dict(measured)
     if calib_nodes is not None:  # one measurement: the better per-node rate, linearly
         ideal = linear_rates(ideal[calib_nodes] / calib_nodes, counts)
         source = {n: source[calib_nodes] for n in counts}
+        own = {name: linear_rates(rates[calib_nodes] / calib_nodes, counts)
+               for name, rates in measured.items()}
     common = set(moshray) & set(raytrain)
     return RateComparison(
         moshray=dict(moshray), raytrain=dict(raytrain), ideal=ideal, ideal_source=source,
         steady_nodes=steady,
         steady_state_vs_raytrain=ratio(moshray[steady], raytrain[steady]),
         moshray_scaling=scaling({n: moshray[n] for n in common}),
-        raytrain_scaling=scaling({n: raytrain[n] for n in common}))
+        raytrain_scaling=scaling({n: raytrain[n] for n in common}),
+        failure_free={name: ideal_samples(rates, seconds) for name, rates in own.items()},
+        ideal_total=ideal_samples(ideal, seconds))

@@ -197,6 +197,13 @@ def test_compare_rates_ideal_steady_state_and_scalings():
     assert out["scaling_vs_raytrain"] == pytest.approx(0.9 / (80 / 120))
     assert json.loads(json.dumps(out)) == out
     assert gr.ideal_samples(cmp.ideal, seconds) == pytest.approx(60 * 10 + 120 * 30 + 90 * 30)
+    assert cmp.ideal_total == pytest.approx(60 * 10 + 120 * 30 + 90 * 30)
+    # each system at its own rates on the trace's seconds; elasticity is measured against that
+    assert cmp.failure_free == {"moshray": pytest.approx(50 * 10 + 100 * 30 + 90 * 30),
+                                "raytrain": pytest.approx(60 * 10 + 120 * 30 + 80 * 30)}
+    assert cmp.elasticity("moshray", 3100.0) == pytest.approx(0.5)
+    assert out["moshray_failure_free_vs_ideal"] == pytest.approx(6200 / 6900)
+    assert out["raytrain_failure_free_samples"] == pytest.approx(6600)
     with pytest.raises(gr.BenchError, match=r"moshray rate .* \[4\]"):
         gr.compare_rates({1: 50.0, 2: 100.0}, {1: 60.0, 2: 120.0, 4: 80.0}, seconds)
 
@@ -209,6 +216,10 @@ def test_compare_rates_with_one_calibration_count_scales_the_better_per_node_rat
     assert cmp.steady_nodes == 2 and cmp.steady_state_vs_raytrain == pytest.approx(1.25)
     assert cmp.moshray_scaling is None and cmp.raytrain_scaling is None
     assert cmp.to_json()["scaling_vs_raytrain"] is None
+    # one count measured: each system's own per-node rate, linearly, like the ideal
+    assert cmp.failure_free["moshray"] == pytest.approx(50 * 10 + 100 * 5 + 150 * 30)
+    assert cmp.failure_free["raytrain"] == pytest.approx(40 * 10 + 80 * 5 + 120 * 30)
+    assert cmp.to_json()["moshray_failure_free_vs_ideal"] == pytest.approx(1.0)
     with pytest.raises(gr.BenchError, match="raytrain"):
         gr.compare_rates({2: 100.0}, {}, seconds, calib_nodes=2)
 
@@ -318,6 +329,13 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     assert result["steady_state_nodes"] == 2
     assert result["steady_state_vs_raytrain"] == pytest.approx(m_rate / rt_rate)
     assert result["moshray_scaling"] is None  # one calibration count: no scaling figure
+    # the gap to the ideal, split: what the node events cost and what the rates allow
+    for system, rate in (("moshray", m_rate), ("raytrain", rt_rate)):
+        ff = result[f"{system}_failure_free_samples"]
+        assert ff == pytest.approx(rate / 2 * result["live_node_seconds"])
+        assert result[f"{system}_elasticity"] == pytest.approx(result[f"{system}_samples"] / ff)
+    assert result["moshray_vs_ideal"] == pytest.approx(
+        result["moshray_elasticity"] * result["moshray_failure_free_vs_ideal"])
     for system in ("moshray", "raytrain"):
         assert result[f"{system}_final_loss"] is not None
         assert 0 <= result[f"{system}_stall_s"] <= 90

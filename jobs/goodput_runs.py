@@ -98,6 +98,14 @@ class RayTrainRun:
     node_log: tuple[tuple[float, str, int], ...]  # (t_s, add|remove, slot) as applied
     worlds: tuple[int, ...] = ()  # the worker group's size at each record
 
+    def to_json(self) -> dict:
+        """The records as plain JSON (``raytrain-records.json`` next to the driver's log), so
+        a run can be studied window by window after the bench, as moshray's history can."""
+        return {"steps": [[r.t_s, r.step, r.samples, r.loss, w] for r, w in
+                          zip(self.records, self.worlds or (None,) * len(self.records))],
+                "rewinds": [list(r) for r in self.rewinds],
+                "node_log": [list(e) for e in self.node_log], "error": self.error}
+
 
 def _raytrain_command(duration_s: float, options: RayTrainOptions, address: str,
                       recorder: str, storage: str, config_file: str) -> list[str]:
@@ -196,13 +204,15 @@ def run_raytrain(config, events, duration_s: float, options: RayTrainOptions,
             proc.wait(timeout=60)
         raw = finished["records"]
         checkpoint = finished.get("checkpoint") or latest_persisted(storage)
-        return RayTrainRun(
+        run = RayTrainRun(
             records=tuple(Progress(s[0] - t0, int(s[1]), int(s[2]),
                                    None if s[3] is None else float(s[3]))
                           for s in raw["steps"]),
             rewinds=tuple((g[0] - t0, int(g[2])) for g in raw["groups"]),
             checkpoint=checkpoint, error=finished.get("error"),
             node_log=tuple(node_log), worlds=tuple(int(s[4]) for s in raw["steps"]))
+        (out_dir / "raytrain-records.json").write_text(json.dumps(run.to_json()))
+        return run
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()

@@ -149,6 +149,17 @@ def test_a_killed_ray_train_driver_is_evaluated_on_its_newest_persisted_checkpoi
         run / "checkpoint_2026-11-25_00-16-16.805877" / "state.pt")
 
 
+def test_a_ray_train_run_is_kept_as_plain_json():
+    from moshray.jobs.goodput_runs import RayTrainRun
+
+    run = RayTrainRun(records=(Progress(1.5, 1, 32, 5.2), Progress(2.0, 2, 64, None)),
+                      rewinds=((0.0, 0),), checkpoint=None, error=None,
+                      node_log=((30.0, "remove", 1),), worlds=(2, 1))
+    out = json.loads(json.dumps(run.to_json()))
+    assert out["steps"] == [[1.5, 1, 32, 5.2, 2], [2.0, 2, 64, None, 1]]
+    assert out["rewinds"] == [[0.0, 0]] and out["node_log"] == [[30.0, "remove", 1]]
+
+
 def test_ratio_is_none_when_the_baseline_did_nothing():
     assert gr.ratio(10, 4) == 2.5 and gr.ratio(10, 0) is None
 
@@ -344,6 +355,10 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     assert result["raytrain_samples_processed"] >= result["raytrain_samples"]
     assert result["raytrain_error"] is None
     assert result["moshray_preemptions"] >= 1
+    # Ray Train's steps are kept next to its driver's log, as moshray's history is
+    rt_records = sorted(out.glob("raytrain-*/**/raytrain-records.json"))
+    assert len(rt_records) == 2, rt_records  # its calibration and its trace run
+    assert all(json.loads(r.read_text())["steps"] for r in rt_records)
     # moshray ran as driver processes of its own: 1 calibration and the trace run
     results = sorted(out.glob("moshray-*/**/moshray-result.json"))
     assert len(results) == 2, results

@@ -276,13 +276,10 @@ def compare_rates(moshray: Mapping[int, float], raytrain: Mapping[int, float],
         missing = [n for n in needed if n not in rates]
         if missing:
             raise BenchError(f"no failure-free {name} rate measured for node counts {missing}")
-    ideal, source = best_rates(measured)
-    own = dict(measured)
-    if calib_nodes is not None:  # one measurement: the better per-node rate, linearly
-        ideal = linear_rates(ideal[calib_nodes] / calib_nodes, counts)
-        source = {n: source[calib_nodes] for n in counts}
-        own = {name: linear_rates(rates[calib_nodes] / calib_nodes, counts)
-               for name, rates in measured.items()}
+    own = measured if calib_nodes is None else {  # one measurement: per-node rate, linearly
+        name: linear_rates(rates[calib_nodes] / calib_nodes, counts)
+        for name, rates in measured.items()}
+    ideal, source = best_rates(own)
     common = set(moshray) & set(raytrain)
     return RateComparison(
         moshray=dict(moshray), raytrain=dict(raytrain), ideal=ideal, ideal_source=source,

@@ -6,6 +6,7 @@ Membership / Coordinator. Failures are real: a peer process that exits, a raylet
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -70,71 +71,81 @@ def cluster(local_cluster):
     return local_cluster
 
 
+POOL_SIZE = 11
+_epochs = itertools.count(100, 10)  # every round on the pool gets a fresh, higher epoch
+
+
+@pytest.fixture(scope="module")
+def pool(cluster):
+    """Peers shared by the fault-free tests (a peer process costs ~2 s to start on a loaded
+    2-core machine): each test averages over the first n in a round of its own epoch. Tests
+    that kill, stall or corrupt peers spawn their own."""
+    peers = spawn(POOL_SIZE, "p")
+    yield peers
+    kill_all(peers)
+
+
+def take(pool: dict, n: int) -> dict:
+    return dict(list(pool.items())[:n])
+
+
 @pytest.mark.parametrize(
     "n,max_group",
     [(1, 16), (2, 16), (5, 16), (4, 2), (6, 4), (8, 2), (9, 3), (11, 4)],
 )
-def test_exact_weighted_average(cluster, n, max_group):
-    peers = spawn(n, f"x{n}-{max_group}-")
-    try:
-        rng = np.random.default_rng(n * 100 + max_group)
-        arrays = {p: rng.normal(size=5000).astype(np.float32) for p in peers}
-        weights = {p: float(rng.uniform(0.5, 4.0)) for p in peers}
-        plan = make_plan(peers, max_group)
-        if n > max_group:
-            assert len(plan.grid.rounds) >= 2
-        results = ray.get(list(run(peers, plan, arrays, weights).values()), timeout=60)
-        expected = weighted(arrays, weights, peers)
-        for (out, report), pid in zip(results, peers):
-            np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-5)
-            assert report.rejections == () and report.failed_owners == ()
-            assert report.total_weight == pytest.approx(sum(weights.values()), rel=1e-6)
-        # Every participant holds bitwise identical values, also across the groups of a
-        # multi-round grid (each group adds its members' values in grid-coordinate order).
-        first = results[0][0][0]
-        assert all(np.array_equal(first, out[0]) for out, _ in results)
-    finally:
-        kill_all(peers)
+def test_exact_weighted_average(pool, n, max_group):
+    peers = take(pool, n)
+    rng = np.random.default_rng(n * 100 + max_group)
+    arrays = {p: rng.normal(size=5000).astype(np.float32) for p in peers}
+    weights = {p: float(rng.uniform(0.5, 4.0)) for p in peers}
+    plan = make_plan(peers, max_group, epoch=next(_epochs))
+    if n > max_group:
+        assert len(plan.grid.rounds) >= 2
+    results = ray.get(list(run(peers, plan, arrays, weights).values()), timeout=60)
+    expected = weighted(arrays, weights, peers)
+    for (out, report), pid in zip(results, peers):
+        np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-5)
+        assert report.rejections == () and report.failed_owners == ()
+        assert report.total_weight == pytest.approx(sum(weights.values()), rel=1e-6)
+    # Every participant holds bitwise identical values, also across the groups of a
+    # multi-round grid (each group adds its members' values in grid-coordinate order).
+    first = results[0][0][0]
+    assert all(np.array_equal(first, out[0]) for out, _ in results)
 
 
-def test_load_balanced_shares_change_part_sizes(cluster):
-    peers = spawn(3, "share-")
-    try:
-        plan = make_plan(peers)
-        shares = {p: s for p, s in zip(peers, (1.0, 2.0, 5.0))}
-        plan = type(plan)(plan.epoch, plan.grid, tuple(shares.items()), plan.handles)
-        arrays = {p: np.full(8000, float(i), np.float32) for i, p in enumerate(peers)}
-        weights = {p: 1.0 for p in peers}
-        results = dict(zip(peers, ray.get(list(run(peers, plan, arrays, weights).values()))))
-        expected = weighted(arrays, weights, peers)
-        for out, report in results.values():
-            np.testing.assert_allclose(out[0], expected, rtol=1e-6)
-        # The 5x peer reduced 5/8 of the vector: it received the most bytes.
-        received = {p: r.bytes_received for p, (_, r) in results.items()}
-        assert received["share-2"] > received["share-1"] > received["share-0"]
-    finally:
-        kill_all(peers)
+def test_load_balanced_shares_change_part_sizes(pool):
+    peers = take(pool, 3)
+    plan = make_plan(peers, epoch=next(_epochs))
+    shares = {p: s for p, s in zip(peers, (1.0, 2.0, 5.0))}
+    plan = type(plan)(plan.epoch, plan.grid, tuple(shares.items()), plan.handles)
+    arrays = {p: np.full(8000, float(i), np.float32) for i, p in enumerate(peers)}
+    weights = {p: 1.0 for p in peers}
+    results = dict(zip(peers, ray.get(list(run(peers, plan, arrays, weights).values()),
+                                      timeout=60)))
+    expected = weighted(arrays, weights, peers)
+    for out, report in results.values():
+        np.testing.assert_allclose(out[0], expected, rtol=1e-6)
+    # The 5x peer reduced 5/8 of the vector: it received the most bytes.
+    received = [results[p][1].bytes_received for p in peers]
+    assert received[2] > received[1] > received[0]
 
 
 @pytest.mark.parametrize("codec", ["fp16", "uint8", "blockwise8"])
-def test_compression_error_within_documented_bound(cluster, codec):
-    peers = spawn(4, f"c-{codec}-")
-    try:
-        rng = np.random.default_rng(7)
-        arrays = {p: rng.normal(size=20000).astype(np.float32) for p in peers}
-        weights = {p: 1.0 for p in peers}
-        plan = make_plan(peers, compression=codec)
-        results = ray.get(list(run(peers, plan, arrays, weights).values()), timeout=60)
-        expected = weighted(arrays, weights, peers)
-        # Two encodings per value: contributions (bound over inputs) and the result.
-        bound = max(max_abs_error_bound(a, codec) for a in arrays.values())
-        bound += max_abs_error_bound(expected.astype(np.float32), codec)
-        first = results[0][0][0]
-        for out, _ in results:
-            assert np.abs(out[0] - expected).max() <= bound
-            assert np.array_equal(out[0], first)  # all peers hold the same decoded values
-    finally:
-        kill_all(peers)
+def test_compression_error_within_documented_bound(pool, codec):
+    peers = take(pool, 4)
+    rng = np.random.default_rng(7)
+    arrays = {p: rng.normal(size=20000).astype(np.float32) for p in peers}
+    weights = {p: 1.0 for p in peers}
+    plan = make_plan(peers, compression=codec, epoch=next(_epochs))
+    results = ray.get(list(run(peers, plan, arrays, weights).values()), timeout=60)
+    expected = weighted(arrays, weights, peers)
+    # Two encodings per value: contributions (bound over inputs) and the result.
+    bound = max(max_abs_error_bound(a, codec) for a in arrays.values())
+    bound += max_abs_error_bound(expected.astype(np.float32), codec)
+    first = results[0][0][0]
+    for out, _ in results:
+        assert np.abs(out[0] - expected).max() <= bound
+        assert np.array_equal(out[0], first)  # all peers hold the same decoded values
 
 
 @pytest.mark.parametrize("fault", ["die", "die_mid_round"])

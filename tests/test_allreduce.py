@@ -79,7 +79,8 @@ _epochs = itertools.count(100, 10)  # every round on the pool gets a fresh, high
 def pool(cluster):
     """Peers shared by the fault-free tests (a peer process costs ~2 s to start on a loaded
     2-core machine): each test averages over the first n in a round of its own epoch. Tests
-    that kill, stall or corrupt peers spawn their own."""
+    that kill or stall peers spawn their own; the one whose peers send bad contributions
+    (a fault changes only what a peer sends) uses the pool last."""
     peers = spawn(POOL_SIZE, "p")
     yield peers
     kill_all(peers)
@@ -236,36 +237,35 @@ def test_node_removed_mid_round(cluster):
         kill_all(peers)
 
 
-def test_bad_contributions_rejected_with_reason(cluster):
-    peers = spawn(6, "bad-")
-    try:
-        rng = np.random.default_rng(3)
-        arrays = {p: rng.normal(size=12000).astype(np.float32) for p in peers}
-        weights = {p: 1.0 + i for i, p in enumerate(peers)}
-        # A first clean round moves every peer to epoch 10, so epoch-1000 labels are stale.
-        warm = make_plan(peers, epoch=9)
-        ray.get(list(run(peers, warm, arrays, weights).values()), timeout=60)
-        plan = make_plan(peers, epoch=19)
-        faults = {"bad-2": "nan", "bad-3": "wrong_shape", "bad-4": "wrong_dtype",
-                  "bad-5": "stale_epoch"}
-        refs = run(peers, plan, arrays, weights, faults=faults, timeout=8.0)
-        good = ["bad-0", "bad-1"]
-        results = ray.get([refs[p] for p in good], timeout=60)
-        ray.get([refs[p] for p in faults], timeout=60)  # the bad ones also finish
-        expected = weighted(arrays, weights, good)
-        reasons = {}
-        for out, report in results:
-            np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-6)
-            for rej in report.rejections:
-                reasons.setdefault(rej.sender, set()).add(rej.reason)
-        assert RejectReason.NON_FINITE in reasons["bad-2"]
-        assert RejectReason.SHAPE_MISMATCH in reasons["bad-3"]
-        assert RejectReason.DTYPE_MISMATCH in reasons["bad-4"]
-        assert RejectReason.STALE_EPOCH in reasons["bad-5"]
-        counts = ray.get(peers["bad-0"].rejection_counts.remote())
-        assert counts["non_finite"] >= 1 and counts["stale_epoch"] >= 1
-    finally:
-        kill_all(peers)
+def test_bad_contributions_rejected_with_reason(pool):
+    # The last user of the pool: the faults below only change what the bad peers send.
+    peers = take(pool, 6)
+    names = list(peers)
+    rng = np.random.default_rng(3)
+    arrays = {p: rng.normal(size=12000).astype(np.float32) for p in peers}
+    weights = {p: 1.0 + i for i, p in enumerate(peers)}
+    # A first clean round moves every peer to its epoch, so labels 1000 epochs older are stale.
+    warm = make_plan(peers, epoch=next(_epochs))
+    ray.get(list(run(peers, warm, arrays, weights).values()), timeout=60)
+    plan = make_plan(peers, epoch=next(_epochs))
+    faults = {names[2]: "nan", names[3]: "wrong_shape", names[4]: "wrong_dtype",
+              names[5]: "stale_epoch"}
+    refs = run(peers, plan, arrays, weights, faults=faults, timeout=8.0)
+    good = names[:2]
+    results = ray.get([refs[p] for p in good], timeout=60)
+    ray.get([refs[p] for p in faults], timeout=60)  # the bad ones also finish
+    expected = weighted(arrays, weights, good)
+    reasons = {}
+    for out, report in results:
+        np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-6)
+        for rej in report.rejections:
+            reasons.setdefault(rej.sender, set()).add(rej.reason)
+    assert RejectReason.NON_FINITE in reasons[names[2]]
+    assert RejectReason.SHAPE_MISMATCH in reasons[names[3]]
+    assert RejectReason.DTYPE_MISMATCH in reasons[names[4]]
+    assert RejectReason.STALE_EPOCH in reasons[names[5]]
+    counts = ray.get(peers[names[0]].rejection_counts.remote(), timeout=30)
+    assert counts["non_finite"] >= 1 and counts["stale_epoch"] >= 1
 
 
 def test_an_owner_with_nothing_valid_hands_on_no_junk(cluster):

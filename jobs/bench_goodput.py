@@ -42,8 +42,11 @@ from: ``moshray_failure_free_samples`` / ``raytrain_failure_free_samples`` (each
 own failure-free rates over the trace's seconds at each count), ``moshray_elasticity`` /
 ``raytrain_elasticity`` (samples under the trace over those: what the node events cost) and
 ``moshray_failure_free_vs_ideal`` (the most ``moshray_vs_ideal`` could be at moshray's measured
-rates; ``moshray_vs_ideal`` = elasticity x that). ``--json``: the last stdout line
-is one JSON object (``moshray_samples``, ``raytrain_samples``, ``ideal_samples``,
+rates; ``moshray_vs_ideal`` = elasticity x that). How far runs made at different times can be
+compared on this machine: ``machine_step_ms`` (the model's bare training step on one core, read
+at the start, after the calibrations, after moshray's trace run and at the end;
+``machine_probe``) and ``machine_drift`` (the slowest reading over the fastest). ``--json``: the
+last stdout line is one JSON object (``moshray_samples``, ``raytrain_samples``, ``ideal_samples``,
 ``moshray_vs_ideal``, ``moshray_vs_raytrain``, ``steady_state_vs_raytrain``,
 ``moshray_final_loss``, ``raytrain_final_loss`` and more); the same object is written to
 ``<out>/goodput.json`` and the plot (live nodes over time, each system's cumulative samples)
@@ -169,6 +172,7 @@ def run(args: argparse.Namespace) -> dict:
     from moshray.actors.data import resolve_data
     from moshray.autoscaler.trace import (
         TraceError, initial_slots, live_node_seconds, load_trace, schedule)
+    from moshray.jobs import machine_probe
     from moshray.jobs.config import load_config
     from moshray.jobs.goodput_report import fmt, plot, rates_table, table, to_end
     from moshray.jobs.goodput_moshray import calibrate_moshray, run_moshray_driver
@@ -226,6 +230,14 @@ def run(args: argparse.Namespace) -> dict:
         resize_interval_s=args.raytrain_resize_interval, fixed=args.raytrain_fixed,
         startup_timeout_s=args.startup_timeout, finish_timeout_s=args.finish_timeout)
 
+    # The machine's speed before, between and after the runs (machine_probe.py).
+    machine: dict[str, float | None] = {}
+
+    def probe(label: str) -> None:
+        machine[label] = machine_probe.probe(config.model.to_model_config(),
+                                             config.training.batch_size)
+
+    probe("start")
     # 3. the ideal: both systems' failure-free rates at each node count the trace uses
     counts = sorted(n for n in seconds_at if n > 0)
     calib_counts = counts if args.calib_nodes is None else [args.calib_nodes]
@@ -241,6 +253,7 @@ def run(args: argparse.Namespace) -> dict:
                                            out_dir / f"raytrain-calib-{stamp}"))
     rates = compare_rates(m_rates, rt_rates, seconds_at, args.calib_nodes)
     ideal = rates.ideal_total
+    probe("after_calibrations")
 
     # 1. moshray under the trace
     m_dir = out_dir / f"moshray-{stamp}"
@@ -251,6 +264,7 @@ def run(args: argparse.Namespace) -> dict:
                                                  finish_timeout_s=args.finish_timeout)
     moshray = summarize("moshray", m_records, duration, args.stall_gap)
     moshray_eval = held_out_loss(config, files, moshray_final_state(config.checkpoint.uri))
+    probe("after_moshray")
 
     # 2. Ray Train under the same trace
     print(f"raytrain: {duration:.0f} s under the trace", flush=True)
@@ -259,6 +273,7 @@ def run(args: argparse.Namespace) -> dict:
     rt = run_raytrain(config, events, duration, options, rt_dir)
     raytrain = summarize("raytrain", rt.records, duration, args.stall_gap, rt.rewinds)
     raytrain_eval = held_out_loss(config, files, raytrain_final_state(rt.checkpoint))
+    probe("end")
 
     json_path = out_dir / "goodput.json"
     plot_path = plot(plot_path_for(json_path), live_timeline(events, duration),
@@ -297,6 +312,7 @@ def run(args: argparse.Namespace) -> dict:
         "moshray_elasticity": rates.elasticity(MOSHRAY, moshray.samples),
         "raytrain_elasticity": rates.elasticity(RAYTRAIN, raytrain.samples),
         "stall_gap_s": args.stall_gap, "checkpoint_every": args.checkpoint_every,
+        "machine_step_ms": machine, "machine_drift": machine_probe.drift(list(machine.values())),
         "plot": str(plot_path),
     }
     json_path.write_text(json.dumps(result, indent=2) + "\n")
@@ -312,6 +328,7 @@ def run(args: argparse.Namespace) -> dict:
           f"{fmt(result['raytrain_elasticity'])}; moshray failure-free / ideal "
           f"{fmt(result['moshray_failure_free_vs_ideal'])} (the most moshray / ideal could be "
           "at its measured rates)", flush=True)
+    print(machine_probe.report_line(machine), flush=True)
     return result
 
 

@@ -347,6 +347,12 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
         assert result[f"{system}_elasticity"] == pytest.approx(result[f"{system}_samples"] / ff)
     assert result["moshray_vs_ideal"] == pytest.approx(
         result["moshray_elasticity"] * result["moshray_failure_free_vs_ideal"])
+    # the machine's speed, read before, between and after the runs
+    probes = result["machine_step_ms"]
+    assert list(probes) == ["start", "after_calibrations", "after_moshray", "end"]
+    assert all(ms > 0 for ms in probes.values()), probes
+    assert result["machine_drift"] == pytest.approx(max(probes.values()) / min(probes.values()))
+    assert "machine speed" in proc.stdout
     for system in ("moshray", "raytrain"):
         assert result[f"{system}_final_loss"] is not None
         assert 0 <= result[f"{system}_stall_s"] <= 90

@@ -59,7 +59,7 @@ def step_ms(model_config, batch_size: int, steps: int = 30, warmup: int = 5,
         torch.set_num_threads(threads)
 
 
-def drift(readings: Sequence[float]) -> float | None:
+def drift(readings: Sequence[float | None]) -> float | None:
     """The slowest reading over the fastest (1.0: no drift); None with fewer than two."""
     values = [r for r in readings if r is not None]
     if len(values) < 2:
@@ -81,9 +81,11 @@ def probe(model_config, batch_size: int) -> float | None:
 
 def report_line(readings: Mapping[str, float | None]) -> str:
     """One console line: each reading by its label, then the drift."""
-    shown = ", ".join(f"{label.replace('_', ' ')} {'-' if ms is None else f'{ms:.1f}'}"
+    from moshray.jobs.goodput_report import fmt
+
+    shown = ", ".join(f"{label.replace('_', ' ')} {fmt(ms, '.1f')}"
                       for label, ms in readings.items())
     spread = drift(list(readings.values()))
     return (f"machine speed (the model's bare training step on one core, ms): {shown}; drift "
-            f"{'-' if spread is None else f'{spread:.2f}x'} (runs made at different times "
-            "can differ by that much from the machine alone)")
+            f"{fmt(spread, '.2f')}{'' if spread is None else 'x'} (runs made at different "
+            "times can differ by that much from the machine alone)")

@@ -32,6 +32,7 @@ from .step_manager import StepManager
 log = logging.getLogger(__name__)
 
 FAULTS = (None, "nan", "shape")
+WARN_BLOCKING_GET_ENV = "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"  # ray._common.constants
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,11 @@ class ReplicaActor:
         from moshray.jobs.config import TrainConfig
 
         torch.set_num_threads(1)
+        # The user's loop runs in a thread of its own (``_loop_thread``), where a blocking
+        # ray.get (a data shard, an expert's output) is right. Ray's "blocking ray.get inside
+        # async actor" warning looks only at whether the actor is async, not at the thread,
+        # so it would report every replica's first data fetch as blocking the event loop.
+        os.environ.setdefault(WARN_BLOCKING_GET_ENV, "0")
         self.peer_id = peer_id
         self.config = TrainConfig.from_dict(config)
         self.job = job

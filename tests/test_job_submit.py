@@ -58,6 +58,8 @@ def test_ray_job_submit_runs_training_to_completion(tmp_path: Path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "succeeded" in out
+    # the replicas' data fetches run in the loop's own thread, not on the actor's event loop
+    assert "blocking ray.get" not in out, out[-4000:]
     steps = [line for line in out.splitlines() if line.lstrip().startswith("step ")]
     assert len(steps) >= 6, out[-4000:]
     summary = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])

@@ -42,7 +42,10 @@ from: ``moshray_failure_free_samples`` / ``raytrain_failure_free_samples`` (each
 own failure-free rates over the trace's seconds at each count), ``moshray_elasticity`` /
 ``raytrain_elasticity`` (samples under the trace over those: what the node events cost) and
 ``moshray_failure_free_vs_ideal`` (the most ``moshray_vs_ideal`` could be at moshray's measured
-rates; ``moshray_vs_ideal`` = elasticity x that). How far runs made at different times can be
+rates; ``moshray_vs_ideal`` = elasticity x that). When each system's shortfall against its own
+rates happened: ``moshray_gap`` / ``raytrain_gap`` (``goodput_gap``: 20-s slices classed as
+start-up, after node events or steady, each with the samples expected, gained and
+``missing``). How far runs made at different times can be
 compared on this machine: ``machine_step_ms`` (the model's bare training step on one core, read
 at the start, after the calibrations, after moshray's trace run and at the end;
 ``machine_probe``) and ``machine_drift`` (the slowest reading over the fastest). ``--json``: the
@@ -53,7 +56,8 @@ last stdout line is one JSON object (``moshray_samples``, ``raytrain_samples``, 
 to ``<out>/goodput.png``.
 
 Modules: ``goodput_curves`` (one system's records -> figures), ``goodput_rates`` (node counts,
-failure-free rates, the ideal, the comparisons), ``goodput_moshray`` and ``goodput_runs`` (the
+failure-free rates, the ideal, the comparisons), ``goodput_gap`` (when each system's samples
+went missing), ``goodput_moshray`` and ``goodput_runs`` (the
 runners and calibrations: every run of either system is a fresh driver process),
 ``goodput_report`` (plot and tables); this one parses the command and runs them.
 
@@ -72,6 +76,7 @@ import time
 from pathlib import Path
 
 from moshray.jobs.goodput_curves import summarize
+from moshray.jobs.goodput_gap import GAP_WINDOW_S, gap_split
 from moshray.jobs.goodput_rates import (
     MOSHRAY, RAYTRAIN, BenchError, compare_rates, count_seconds, ideal_curve, live_timeline,
     ratio)
@@ -274,6 +279,9 @@ def run(args: argparse.Namespace) -> dict:
     raytrain = summarize("raytrain", rt.records, duration, args.stall_gap, rt.rewinds)
     raytrain_eval = held_out_loss(config, files, raytrain_final_state(rt.checkpoint))
     probe("end")
+    # when each system's samples went missing against its own failure-free rates
+    gaps = {name: gap_split(system.curve, events, rates.own[name], duration)
+            for name, system in ((MOSHRAY, moshray), (RAYTRAIN, raytrain))}
 
     json_path = out_dir / "goodput.json"
     plot_path = plot(plot_path_for(json_path), live_timeline(events, duration),
@@ -311,6 +319,7 @@ def run(args: argparse.Namespace) -> dict:
         # the share of its own failure-free samples each system kept through the node events
         "moshray_elasticity": rates.elasticity(MOSHRAY, moshray.samples),
         "raytrain_elasticity": rates.elasticity(RAYTRAIN, raytrain.samples),
+        "moshray_gap": gaps[MOSHRAY].to_json(), "raytrain_gap": gaps[RAYTRAIN].to_json(),
         "stall_gap_s": args.stall_gap, "checkpoint_every": args.checkpoint_every,
         "machine_step_ms": machine, "machine_drift": machine_probe.drift(list(machine.values())),
         "plot": str(plot_path),
@@ -328,6 +337,8 @@ def run(args: argparse.Namespace) -> dict:
           f"{fmt(result['raytrain_elasticity'])}; moshray failure-free / ideal "
           f"{fmt(result['moshray_failure_free_vs_ideal'])} (the most moshray / ideal could be "
           "at its measured rates)", flush=True)
+    print(f"samples missing against each system's own rates, by {GAP_WINDOW_S:.0f}-s slice: "
+          f"moshray {gaps[MOSHRAY].line()}; Ray Train {gaps[RAYTRAIN].line()}", flush=True)
     print(machine_probe.report_line(machine), flush=True)
     return result
 

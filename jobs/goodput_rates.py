@@ -212,7 +212,8 @@ class RateComparison:
     ``steady_nodes`` the count of ``steady_state_vs_raytrain`` (moshray / Ray Train, None if
     Ray Train's rate is 0); the scalings are None without two measured counts >= 2;
     ``failure_free`` each system's samples at its own rates over the trace's seconds
-    (module docstring), ``ideal_total`` the ideal's.
+    (module docstring), ``ideal_total`` the ideal's, ``own`` the rates ``failure_free`` used
+    (the measured ones, or with one calibration count its per-node rate scaled linearly).
     """
 
     moshray: dict[int, float]
@@ -225,6 +226,7 @@ class RateComparison:
     raytrain_scaling: Scaling | None
     failure_free: dict[str, float]
     ideal_total: float
+    own: dict[str, dict[int, float]]  # each system's rate at every count the trace holds
 
     def elasticity(self, system: str, samples: float) -> float | None:
         """``samples`` (``system``'s useful samples under the trace) over its failure-free
@@ -288,4 +290,4 @@ def compare_rates(moshray: Mapping[int, float], raytrain: Mapping[int, float],
         moshray_scaling=scaling({n: moshray[n] for n in common}),
         raytrain_scaling=scaling({n: raytrain[n] for n in common}),
         failure_free={name: ideal_samples(rates, seconds) for name, rates in own.items()},
-        ideal_total=ideal_samples(ideal, seconds))
+        ideal_total=ideal_samples(ideal, seconds), own=own)

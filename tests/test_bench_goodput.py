@@ -213,6 +213,8 @@ def test_compare_rates_ideal_steady_state_and_scalings():
     assert cmp.failure_free == {"moshray": pytest.approx(50 * 10 + 100 * 30 + 90 * 30),
                                 "raytrain": pytest.approx(60 * 10 + 120 * 30 + 80 * 30)}
     assert cmp.elasticity("moshray", 3100.0) == pytest.approx(0.5)
+    assert cmp.own == {"moshray": {1: 50.0, 2: 100.0, 4: 90.0},
+                       "raytrain": {1: 60.0, 2: 120.0, 4: 80.0}}
     assert out["moshray_failure_free_vs_ideal"] == pytest.approx(6200 / 6900)
     assert out["raytrain_failure_free_samples"] == pytest.approx(6600)
     with pytest.raises(gr.BenchError, match=r"moshray rate .* \[4\]"):
@@ -230,6 +232,7 @@ def test_compare_rates_with_one_calibration_count_scales_the_better_per_node_rat
     # one count measured: each system's own per-node rate, linearly, like the ideal
     assert cmp.failure_free["moshray"] == pytest.approx(50 * 10 + 100 * 5 + 150 * 30)
     assert cmp.failure_free["raytrain"] == pytest.approx(40 * 10 + 80 * 5 + 120 * 30)
+    assert cmp.own["raytrain"] == {1: 40.0, 2: 80.0, 3: 120.0}
     assert cmp.to_json()["moshray_failure_free_vs_ideal"] == pytest.approx(1.0)
     with pytest.raises(gr.BenchError, match="raytrain"):
         gr.compare_rates({2: 100.0}, {}, seconds, calib_nodes=2)
@@ -347,6 +350,15 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
         assert result[f"{system}_elasticity"] == pytest.approx(result[f"{system}_samples"] / ff)
     assert result["moshray_vs_ideal"] == pytest.approx(
         result["moshray_elasticity"] * result["moshray_failure_free_vs_ideal"])
+    # when the samples went missing: the parts add up to failure-free minus useful samples
+    for system in ("moshray", "raytrain"):
+        gap = result[f"{system}_gap"]
+        assert gap["window_s"] == 20.0
+        assert sum(gap[c]["slices"] for c in ("startup", "node_events", "steady")) == 5
+        assert gap["missing"] == pytest.approx(
+            result[f"{system}_failure_free_samples"] - result[f"{system}_samples"])
+    assert result["moshray_gap"]["node_events"]["slices"] >= 1  # 60-90 s: a removal, an add
+    assert "samples missing against each system's own rates" in proc.stdout
     # the machine's speed, read before, between and after the runs
     probes = result["machine_step_ms"]
     assert list(probes) == ["start", "after_calibrations", "after_moshray", "end"]

@@ -24,9 +24,10 @@ import bisect
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from moshray.jobs.goodput_rates import live_timeline, ratio
+from moshray.jobs.goodput_rates import ideal_curve, ratio
 
 CLASSES = ("startup", "node_events", "steady")
+LABELS = {"startup": "start-up", "node_events": "after node events", "steady": "steady"}
 GAP_WINDOW_S = 20.0
 
 
@@ -68,9 +69,7 @@ class GapSplit:
 
     def line(self) -> str:
         """``start-up 13,852, after node events 9,948, steady 2,563`` (samples missing)."""
-        labels = {"startup": "start-up", "node_events": "after node events",
-                  "steady": "steady"}
-        return ", ".join(f"{labels[n]} {self.parts[n].missing:,.0f}" for n in CLASSES)
+        return ", ".join(f"{LABELS[n]} {self.parts[n].missing:,.0f}" for n in CLASSES)
 
 
 def _value_at(curve: Sequence[tuple[float, float]], times: list[float], t: float) -> float:
@@ -79,15 +78,15 @@ def _value_at(curve: Sequence[tuple[float, float]], times: list[float], t: float
     return curve[i - 1][1] if i else 0.0
 
 
-def _expected(timeline: Sequence[tuple[float, int]], rates: Mapping[int, float],
-              a: float, b: float) -> float:
-    """Samples at ``rates`` over ``[a, b]`` of the live-count ``timeline``."""
-    total = 0.0
-    for (t0, n), (t1, _) in zip(timeline, timeline[1:]):
-        lo, hi = max(a, t0), min(b, t1)
-        if hi > lo and n > 0:
-            total += rates.get(n, 0.0) * (hi - lo)
-    return total
+def _linear_at(curve: Sequence[tuple[float, float]], times: list[float], t: float) -> float:
+    """A piecewise-linear cumulative ``curve`` (``goodput_rates.ideal_curve``) at ``t``."""
+    i = bisect.bisect_right(times, t)
+    if i == 0:
+        return 0.0
+    if i == len(curve):
+        return curve[-1][1]
+    (t0, v0), (t1, v1) = curve[i - 1], curve[i]
+    return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
 
 
 def gap_split(curve: Sequence[tuple[float, float]], events: Iterable,
@@ -104,7 +103,8 @@ def gap_split(curve: Sequence[tuple[float, float]], events: Iterable,
     if window_s <= 0 or duration_s <= 0:
         raise ValueError(f"window_s and duration_s must be > 0, got {window_s}, {duration_s}")
     events = list(events)
-    timeline = live_timeline(events, duration_s)
+    expected = ideal_curve(events, dict(rates), duration_s)  # at the system's own rates
+    expected_times = [t for t, _ in expected]
     times = [t for t, _ in curve]
     first = next((t for t, samples in curve if samples > 0), None)
     event_times = sorted(e.at_s for e in events if 0 < e.at_s <= duration_s)
@@ -118,6 +118,8 @@ def gap_split(curve: Sequence[tuple[float, float]], events: Iterable,
             i = bisect.bisect_left(event_times, a - window_s)
             name = "node_events" if i < len(event_times) and event_times[i] < b else "steady"
         gained = _value_at(curve, times, b) - _value_at(curve, times, a)
-        parts[name] = parts[name].plus(_expected(timeline, rates, a, b), gained)
+        due = (_linear_at(expected, expected_times, b)
+               - _linear_at(expected, expected_times, a))
+        parts[name] = parts[name].plus(due, gained)
         a = b
     return GapSplit(window_s, parts)

@@ -18,6 +18,7 @@ from /proc), including the raylets the fake provider started. ``ray stop`` is ne
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -137,7 +138,7 @@ class AutoscalingHead:
                 if self.proc.poll() is not None:
                     break
                 time.sleep(0.5)
-            self.stop()
+            self._end_processes()
             self.proc = None
         raise RuntimeError(f"the head did not start in {attempts} attempts; see {self.dir}")
 
@@ -178,7 +179,14 @@ class AutoscalingHead:
                 return pid
         raise LookupError(f"no raylet of node {node_id} below the head")
 
-    def stop(self, timeout: float = 60) -> None:
+    def stop(self, timeout: float = 60, keep_logs: bool = False) -> None:
+        """End the head, its autoscaler and every raylet it started, then remove its
+        directory (the autoscaling config and the head's logs) unless ``keep_logs``."""
+        self._end_processes(timeout)
+        if not keep_logs:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _end_processes(self, timeout: float = 60) -> None:
         if self.proc is None:
             return
         self.track()
@@ -269,11 +277,13 @@ def scenario(replicas: int = 2) -> dict:
             "other_replica_home": ray.get(actors[1].node.remote(), timeout=60),
         }
         ray.shutdown()
-        return summary
-    finally:
+    except BaseException:
         if ray.is_initialized():
             ray.shutdown()
-        head.stop()
+        head.stop(keep_logs=True)  # the head's logs for the failure
+        raise
+    head.stop()
+    return summary
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -226,7 +227,10 @@ class RayStartCluster:
             if p.poll() is not None:
                 raise RuntimeError(f"`ray start` exited with {p.returncode}; see {self.logdir}")
 
-    def stop(self, timeout: float = 60) -> None:
+    def stop(self, timeout: float = 60, keep_logs: bool = False) -> None:
+        """End every ``ray start`` process (workers first) and each spot node's metadata
+        service; then remove the logs' directory unless ``keep_logs`` (a failed test's
+        evidence: the errors above name it)."""
         for node in self.spot_nodes:
             node.imds.close()
         for p in reversed(self.procs):  # workers first, the head last
@@ -238,9 +242,11 @@ class RayStartCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
+        if not keep_logs:
+            shutil.rmtree(self.logdir, ignore_errors=True)
 
     def __enter__(self) -> "RayStartCluster":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.stop(keep_logs=exc_type is not None)

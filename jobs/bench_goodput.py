@@ -45,7 +45,9 @@ own failure-free rates over the trace's seconds at each count), ``moshray_elasti
 rates; ``moshray_vs_ideal`` = elasticity x that). When each system's shortfall against its own
 rates happened: ``moshray_gap`` / ``raytrain_gap`` (``goodput_gap``: 20-s slices classed as
 start-up, after node events or steady, each with the samples expected, gained and
-``missing``). How far runs made at different times can be
+``missing``), and what moshray's joins cost: ``moshray_replica_starts`` (replicas started,
+trained, their seconds from start to training, and those gone before they trained, from the
+controller's replica timelines). How far runs made at different times can be
 compared on this machine: ``machine_step_ms`` (the model's bare training step on one core, read
 at the start, after the calibrations, after moshray's trace run and at the end;
 ``machine_probe``) and ``machine_drift`` (the slowest reading over the fastest). ``--json``: the
@@ -76,7 +78,7 @@ import time
 from pathlib import Path
 
 from moshray.jobs.goodput_curves import summarize
-from moshray.jobs.goodput_gap import GAP_WINDOW_S, gap_split
+from moshray.jobs.goodput_gap import GAP_WINDOW_S, gap_split, replica_starts
 from moshray.jobs.goodput_rates import (
     MOSHRAY, RAYTRAIN, BenchError, compare_rates, count_seconds, ideal_curve, live_timeline,
     ratio)
@@ -282,6 +284,7 @@ def run(args: argparse.Namespace) -> dict:
     # when each system's samples went missing against its own failure-free rates
     gaps = {name: gap_split(system.curve, events, rates.own[name], duration)
             for name, system in ((MOSHRAY, moshray), (RAYTRAIN, raytrain))}
+    starts = replica_starts(m_summary.get("replica_timelines") or {})
 
     json_path = out_dir / "goodput.json"
     plot_path = plot(plot_path_for(json_path), live_timeline(events, duration),
@@ -320,6 +323,7 @@ def run(args: argparse.Namespace) -> dict:
         "moshray_elasticity": rates.elasticity(MOSHRAY, moshray.samples),
         "raytrain_elasticity": rates.elasticity(RAYTRAIN, raytrain.samples),
         "moshray_gap": gaps[MOSHRAY].to_json(), "raytrain_gap": gaps[RAYTRAIN].to_json(),
+        "moshray_replica_starts": starts.to_json(),
         "stall_gap_s": args.stall_gap, "checkpoint_every": args.checkpoint_every,
         "machine_step_ms": machine, "machine_drift": machine_probe.drift(list(machine.values())),
         "plot": str(plot_path),
@@ -339,6 +343,7 @@ def run(args: argparse.Namespace) -> dict:
           "at its measured rates)", flush=True)
     print(f"samples missing against each system's own rates, by {GAP_WINDOW_S:.0f}-s slice: "
           f"moshray {gaps[MOSHRAY].line()}; Ray Train {gaps[RAYTRAIN].line()}", flush=True)
+    print(f"moshray's joins: {starts.line()}", flush=True)
     print(machine_probe.report_line(machine), flush=True)
     return result
 

@@ -16,6 +16,12 @@ over the live counts in them, the useful ``samples`` it gained in them (its usef
 the slice's end minus at its start, so a rollback to a checkpoint makes that negative) and
 ``missing`` = expected - samples (negative: above its calibrated rates). The three
 ``missing`` add up to the failure-free samples minus the useful samples.
+
+What the node events cost moshray is mostly its joins: :func:`replica_starts` reads the
+controller's replica timelines (``summary["replica_timelines"]``) and says how many replicas
+were started, how many trained, how long each took from its start to training, and how many
+were gone before they ever trained (a node that lived shorter than a join), with the seconds
+they spent starting.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
+from moshray.jobs.chaos_plan import join_seconds
 from moshray.jobs.goodput_rates import ideal_curve, ratio
 
 CLASSES = ("startup", "node_events", "steady")
@@ -123,3 +130,48 @@ def gap_split(curve: Sequence[tuple[float, float]], events: Iterable,
         parts[name] = parts[name].plus(due, gained)
         a = b
     return GapSplit(window_s, parts)
+
+
+@dataclass(frozen=True)
+class ReplicaStarts:
+    """The replicas a run started: ``trained`` of ``started`` reached training, after
+    ``to_training_s`` seconds each (from the start); ``gone_untrained`` were gone first,
+    after ``gone_untrained_s`` seconds of starting in all."""
+
+    started: int
+    trained: int
+    to_training_s: tuple[float, ...]
+    gone_untrained: int
+    gone_untrained_s: float
+
+    def to_json(self) -> dict:
+        waits = sorted(self.to_training_s)
+        return {"started": self.started, "trained": self.trained,
+                "to_training_median_s": waits[len(waits) // 2] if waits else None,
+                "to_training_max_s": waits[-1] if waits else None,
+                "gone_untrained": self.gone_untrained,
+                "gone_untrained_s": round(self.gone_untrained_s, 2)}
+
+    def line(self) -> str:
+        """``26 replicas started, 12 trained (start -> training median 14.0 s, max 18.6 s),
+        14 gone before training (59.7 s of starting)``."""
+        j = self.to_json()
+        waits = (f" (start -> training median {j['to_training_median_s']:.1f} s, "
+                 f"max {j['to_training_max_s']:.1f} s)" if self.trained else "")
+        return (f"{self.started} replicas started, {self.trained} trained{waits}, "
+                f"{self.gone_untrained} gone before training "
+                f"({self.gone_untrained_s:.1f} s of starting)")
+
+
+def replica_starts(timelines: Mapping[str, Sequence]) -> ReplicaStarts:
+    """Summarize the controller's ``{replica: [(state, t_s), ...]}`` timelines (states in
+    time order, the first one the start). A replica still starting at the end counts as
+    started only. Raises nothing on an empty mapping (all counts 0)."""
+    untrained = [steps for steps in timelines.values()
+                 if steps and not any(state == "training" for state, _ in steps)]
+    gone = [steps for steps in untrained if any(state == "gone" for state, _ in steps)]
+    gone_s = sum(next(t for state, t in steps if state == "gone") - steps[0][1]
+                 for steps in gone)
+    waits = tuple(join_seconds(dict(timelines)))
+    return ReplicaStarts(sum(1 for steps in timelines.values() if steps), len(waits), waits,
+                         len(gone), gone_s)

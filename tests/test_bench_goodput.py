@@ -358,6 +358,11 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
         assert gap["missing"] == pytest.approx(
             result[f"{system}_failure_free_samples"] - result[f"{system}_samples"])
     assert result["moshray_gap"]["node_events"]["slices"] >= 1  # 60-90 s: a removal, an add
+    # moshray's joins, from its controller's replica timelines: node2 joined at 70 s
+    starts = result["moshray_replica_starts"]
+    assert starts["started"] >= 3 and 1 <= starts["trained"] <= starts["started"]
+    assert 0 < starts["to_training_median_s"] <= starts["to_training_max_s"] < 90
+    assert "moshray's joins: " in proc.stdout and " replicas started, " in proc.stdout
     assert "samples missing against each system's own rates" in proc.stdout
     # the machine's speed, read before, between and after the runs
     probes = result["machine_step_ms"]

@@ -10,7 +10,7 @@ from moshray.autoscaler.trace import NodeEvent
 from moshray.jobs import goodput_curves as gc
 from moshray.jobs import goodput_rates as gr
 from moshray.jobs.goodput_curves import Progress
-from moshray.jobs.goodput_gap import CLASSES, gap_split
+from moshray.jobs.goodput_gap import CLASSES, gap_split, replica_starts
 
 RATES = {1: 6.0, 2: 10.0}
 
@@ -98,3 +98,32 @@ def test_json_and_console_line():
 def test_a_non_positive_window_is_refused():
     with pytest.raises(ValueError, match="window_s"):
         gap_split([(0.0, 0)], [], RATES, 10.0, window_s=0.0)
+
+
+def test_replica_starts_counts_joins_that_trained_and_those_gone_first():
+    timelines = {
+        "r0": [("starting", 0.0), ("syncing", 9.0), ("training", 10.0)],
+        "r1": [("starting", 1.0), ("syncing", 14.0), ("training", 15.0), ("gone", 80.0)],
+        "r2": [("starting", 20.0), ("gone", 23.5)],  # its node lived shorter than a join
+        "r3": [("starting", 30.0), ("leaving", 31.0), ("gone", 32.0)],
+        "r4": [("starting", 95.0)],  # still starting at the end
+    }
+    starts = replica_starts(timelines)
+    assert (starts.started, starts.trained, starts.gone_untrained) == (5, 2, 2)
+    assert sorted(starts.to_training_s) == [10.0, 14.0]
+    assert starts.gone_untrained_s == pytest.approx(3.5 + 2.0)
+    j = json.loads(json.dumps(starts.to_json()))
+    assert j["to_training_median_s"] == 14.0 and j["to_training_max_s"] == 14.0
+    assert j["gone_untrained"] == 2 and j["gone_untrained_s"] == 5.5
+    line = starts.line()
+    assert line.startswith("5 replicas started, 2 trained (start -> training median 14.0 s")
+    assert "2 gone before training (5.5 s of starting)" in line
+
+
+def test_replica_starts_of_a_run_without_replicas():
+    starts = replica_starts({})
+    assert starts.to_json() == {"started": 0, "trained": 0, "to_training_median_s": None,
+                                "to_training_max_s": None, "gone_untrained": 0,
+                                "gone_untrained_s": 0.0}
+    assert starts.line() == ("0 replicas started, 0 trained, 0 gone before training "
+                             "(0.0 s of starting)")

@@ -27,6 +27,7 @@ they spent starting.
 from __future__ import annotations
 
 import bisect
+import statistics
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -145,10 +146,10 @@ class ReplicaStarts:
     gone_untrained_s: float
 
     def to_json(self) -> dict:
-        waits = sorted(self.to_training_s)
+        waits = self.to_training_s
         return {"started": self.started, "trained": self.trained,
-                "to_training_median_s": waits[len(waits) // 2] if waits else None,
-                "to_training_max_s": waits[-1] if waits else None,
+                "to_training_median_s": statistics.median(waits) if waits else None,
+                "to_training_max_s": max(waits) if waits else None,
                 "gone_untrained": self.gone_untrained,
                 "gone_untrained_s": round(self.gone_untrained_s, 2)}
 

@@ -18,8 +18,8 @@ from /proc), including the raylets the fake provider started. ``ray stop`` is ne
 from __future__ import annotations
 
 import json
-import shutil
 import os
+import shutil
 import signal
 import subprocess
 import sys

@@ -140,10 +140,13 @@ class ReplicaStarts:
     after ``gone_untrained_s`` seconds of starting in all."""
 
     started: int
-    trained: int
     to_training_s: tuple[float, ...]
     gone_untrained: int
     gone_untrained_s: float
+
+    @property
+    def trained(self) -> int:
+        return len(self.to_training_s)
 
     def to_json(self) -> dict:
         waits = self.to_training_s
@@ -168,11 +171,9 @@ def replica_starts(timelines: Mapping[str, Sequence]) -> ReplicaStarts:
     """Summarize the controller's ``{replica: [(state, t_s), ...]}`` timelines (states in
     time order, the first one the start). A replica still starting at the end counts as
     started only. Raises nothing on an empty mapping (all counts 0)."""
-    untrained = [steps for steps in timelines.values()
-                 if steps and not any(state == "training" for state, _ in steps)]
-    gone = [steps for steps in untrained if any(state == "gone" for state, _ in steps)]
-    gone_s = sum(next(t for state, t in steps if state == "gone") - steps[0][1]
-                 for steps in gone)
-    waits = tuple(join_seconds(dict(timelines)))
-    return ReplicaStarts(sum(1 for steps in timelines.values() if steps), len(waits), waits,
-                         len(gone), gone_s)
+    runs = {replica: steps for replica, steps in timelines.items() if steps}
+    gone_s = [next(t for state, t in steps if state == "gone") - steps[0][1]
+              for steps in runs.values()
+              if not any(state == "training" for state, _ in steps)
+              and any(state == "gone" for state, _ in steps)]
+    return ReplicaStarts(len(runs), tuple(join_seconds(runs)), len(gone_s), sum(gone_s))

@@ -18,7 +18,8 @@ import math
 import time
 from collections.abc import Callable
 
-from .notice_http import _request, _Response, _TransientError, _parse_utc, _validate_base_url
+from .notice_http import (MetadataConnection, _Response, _TransientError, _parse_utc,
+                          _validate_base_url)
 from .notice_message import (
     AWS_ACTIONS,
     AWS_METADATA_URL,
@@ -40,8 +41,10 @@ class AWSMetadataSource(NoticeSource):
     default 1 s is cheap and tightens the notice->drain time) until something new shows up
     or ``timeout_s`` passes. The period holds across calls: a caller polling with a shorter
     timeout (to notice its own stop sooner) does not make the checks more frequent, and a
-    ``poll(0)`` before the next check is due returns None without a request. A termination notice is returned before a rebalance
-    recommendation seen in the same check; each distinct document is returned once.
+    ``poll(0)`` before the next check is due returns None without a request. A termination
+    notice is returned before a rebalance recommendation seen in the same check; each
+    distinct document is returned once. Every request goes over one kept-alive connection
+    (``notice_http.MetadataConnection``), closed by the first poll after ``close``.
     """
 
     cloud = "aws"
@@ -68,6 +71,7 @@ class AWSMetadataSource(NoticeSource):
             raise ValueError(f"interval_s must be positive, got {interval_s}")
         self.node_id = node_id
         self.base_url = _validate_base_url(base_url)
+        self.http = MetadataConnection(self.base_url)
         self.pool = pool
         self.token_ttl_s = int(token_ttl_s)
         self.interval_s = interval_s
@@ -89,8 +93,8 @@ class AWSMetadataSource(NoticeSource):
     def _fresh_token(self) -> str:
         if self._token is not None and time.monotonic() < self._token_expires:
             return self._token
-        resp = _request("PUT", self.base_url + self.TOKEN_PATH,
-                        {self.TTL_HEADER: str(self.token_ttl_s)}, self.request_timeout_s)
+        resp = self.http.request("PUT", self.TOKEN_PATH, {self.TTL_HEADER: str(self.token_ttl_s)},
+                                 self.request_timeout_s)
         if resp.status != 200 or not resp.body.strip():
             raise _TransientError(f"IMDSv2 token request answered HTTP {resp.status}")
         self._token = resp.body.decode("ascii", "replace").strip()
@@ -103,8 +107,8 @@ class AWSMetadataSource(NoticeSource):
         """GET with the session token; on 401 fetch a new token and try once more."""
         for attempt in (0, 1):
             token = self._fresh_token()
-            resp = _request("GET", self.base_url + path, {self.TOKEN_HEADER: token},
-                            self.request_timeout_s)
+            resp = self.http.request("GET", path, {self.TOKEN_HEADER: token},
+                                     self.request_timeout_s)
             if resp.status != 401:
                 return resp
             self._token = None  # expired or revoked
@@ -176,4 +180,5 @@ class AWSMetadataSource(NoticeSource):
             if now >= end:
                 return None
             time.sleep(max(0.0, min(self._next_check, end) - now))
+        self.http.close()  # closed: this thread owns the connection
         return None

@@ -16,7 +16,7 @@ import time
 import urllib.parse
 from collections.abc import Callable
 
-from .notice_http import _request, _TransientError, _validate_base_url
+from .notice_http import MetadataConnection, _TransientError, _validate_base_url
 from .notice_message import GCP_METADATA_URL, GCP_NOTICE_S, PREEMPT, NoticeSource, PreemptionNotice
 
 # Logged under the public module's name, as before notices.py was split by role.
@@ -29,7 +29,8 @@ class GCPMetadataSource(NoticeSource):
     The first poll reads the value and its ETag; later polls long-poll with
     ``wait_for_change=true``, ``last_etag`` and ``timeout_sec`` (whole seconds, at least 1),
     so a change is seen the moment the server flips it. ``TRUE`` becomes one notice with
-    ``deadline = received + notice_s``.
+    ``deadline = received + notice_s``. Every read goes over one kept-alive connection
+    (``notice_http.MetadataConnection``), closed by the first poll after ``close``.
     """
 
     cloud = "gcp"
@@ -50,6 +51,7 @@ class GCPMetadataSource(NoticeSource):
             raise ValueError(f"notice_s must be positive, got {notice_s}")
         self.node_id = node_id
         self.base_url = _validate_base_url(base_url)
+        self.http = MetadataConnection(self.base_url)
         self.pool = pool
         self.notice_s = float(notice_s)
         self.error_backoff_s = error_backoff_s
@@ -64,7 +66,7 @@ class GCPMetadataSource(NoticeSource):
 
     def _read(self, wait_s: int | None) -> str:
         """The current value (long-polling up to ``wait_s`` s for a change when given)."""
-        url = self.base_url + self.PATH
+        url = self.PATH
         timeout = 5.0
         if wait_s is not None:
             query = {"wait_for_change": "true", "timeout_sec": str(wait_s)}
@@ -72,7 +74,7 @@ class GCPMetadataSource(NoticeSource):
                 query["last_etag"] = self.etag
             url += "?" + urllib.parse.urlencode(query)
             timeout += wait_s
-        resp = _request("GET", url, dict(self.HEADERS), timeout)
+        resp = self.http.request("GET", url, dict(self.HEADERS), timeout)
         if resp.status != 200:
             raise _TransientError(f"GET {self.PATH}: HTTP {resp.status}")
         if resp.headers.get("metadata-flavor") != "Google":
@@ -105,10 +107,12 @@ class GCPMetadataSource(NoticeSource):
             first = False
             if value == "TRUE":
                 self._delivered = True
+                self.http.close()  # nothing more to read
                 now = self.clock()
                 return PreemptionNotice(self.node_id, "gcp", PREEMPT, now + self.notice_s, now,
                                         self.describe(), self.pool)
             if value != "FALSE":
                 self.errors += 1
                 log.warning("instance/preempted answered %r, expected TRUE or FALSE", value[:40])
+        self.http.close()  # closed (or delivered): this thread owns the connection
         return None

@@ -12,8 +12,8 @@ Each role has its own module; this one re-exports their names (imports of
 
 * ``notice_message.py``: ``PreemptionNotice``, the ``NoticeSource`` interface, the actions,
   clouds, metadata addresses and notice lengths.
-* ``notice_http.py``: the HTTP plumbing of the metadata sources (``_request``,
-  ``_TransientError``; the sources use these, so a test that patches one patches it there).
+* ``notice_http.py``: the HTTP plumbing of the metadata sources (``MetadataConnection``,
+  one kept-alive connection per source; ``_TransientError``).
 * ``notice_aws.py``: ``AWSMetadataSource``, EC2 instance metadata through IMDSv2 (spot
   interruption notices and rebalance recommendations).
 * ``notice_gcp.py``: ``GCPMetadataSource``, the GCE metadata server's ``instance/preempted``,
@@ -21,7 +21,8 @@ Each role has its own module; this one re-exports their names (imports of
 * ``notice_local.py``: ``SimulatedSource`` (local clusters, trace replay: ``trigger()`` /
   ``deliver()`` queue a notice that ``poll`` returns) and ``SilentSource`` (no source).
 
-Only the standard library is used (``urllib``), so the watcher runs on a bare node image.
+Only the standard library is used (``http.client``), so the watcher runs on a bare node
+image.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from .notice_aws import AWSMetadataSource  # noqa: F401 - re-exported
 from .notice_gcp import GCPMetadataSource  # noqa: F401 - re-exported
 from .notice_http import (  # noqa: F401 - re-exported
     _parse_utc,
-    _request,
     _Response,
     _TransientError,
     _validate_base_url,

@@ -38,7 +38,10 @@ process's monotonic clock by the best of three round trips.
 
 With ``--json`` the last stdout line is one JSON object: the four medians, their worst
 cases (``_max`` suffix), every sample (``samples``), the targets and whether each median
-meets it, and the two jobs' own figures (``job``, ``job_moe``); the same object goes to
+meets it, where each join's time and CPU went (``join_profiles``, ``jobs/join_profile.py``:
+node up -> replica registered -> ready -> committed, and the CPU seconds of the new node's
+replica, watcher and daemons against the running replicas'), and the two jobs' own
+figures (``job``, ``job_moe``); the same object goes to
 ``<out>/recovery.json`` and a bar plot (median and worst per measure) to
 ``<out>/recovery.png``; the jobs write their runs under ``<out>/job`` and ``<out>/job-moe``.
 Targets (default model): notice -> rebalanced <= 1 s, hard kill -> progress <= 5 s,
@@ -227,7 +230,8 @@ def run(args: argparse.Namespace) -> dict:
                 trials.trial(values)
             return {"median_step_s": median_step_s(trials.steps()),
                     "hard_kill_to_any_commit_s": trials.any_commit_s,
-                    "node_start_s": trials.node_start_s}
+                    "node_start_s": trials.node_start_s,
+                    "join_profiles": [p.to_json() for p in trials.join_profiles]}
 
         found, meta["job"] = _run_job(cluster, dense, args, log_fn, dense_trials)
         meta.update(found)

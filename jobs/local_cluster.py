@@ -266,6 +266,13 @@ class LocalCluster:
         """Ray's hex node id of ``slot``'s raylet."""
         return self.nodes[slot].node_id
 
+    def node_pids(self, slot: int) -> tuple[int, ...]:
+        """The pids of ``slot``'s Ray daemons (its raylet and what Ray started with it); the
+        node's agents and workers run below them."""
+        with self._lock:
+            node = self.nodes[slot]
+        return tuple(process.pid for _, process in node.live_processes())
+
     @property
     def head_node_id(self) -> str:
         return self.cluster.head_node.node_id

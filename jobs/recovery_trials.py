@@ -21,10 +21,13 @@ naming what did not happen; a job that raised is re-raised by ``JobThread.end``.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import threading
 import time
 from collections.abc import Mapping, Sequence
+
+from moshray.jobs.join_profile import JoinProfile, cpu_by_role, read_procs
 
 log = logging.getLogger("moshray.bench_recovery")
 
@@ -158,6 +161,7 @@ class CloudTrials:
         self.next_slot = max(cluster.live_slots(), default=-1) + 1
         self.any_commit_s: list[float] = []
         self.node_start_s: list[float] = []
+        self.join_profiles: list[JoinProfile] = []
         self.offset = 0.0
 
         def find():
@@ -279,17 +283,30 @@ class CloudTrials:
 
     def join(self) -> float:
         """Add a node; returns join -> first contribution (node alive -> commit of the first
-        step its replica took part in)."""
+        step its replica took part in). Where the time and the machine's CPU went meanwhile
+        is appended to ``join_profiles`` (``join_profile.JoinProfile``)."""
         self.sync_clock()
+        before = read_procs()
+        added = time.monotonic()
         slot, up = self.add_node()
         peer = wait_for(lambda: replica_of(slot, self.view()["members"]), self.timeout_s,
                         f"the job to start a replica on the new node {slot}")
+        registered = time.monotonic()
         since = max(0, self.epoch() - 2)
+        wait_for(lambda: peer in self.view()["ready"], self.timeout_s,
+                 f"{peer} on the new node {slot} to copy the state and be ready")
+        ready = time.monotonic()
         committed = wait_for(lambda: first_commit_with(self.steps(since), peer), self.timeout_s,
                              f"the first contribution of {peer} on the new node {slot}")
+        after = read_procs()
         join_s = committed + self.offset - up
+        cpu = cpu_by_role(before, after, self.cluster.node_pids(slot)) if after else None
+        profile = JoinProfile(registered - up, ready - up, join_s, time.monotonic() - added,
+                              os.cpu_count() or 1, cpu)
+        self.join_profiles.append(profile)
         self.log(f"  node {slot} up in {self.node_start_s[-1]:.1f} s; {peer}'s first "
                  f"contribution after {join_s:.2f} s")
+        self.log(f"  {profile.line()}")
         return join_s
 
     def hard_kill(self, slot: int, peer: str) -> float:

@@ -183,6 +183,15 @@ def test_one_trial_reports_all_eight_figures(tmp_path: Path):
             (key, result[key])
         assert result[key.removesuffix("_max")] <= result[key.removesuffix("_max") + "_max"]
     assert len(result["samples"]["join_to_contribution_s"]) == 2  # after the notice and the kill
+    # Where each join's time and CPU went: its instants in order, ending at the join figure;
+    # the new node's replica and daemons used CPU, and so did the replicas already training.
+    profiles = result["join_profiles"]
+    assert len(profiles) == 2
+    for p, join_s in zip(profiles, result["samples"]["join_to_contribution_s"]):
+        assert 0 < p["registered_s"] <= p["ready_s"] <= p["committed_s"] == round(join_s, 2)
+        cpu = p["cpu_s"]
+        assert cpu["replica"] > 0.5 and cpu["node"] > 0 and cpu["running_replicas"] > 0, p
+        assert sum(cpu.values()) <= p["window_s"] * p["cpus"] * 1.05, p
     [any_commit] = result["hard_kill_to_any_commit_s"]
     assert 0 < any_commit <= result["hard_kill_to_progress_s"]
     assert (out / "recovery.png").stat().st_size > 0

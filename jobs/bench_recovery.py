@@ -64,7 +64,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from moshray.jobs.recovery_trials import RecoveryTimeout, median_step_s
+from moshray.jobs.recovery_steps import median_step_s
+from moshray.jobs.recovery_trials import RecoveryTimeout
 
 log = logging.getLogger("moshray.bench_recovery")
 

@@ -16,7 +16,9 @@ replica actor), ``watcher`` (the notice watcher) and ``node`` (raylet, agents, i
 workers: what any Ray node costs). The rest of the machine is ``running_replicas`` (the
 replicas that were training) and ``rest`` (Coordinator, driver, the other nodes' daemons).
 With ``available`` (window x cores) this says how much of the machine the join's own
-processes took and what the training replicas were left with.
+processes took and what the training replicas were left with. ``start_cpu_s``: the new
+node's processes by role from their start until the replica was ready (what starting a
+replica costs, its training not included).
 
 Pure functions over ``ProcSample`` mappings, plus ``read_procs`` (Linux ``/proc``; an empty
 mapping where there is none, and the profile is then left out).
@@ -113,10 +115,18 @@ def cpu_by_role(before: Mapping[int, ProcSample], after: Mapping[int, ProcSample
     return {k: round(v, 2) for k, v in out.items()}
 
 
+def node_cpu(procs: Mapping[int, ProcSample], node_roots: Iterable[int]) -> dict[str, float]:
+    """CPU seconds the processes of a node that joined used since they started, by role
+    (``replica``, ``watcher``, ``node``)."""
+    got = cpu_by_role({}, procs, node_roots)
+    return {k: got[k] for k in ("replica", "watcher", "node")}
+
+
 @dataclass(frozen=True)
 class JoinProfile:
     """One join: its three instants (seconds after the node was up) and, where ``/proc``
-    exists, CPU seconds by role over ``window_s`` (node added -> commit) on ``cpus`` cores."""
+    exists, CPU seconds by role over ``window_s`` (node added -> commit) on ``cpus`` cores
+    (``cpu_s``) and the new node's until its replica was ready (``start_cpu_s``)."""
 
     registered_s: float
     ready_s: float
@@ -124,19 +134,23 @@ class JoinProfile:
     window_s: float
     cpus: int
     cpu_s: dict[str, float] | None
+    start_cpu_s: dict[str, float] | None = None
 
     def to_json(self) -> dict:
         return {"registered_s": round(self.registered_s, 2), "ready_s": round(self.ready_s, 2),
                 "committed_s": round(self.committed_s, 2), "window_s": round(self.window_s, 2),
-                "cpus": self.cpus, "cpu_s": self.cpu_s}
+                "cpus": self.cpus, "cpu_s": self.cpu_s, "start_cpu_s": self.start_cpu_s}
 
     def line(self) -> str:
         text = (f"registered {self.registered_s:.1f} s, ready {self.ready_s:.1f} s, "
                 f"committed {self.committed_s:.1f} s")
+        if self.start_cpu_s is not None:
+            c = self.start_cpu_s
+            text += (f"; CPU-s to ready: replica {c['replica']:.1f}, watcher "
+                     f"{c['watcher']:.1f}, node daemons {c['node']:.1f}")
         if self.cpu_s is None:
             return text
         c = self.cpu_s
-        return (f"{text}; CPU-s while it joined: its replica {c['replica']:.1f}, watcher "
-                f"{c['watcher']:.1f}, node daemons {c['node']:.1f}; running replicas "
-                f"{c['running_replicas']:.1f}, rest {c['rest']:.1f} (of "
+        return (f"{text}; to the commit: new node {c['replica'] + c['watcher'] + c['node']:.1f}"
+                f", running replicas {c['running_replicas']:.1f}, rest {c['rest']:.1f} (of "
                 f"{self.window_s * self.cpus:.1f} available)")

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-from moshray.jobs.join_profile import JoinProfile, cpu_by_role, read_procs
+from moshray.jobs.join_profile import JoinProfile, cpu_by_role, node_cpu, read_procs
+from moshray.jobs.recovery_steps import (all_contributed, first_commit_after, first_commit_with,
+                                         first_commit_without, replica_of)
 
 log = logging.getLogger("moshray.bench_recovery")
 
@@ -38,48 +39,7 @@ class RecoveryTimeout(RuntimeError):
     """A recovery did not happen within ``--timeout`` (exit 1, one line)."""
 
 
-# =========================================================================== pure logic
-
-Step = Sequence  # (epoch, planned_at_s, committed_at_s | None, participants)
-
-
-def first_commit_with(steps: Sequence[Step], peer: str) -> float | None:
-    """Commit time of the first committed step ``peer`` took part in (None: none yet)."""
-    times = [s[2] for s in steps if s[2] is not None and peer in s[3]]
-    return min(times) if times else None
-
-
-def first_commit_without(steps: Sequence[Step], peer: str, after_s: float) -> float | None:
-    """Commit time of the first step without ``peer`` committed after ``after_s`` (or None)."""
-    times = [s[2] for s in steps if s[2] is not None and s[2] > after_s and peer not in s[3]]
-    return min(times) if times else None
-
-
-def first_commit_after(steps: Sequence[Step], after_s: float) -> float | None:
-    """Commit time of the first step committed after ``after_s``, whoever took part."""
-    times = [s[2] for s in steps if s[2] is not None and s[2] > after_s]
-    return min(times) if times else None
-
-
-def all_contributed(steps: Sequence[Step], peers: Sequence[str]) -> bool:
-    """True once every one of ``peers`` took part in some committed step."""
-    return all(first_commit_with(steps, p) is not None for p in peers)
-
-
-def median_step_s(steps: Sequence[Step]) -> float | None:
-    """Median seconds between consecutive plans (None with fewer than two steps)."""
-    times = sorted(s[1] for s in steps)
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    return statistics.median(gaps) if gaps else None
-
-
-def replica_of(slot: int, members: Sequence[str]) -> str | None:
-    """The newest replica (highest ``n``) on ``slot``'s node among ``members`` (or None)."""
-    prefix = f"replica-{slot}-"
-    found = [(int(m[len(prefix):]), m) for m in members
-             if m.startswith(prefix) and m[len(prefix):].isdigit()]
-    return max(found)[1] if found else None
-
+# =========================================================================== waiting
 
 def wait_for(predicate, timeout_s: float, what: str, poll_s: float = POLL_S):
     """``predicate()``'s first truthy value, polled; ``RecoveryTimeout`` after ``timeout_s``."""
@@ -296,13 +256,16 @@ class CloudTrials:
         wait_for(lambda: peer in self.view()["ready"], self.timeout_s,
                  f"{peer} on the new node {slot} to copy the state and be ready")
         ready = time.monotonic()
+        at_ready = read_procs()
         committed = wait_for(lambda: first_commit_with(self.steps(since), peer), self.timeout_s,
                              f"the first contribution of {peer} on the new node {slot}")
         after = read_procs()
         join_s = committed + self.offset - up
-        cpu = cpu_by_role(before, after, self.cluster.node_pids(slot)) if after else None
+        roots = self.cluster.node_pids(slot)
         profile = JoinProfile(registered - up, ready - up, join_s, time.monotonic() - added,
-                              os.cpu_count() or 1, cpu)
+                              os.cpu_count() or 1,
+                              cpu_by_role(before, after, roots) if after else None,
+                              node_cpu(at_ready, roots) if at_ready else None)
         self.join_profiles.append(profile)
         self.log(f"  node {slot} up in {self.node_start_s[-1]:.1f} s; {peer}'s first "
                  f"contribution after {join_s:.2f} s")

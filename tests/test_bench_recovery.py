@@ -21,7 +21,7 @@ from moshray.cluster.coordinator_core import CoordinatorCore
 from moshray.cluster.membership import MembershipConfig
 from moshray.cluster.progress import ProgressReport
 from moshray.jobs import bench_recovery as br
-from moshray.jobs import recovery_trials as rt
+from moshray.jobs import recovery_steps as rs
 
 KEYS = [k for m in br.MEASURES for k in (m, f"{m}_max")]
 
@@ -73,21 +73,21 @@ STEPS = [  # (epoch, planned_at_s, committed_at_s, participants)
 
 
 def test_first_commit_with_and_without_a_peer():
-    assert rt.first_commit_with(STEPS, "a") == 2.0
-    assert rt.first_commit_with(STEPS, "d") is None
-    assert rt.first_commit_without(STEPS, "c", after_s=5.0) == 10.0
-    assert rt.first_commit_without(STEPS, "c", after_s=10.0) is None
-    assert rt.first_commit_after(STEPS, 5.0) == 9.0  # step 2 still had c in it
-    assert rt.first_commit_after(STEPS, 10.0) is None
-    assert rt.all_contributed(STEPS, ["a", "b", "c"])
-    assert not rt.all_contributed(STEPS, ["a", "d"])
+    assert rs.first_commit_with(STEPS, "a") == 2.0
+    assert rs.first_commit_with(STEPS, "d") is None
+    assert rs.first_commit_without(STEPS, "c", after_s=5.0) == 10.0
+    assert rs.first_commit_without(STEPS, "c", after_s=10.0) is None
+    assert rs.first_commit_after(STEPS, 5.0) == 9.0  # step 2 still had c in it
+    assert rs.first_commit_after(STEPS, 10.0) is None
+    assert rs.all_contributed(STEPS, ["a", "b", "c"])
+    assert not rs.all_contributed(STEPS, ["a", "d"])
 
 
 def test_replica_of_a_slot_is_its_newest_replica():
     members = ["replica-1-2", "replica-10-3", "replica-1-7", "replica-2-4", "replica-1-x"]
-    assert rt.replica_of(1, members) == "replica-1-7"  # not replica-10-3, not a bad suffix
-    assert rt.replica_of(10, members) == "replica-10-3"
-    assert rt.replica_of(3, members) is None
+    assert rs.replica_of(1, members) == "replica-1-7"  # not replica-10-3, not a bad suffix
+    assert rs.replica_of(10, members) == "replica-10-3"
+    assert rs.replica_of(3, members) is None
 
 
 def test_job_config_bounds_the_job_and_adds_experts_only_for_the_moe_run():
@@ -103,8 +103,8 @@ def test_job_config_bounds_the_job_and_adds_experts_only_for_the_moe_run():
 
 
 def test_median_step_is_the_median_gap_between_plans():
-    assert rt.median_step_s(STEPS) == 2.0  # gaps 2.0, 6.5, 1.0
-    assert rt.median_step_s(STEPS[:1]) is None
+    assert rs.median_step_s(STEPS) == 2.0  # gaps 2.0, 6.5, 1.0
+    assert rs.median_step_s(STEPS[:1]) is None
 
 
 def test_coordinator_step_timings_record_plan_commit_and_participants():
@@ -192,6 +192,8 @@ def test_one_trial_reports_all_eight_figures(tmp_path: Path):
         cpu = p["cpu_s"]
         assert cpu["replica"] > 0.5 and cpu["node"] > 0 and cpu["running_replicas"] > 0, p
         assert sum(cpu.values()) <= p["window_s"] * p["cpus"] * 1.05, p
+        start = p["start_cpu_s"]  # to ready: a part of the window's
+        assert 0.5 < start["replica"] <= cpu["replica"] and start["node"] > 0, p
     [any_commit] = result["hard_kill_to_any_commit_s"]
     assert 0 < any_commit <= result["hard_kill_to_progress_s"]
     assert (out / "recovery.png").stat().st_size > 0

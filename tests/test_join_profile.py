@@ -11,7 +11,7 @@ import time
 import pytest
 
 from moshray.jobs.join_profile import (ROLES, JoinProfile, ProcSample, cpu_by_role, descendants,
-                                       parse_stat, read_procs, role_of)
+                                       node_cpu, parse_stat, read_procs, role_of)
 
 
 def sample(pid, ppid, title, cpu, started=100):
@@ -69,14 +69,23 @@ def test_cpu_by_role_counts_what_each_process_used_in_between():
                    "rest": 0.5}
 
 
+def test_node_cpu_is_the_new_nodes_processes_since_they_started():
+    procs = {p.pid: p for p in [sample(30, 1, "raylet", 1.0), sample(31, 30, "ray::IDLE", 0.5),
+                                 sample(32, 30, "ray::ReplicaActor", 6.0),
+                                 sample(33, 30, "ray::NoticeWatcher", 1.0),
+                                 sample(5, 1, "ray::ReplicaActor", 99.0)]}
+    assert node_cpu(procs, [30]) == {"replica": 6.0, "watcher": 1.0, "node": 1.5}
+
+
 def test_profile_json_and_line():
+    start = {"replica": 5.0, "watcher": 1.25, "node": 2.5}
     p = JoinProfile(9.5, 11.0, 20.25, 22.0, 2, {"replica": 7.0, "watcher": 1.5, "node": 3.0,
-                                                "running_replicas": 20.0, "rest": 4.0})
+                                                "running_replicas": 20.0, "rest": 4.0}, start)
     assert p.to_json() == {"registered_s": 9.5, "ready_s": 11.0, "committed_s": 20.25,
-                           "window_s": 22.0, "cpus": 2, "cpu_s": p.cpu_s}
-    assert p.line() == ("registered 9.5 s, ready 11.0 s, committed 20.2 s; CPU-s while it "
-                        "joined: its replica 7.0, watcher 1.5, node daemons 3.0; running "
-                        "replicas 20.0, rest 4.0 (of 44.0 available)")
+                           "window_s": 22.0, "cpus": 2, "cpu_s": p.cpu_s, "start_cpu_s": start}
+    assert p.line() == ("registered 9.5 s, ready 11.0 s, committed 20.2 s; CPU-s to ready: "
+                        "replica 5.0, watcher 1.2, node daemons 2.5; to the commit: new node "
+                        "11.5, running replicas 20.0, rest 4.0 (of 44.0 available)")
     assert JoinProfile(1, 2, 3, 4, 2, None).line() == \
         "registered 1.0 s, ready 2.0 s, committed 3.0 s"
 

@@ -84,6 +84,11 @@ class MetadataConnection:
             return _Response(resp.status, body, {k.lower(): v for k, v in resp.getheaders()})
         raise AssertionError("unreachable")  # pragma: no cover
 
+    @property
+    def connected(self) -> bool:
+        """Whether a connection is open (kept for the next request)."""
+        return self._conn is not None
+
     def close(self) -> None:
         """Close the connection (a later request opens a new one)."""
         if self._conn is not None:

@@ -79,12 +79,13 @@ def test_aws_source_polls_over_one_connection():
         source = AWSMetadataSource(NODE, imds.url, interval_s=0.01)
         for _ in range(5):
             assert source.poll(0.05) is None
+        assert source.http.connected
         gets = imds.seen("/latest/meta-data/")
         assert len(gets) >= 10 and all(r.status == 404 for r in gets)
         assert source.http.opened == 1 and source.errors == 0
         source.close()
         assert source.poll(0) is None  # the first poll after close closes the connection
-        assert source.http._conn is None
+        assert not source.http.connected
 
 
 def test_gcp_source_long_polls_over_one_connection():
@@ -96,7 +97,7 @@ def test_gcp_source_long_polls_over_one_connection():
         notice = source.poll(5)
         assert notice is not None and notice.action == "preempt"
         assert source.http.opened == 1 and source.errors == 0
-        assert source.http._conn is None  # delivered: nothing more to read
+        assert not source.http.connected  # delivered: nothing more to read
 
 
 def test_a_connection_the_server_dropped_is_reopened_once(one_shot):
@@ -113,7 +114,7 @@ def test_an_answer_saying_connection_close_closes_it(one_shot):
     conn = MetadataConnection(one_shot.url)
     for _ in range(2):
         assert conn.request("GET", "/x", {}, 2.0).body == b"ok"
-        assert conn._conn is None
+        assert not conn.connected
     assert conn.opened == 2
 
 
@@ -122,7 +123,7 @@ def test_a_server_that_never_answers_is_a_transient_error(one_shot):
     conn = MetadataConnection(one_shot.url)
     with pytest.raises(_TransientError, match="GET /x"):
         conn.request("GET", "/x", {}, 0.3)
-    assert conn._conn is None and conn.opened == 1  # timed out: not sent twice
+    assert not conn.connected and conn.opened == 1  # timed out: not sent twice
 
 
 def test_an_unreachable_server_is_a_transient_error():
@@ -132,7 +133,7 @@ def test_an_unreachable_server_is_a_transient_error():
     for _ in range(2):  # each request tries a fresh connection, refused
         with pytest.raises(_TransientError, match="GET /x"):
             conn.request("GET", "/x", {}, 1.0)
-    assert conn.opened == 2 and conn._conn is None
+    assert conn.opened == 2 and not conn.connected
 
 
 def test_the_base_url_path_prefixes_every_request():

@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from moshray.jobs.join_profile import ProcSample, descendants, read_procs
 from raystart import free_port
 
 LOOPBACK = "127.0.0.1"
@@ -40,34 +41,10 @@ SYSTEM_CONFIG = {  # a dead raylet is noticed within a few seconds
 }
 
 
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        out.setdefault(ppid, []).append(int(entry))
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    tree, out, todo = _children(), [], [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+def below(pid: int) -> dict[int, ProcSample]:
+    """Every process below ``pid`` (not ``pid`` itself), as ``/proc`` shows them now."""
+    procs = read_procs()
+    return {p: procs[p] for p in descendants(procs, [pid]) if p != pid}
 
 
 def autoscaling_config(gcs_address: str, max_workers: int) -> dict:
@@ -168,14 +145,16 @@ class AutoscalingHead:
     def track(self) -> list[int]:
         """Remember every process below the head (so ``stop`` can end them by PID)."""
         assert self.proc is not None
-        pids = descendants(self.proc.pid)
+        pids = sorted(below(self.proc.pid))
         self._seen.update(pids)
         return pids
 
     def raylet_pid(self, node_id: str) -> int:
-        for pid in self.track():
-            line = cmdline(pid)
-            if "raylet" in line and f"--node_id={node_id}" in line:
+        assert self.proc is not None
+        procs = below(self.proc.pid)
+        self._seen.update(procs)  # as ``track`` does
+        for pid, proc in procs.items():
+            if "raylet" in proc.title and f"--node_id={node_id}" in proc.title:
                 return pid
         raise LookupError(f"no raylet of node {node_id} below the head")
 

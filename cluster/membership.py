@@ -50,12 +50,20 @@ class Membership:
     config: MembershipConfig = field(default_factory=MembershipConfig)
     epoch: int = 0
     _members: dict[str, _Member] = field(default_factory=dict)
+    # node id -> the draining deadline of the latest notice or drain for it: peers that
+    # register there later (a replica still starting when the notice came) drain too
+    _draining_nodes: dict[str, float] = field(default_factory=dict)
 
     def register(self, info: PeerInfo, now: float) -> None:
-        """Add or refresh a peer (re-registering clears nothing but its liveness)."""
+        """Add or refresh a peer (re-registering clears nothing but its liveness). A peer
+        on a node already marked draining (``mark_draining``) is draining from the start:
+        it never enters a plan, however late it registers before the node goes."""
         old = self._members.get(info.peer_id)
+        draining = old.draining_deadline if old else None
+        if draining is None and info.node_id:
+            draining = self._draining_nodes.get(info.node_id)
         self._members[info.peer_id] = _Member(
-            info, now, old.draining_deadline if old else None, old.throughput if old else None
+            info, now, draining, old.throughput if old else None
         )
 
     def heartbeat(self, peer_id: str, now: float, throughput: float | None = None) -> bool:
@@ -73,7 +81,10 @@ class Membership:
         return self._members.pop(peer_id, None) is not None
 
     def mark_draining(self, node_id: str, deadline: float) -> tuple[str, ...]:
-        """Mark every peer on ``node_id`` draining; returns the affected peer ids."""
+        """Mark every peer on ``node_id`` draining, and those that register there later;
+        returns the affected peer ids (of those registered now)."""
+        if node_id:
+            self._draining_nodes[node_id] = deadline
         hit = []
         for peer_id, member in self._members.items():
             if member.info.node_id == node_id:

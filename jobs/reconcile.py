@@ -15,9 +15,10 @@ Rules, in order:
    got a notice for it or Ray was draining it), once.
 2. Replicas. Each live replica's state follows what is observed (``replica_states.py``):
    its run ended -> gone (a failure while its node is up is counted against the node);
-   its node gone -> gone; its node noticed or draining -> leaving; ready -> training;
-   a member not ready -> syncing. A replica stuck starting past ``start_timeout_s`` is
-   stopped. A replica on a node beyond ``max_nodes`` is stopped (leaving).
+   its node gone -> gone; its node noticed or draining -> leaving (stopped at once if it
+   is not ready yet: starting or syncing); ready -> training; a member not ready ->
+   syncing. A replica stuck starting past ``start_timeout_s`` is stopped. A replica on a
+   node beyond ``max_nodes`` is stopped (leaving).
 3. Placement. Eligible nodes are alive, worker, not draining nor noticed; the first
    ``max_nodes`` of them in the order they joined are *active*. Each active node gets
    ``replicas_per_node`` replicas (0: one per whole GPU on a GPU node, one on a CPU
@@ -212,6 +213,13 @@ def decide(obs: Observation, memory: Memory, policy: Policy) -> Decision:
                 and obs.now_s - started > policy.start_timeout_s):
             actions.append(StopReplica(replica_id, "did not start in time"))
             target, reason = S.GONE, "did not start in time"
+        elif (target is S.LEAVING and state in (S.STARTING, S.SYNCING)
+              and not (view is not None and view.ready)):
+            # Not ready: it holds none of the swarm's progress and is in no plan; it would
+            # only take a donor's time until its node goes. (A ready one may be in the
+            # step in flight: it leaves the way training replicas do.)
+            actions.append(StopReplica(replica_id, f"{reason} before it was ready"))
+            target, reason = S.GONE, f"stopped: {reason} before it was ready"
         elif target not in (S.GONE, S.LEAVING) and node_id not in active:
             actions.append(StopReplica(replica_id, "node beyond max_nodes"))
             target, reason = S.LEAVING, "dropped: node beyond max_nodes"

@@ -40,12 +40,14 @@ TRANSITIONS: dict[tuple[ReplicaState, ReplicaState], str] = {
     (S.STARTING, S.SYNCING): "registered",
     # Its node got a notice before the actor registered.
     (S.STARTING, S.LEAVING): "node noticed while starting",
-    # The actor could not be placed or raised in its constructor, or the node went.
+    # The actor could not be placed or raised in its constructor, or the node went; or
+    # the controller stopped it (it did not start in time, its node got a notice).
     (S.STARTING, S.GONE): "failed to start",
     # The Coordinator accepted its state: it is in the next plan.
     (S.SYNCING, S.TRAINING): "ready",
     (S.SYNCING, S.LEAVING): "node noticed while syncing",
-    # The node died (or the actor failed) during the state copy.
+    # The node died (or the actor failed) during the state copy, or its node got a
+    # notice (the controller stops a replica that is not ready yet).
     (S.SYNCING, S.GONE): "lost while syncing",
     # Told to resync (it missed a step or its state diverged).
     (S.TRAINING, S.SYNCING): "resync",

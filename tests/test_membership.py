@@ -131,6 +131,29 @@ def test_mark_draining_excludes_at_once() -> None:
     assert plan is not None and plan.participants == ("b1",)
 
 
+def test_a_peer_registering_on_a_draining_node_drains_from_the_start() -> None:
+    # A replica still starting when its node got the notice registers afterwards: it must
+    # not enter a plan (its node goes at the deadline), nor may other nodes be touched.
+    m = _membership()
+    m.register(_info("a1", node="node-a"), now=0.0)
+    m.register(_info("b1", node="node-b"), now=0.0)
+    assert m.mark_draining("node-a", deadline=30.0) == ("a1",)
+    m.register(_info("a2", node="node-a"), now=1.0)  # after the notice
+    m.register(_info("b2", node="node-b"), now=1.0)
+    assert m.draining() == ("a1", "a2")
+    assert _ids(m.live(1.0)) == ("b1", "b2")
+    assert _ids(m.present(1.0)) == ("a1", "a2", "b1", "b2")  # still up, e.g. to donate
+    plan = m.plan(1.0)
+    assert plan is not None and plan.participants == ("b1", "b2")
+    # a notice for a node with no peer yet holds for the peers that come later
+    assert m.mark_draining("node-c", deadline=40.0) == ()
+    m.register(_info("c1", node="node-c"), now=2.0)
+    assert m.draining() == ("a1", "a2", "c1")
+    # peers registered without a node id are never caught by another node's drain
+    m.register(_info("x", node=""), now=2.0)
+    assert "x" in _ids(m.live(2.0))
+
+
 def test_mark_draining_unknown_node() -> None:
     m = _membership()
     m.register(_info("a", node="node-a"), now=0.0)

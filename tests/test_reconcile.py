@@ -208,6 +208,37 @@ def test_notice_moves_replica_to_leaving_and_the_loss_counts_with_notice():
     assert d.of(NodeLost) == (NodeLost("a", with_notice=True),)
 
 
+def test_a_replica_not_ready_when_its_node_is_noticed_is_stopped_at_once():
+    w = World()
+    w.tick(0.0, [node("a"), node("b"), node("c")])
+    ra, rb, rc = w.on("a") + w.on("b") + w.on("c")
+    w.tick(1.0, [node("a"), node("b"), node("c")],
+           [ReplicaView(rb, member=True), ReplicaView(rc, member=True, ready=True)])
+    # a's replica is still starting, b's syncing, c's ready when the notices come
+    d = w.tick(2.0, [node("a"), node("b"), node("c", draining=True)],
+               [ReplicaView(ra), ReplicaView(rb, member=True),
+                ReplicaView(rc, member=True, ready=True)], noticed={"a", "b"})
+    assert set(d.of(StopReplica)) == {
+        StopReplica(ra, "node noticed before it was ready"),
+        StopReplica(rb, "node noticed before it was ready")}
+    assert w.records[ra].state is S.GONE and w.records[rb].state is S.GONE
+    assert w.records[ra].history[-1].reason == "stopped: node noticed before it was ready"
+    assert w.records[rc].state is S.LEAVING  # ready: it may be in the step in flight
+    # a replica that became ready since the last look is not stopped either
+    w2 = World()
+    w2.tick(0.0, [node("a")])
+    (r,) = w2.on("a")
+    d = w2.tick(1.0, [node("a")], [ReplicaView(r, member=True, ready=True)], noticed={"a"})
+    assert d.of(StopReplica) == () and w2.records[r].state is S.LEAVING
+    # on a draining node (Ray's drain, no notice) as well
+    w3 = World()
+    w3.tick(0.0, [node("a")])
+    (r,) = w3.on("a")
+    d = w3.tick(1.0, [node("a", draining=True)], [ReplicaView(r)])
+    assert d.of(StopReplica) == (StopReplica(r, "node draining before it was ready"),)
+    assert d.of(StartReplica) == ()
+
+
 def test_node_dies_while_its_replica_syncs():
     w = World()
     w.tick(0.0, [node("a")])

@@ -76,6 +76,10 @@ def test_notice_for_a_node_without_peers_is_rebalanced_at_once():
     core, clock = _core()
     assert core.note_notice("n9", deadline_s=30, notice_age_s=0.1) == ()
     assert core.stats()["rebalance_s"] == [pytest.approx(0.1)]
+    # a replica that was still starting there registers after the notice: it drains
+    core.register("late", handle=None, node_id="n9")
+    assert "late" in core.membership.draining()
+    assert "late" not in core.plan_round().participants
 
 
 # -- on the shared cluster ---------------------------------------------------------------------

@@ -58,6 +58,17 @@ def _node_ports() -> list[str]:
     ]
 
 
+def _end(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Stop a ``ray start`` process group (SIGTERM, then SIGKILL) and reap it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
 @dataclass
 class SpotNode:
     """One spot worker started by ``RayStartCluster.add_spot_node`` (the test is its cloud)."""
@@ -146,7 +157,7 @@ class RayStartCluster:
                 except RuntimeError:
                     if attempt == 1:
                         raise
-                    self.procs.pop()
+                    _end(self.procs.pop())
         return self
 
     def add_spot_node(self, name: str, cpus: int = 2, gpus: int = 0, timeout: float = 180):
@@ -159,24 +170,29 @@ class RayStartCluster:
         (root / "home").mkdir()
         imds = IMDSv2Server(instance_id=f"i-{name}")
         env = dict(self.env, HOME=str(root / "home"), AWS_EC2_METADATA_SERVICE_ENDPOINT=imds.url)
-        alive_before = self._alive_count()
         for attempt in range(2):
             # `ray start` gives its raylet a fixed 30 s to register, which a loaded 2-core
             # machine can miss: one retry, as in ``start``.
             log = open(self.logdir / f"{name}-{attempt}.log", "w")
+            ports = _node_ports()
             proc = subprocess.Popen(
                 ["ray", "start", "--block", "--node-ip-address", LOOPBACK,
                  "--disable-usage-stats", "--address", self.gcs_address, "--num-cpus",
                  str(cpus), "--num-gpus", str(gpus), "--resources", '{"spot": 1000}',
                  "--labels", f"moshray-test-node={name}",
-                 "--object-store-memory", str(self.object_store_bytes), *_node_ports()],
+                 "--object-store-memory", str(self.object_store_bytes), *ports],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
             self.procs.append(proc)
             try:
-                self._wait_nodes(alive_before + 1, timeout)
+                # This node by its raylet's port (a count of alive nodes would be off while
+                # Ray still lists a node the test stopped); a failure of the head or of this
+                # `ray start` ends the wait (others may have been stopped by the test).
+                self._wait_raylet(int(ports[ports.index("--node-manager-port") + 1]), timeout,
+                                  watch=(self.procs[0], proc))
                 break
-            except RuntimeError:
+            except (RuntimeError, TimeoutError):
                 self.procs.remove(proc)
+                _end(proc)  # a failed attempt's `ray start` must not outlive the test
                 if attempt == 1:
                     imds.close()
                     raise
@@ -184,15 +200,25 @@ class RayStartCluster:
         self.spot_nodes.append(node)
         return node
 
-    def _alive_count(self) -> int:
+    def _wait_raylet(self, port: int, timeout: float, watch) -> None:
+        """Until the raylet listening on ``port`` is alive; raises ``RuntimeError`` if one
+        of the ``watch`` processes exited, ``TimeoutError`` after ``timeout`` s."""
         import json
 
-        try:
-            with self._get("/nodes?view=summary") as r:
-                nodes = json.load(r)["data"]["summary"]
-            return sum(1 for x in nodes if x["raylet"].get("state") == "ALIVE")
-        except (OSError, KeyError, ValueError):
-            return 0
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive(watch)
+            try:
+                with self._get("/nodes?view=summary") as r:
+                    nodes = json.load(r)["data"]["summary"]
+                if any(x["raylet"].get("nodeManagerPort") == port
+                       and x["raylet"].get("state") == "ALIVE" for x in nodes):
+                    return
+            except (OSError, KeyError, ValueError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"the raylet on port {port} not alive after {timeout} s; "
+                           f"see {self.logdir}")
 
     def _wait_dashboard(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -222,8 +248,8 @@ class RayStartCluster:
             time.sleep(1.0)
         raise TimeoutError(f"{n} nodes not alive after {timeout} s; see {self.logdir}")
 
-    def _check_alive(self) -> None:
-        for p in self.procs:
+    def _check_alive(self, procs=None) -> None:
+        for p in self.procs if procs is None else procs:
             if p.poll() is not None:
                 raise RuntimeError(f"`ray start` exited with {p.returncode}; see {self.logdir}")
 

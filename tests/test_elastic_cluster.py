@@ -5,7 +5,8 @@ test with its own working directory, HOME and instance-metadata service, so noth
 driver's disk is visible to a replica. The job starts with no worker node at all (it must
 say it waits, then train when nodes come), two more nodes join mid-run, the Coordinator is
 killed (Ray restarts it, the replicas rebuild it), one node gets a spot notice through its
-metadata service and leaves at its deadline, one is SIGKILLed.
+metadata service and leaves at its deadline, one is SIGKILLed. A last one gets its notice
+while its replica is still starting: that replica is stopped at once and never trains.
 """
 
 from __future__ import annotations
@@ -108,6 +109,20 @@ def test_job_follows_nodes_that_come_and_go(tmp_path: Path):
                 at_loss = _metric(port, "moshray_global_step{}")
                 _wait("progress after the losses", lambda: _metric(
                     port, "moshray_global_step{}") >= at_loss + 10, 120, proc, err)
+                # A node noticed while its replica is still starting: the controller
+                # stops that replica at once; it never trains, and its node's end counts
+                # as a loss with notice.
+                e = cluster.add_spot_node("e")
+                _wait("a replica starting on e", lambda: _metric(
+                    port, "moshray_replicas{state=starting}") >= 1, 120, proc, err)
+                e.notice(6.0)
+                _wait("e's replica stopped before it was ready", lambda: _metric(
+                    port, "moshray_preemption_notices_total{cloud=aws,pool=unknown}") >= 2
+                    and _metric(port, "moshray_replicas{state=starting}") == 0
+                    and _metric(port, "moshray_replicas{state=syncing}") == 0, 60, proc, err)
+                e.terminate()
+                _wait("e's loss counted", lambda: _metric(
+                    port, "moshray_nodes_lost_total{notice=true}") >= 2, 180, proc, err)
                 last = _scrape(port)
                 proc.terminate()  # SIGTERM: the job stops as at its time limit, summarized
                 proc.wait(timeout=300)
@@ -121,12 +136,17 @@ def test_job_follows_nodes_that_come_and_go(tmp_path: Path):
     assert summary["lost_steps"] == 0 and summary["rollbacks"] == 0
     assert summary["replicas"] == 2  # the staying replicas, on a and b
     assert summary["replicas_consistent"] is True
-    assert summary["hard_losses"] == 1 and summary["notices"] >= 1
-    assert summary["preemptions"] >= 2
-    assert summary["nodes_joined"] == 4  # all came after the job started
-    # c's and d's replicas (and any replacement tried on d before Ray declared it dead)
-    assert summary["replica_lifecycle"]["gone"] >= 2
+    assert summary["hard_losses"] == 1 and summary["notices"] >= 2
+    assert summary["preemptions"] >= 3
+    assert summary["nodes_joined"] == 5  # all came after the job started
+    # c's, d's and e's replicas (and any replacement tried on d before Ray declared it dead)
+    assert summary["replica_lifecycle"]["gone"] >= 3
+    timelines = summary["replica_timelines"]
+    e_replica = max(timelines, key=lambda r: timelines[r][0][1])  # the last one started
+    e_states = [state for state, _ in timelines[e_replica]]
+    assert e_states[-1] == "gone" and "training" not in e_states, timelines[e_replica]
+    assert "leaving" not in e_states  # stopped, not left to finish starting
     assert summary["steps"] > at_loss
-    assert last["moshray_nodes_lost_total{notice=true}"] >= 1
+    assert last["moshray_nodes_lost_total{notice=true}"] >= 2
     assert last["moshray_nodes_lost_total{notice=false}"] >= 1
     assert last["moshray_replicas{state=training}"] == 2

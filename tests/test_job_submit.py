@@ -37,17 +37,21 @@ def test_ray_job_submit_runs_training_to_completion(tmp_path: Path):
     config = tmp_path / "train.toml"
     config.write_text(CONFIG)
     with RayStartCluster(workers=2) as cluster:
+        # -X faulthandler: should a driver crash (a segfault once ended the digits run after
+        # its summary), its Python stacks are in the job's logs, which the asserts show.
         proc = subprocess.run(
             ["ray", "job", "submit", "--address", cluster.dashboard_url,
              "--working-dir", str(REPO), "--",
-             "python", "-m", "moshray.jobs.train", "--config", str(config), "--json"],
+             "python", "-X", "faulthandler", "-m", "moshray.jobs.train", "--config",
+             str(config), "--json"],
             capture_output=True, text=True, timeout=600, env=cluster.env,
         )
         # The public API's example, submitted the same way: moshray.fit runs on this
         # cluster (RAY_ADDRESS is set by the job server), not on an embedded one.
         digits = subprocess.run(
             ["ray", "job", "submit", "--address", cluster.dashboard_url, "--",
-             "python", "-m", "moshray.jobs.examples.digits", "--json", "--max-seconds", "20"],
+             "python", "-X", "faulthandler", "-m", "moshray.jobs.examples.digits", "--json",
+             "--max-seconds", "20"],
             capture_output=True, text=True, timeout=600, env=cluster.env,
         )
     digits_out = digits.stdout + digits.stderr

@@ -144,16 +144,17 @@ class AutoscalingHead:
 
     def track(self) -> list[int]:
         """Remember every process below the head (so ``stop`` can end them by PID)."""
-        assert self.proc is not None
-        pids = sorted(below(self.proc.pid))
-        self._seen.update(pids)
-        return pids
+        return sorted(self._below())
 
-    def raylet_pid(self, node_id: str) -> int:
+    def _below(self) -> dict[int, ProcSample]:
+        """``below`` the head, each remembered for ``stop``."""
         assert self.proc is not None
         procs = below(self.proc.pid)
-        self._seen.update(procs)  # as ``track`` does
-        for pid, proc in procs.items():
+        self._seen.update(procs)
+        return procs
+
+    def raylet_pid(self, node_id: str) -> int:
+        for pid, proc in self._below().items():
             if "raylet" in proc.title and f"--node_id={node_id}" in proc.title:
                 return pid
         raise LookupError(f"no raylet of node {node_id} below the head")

@@ -200,26 +200,6 @@ class RayStartCluster:
         self.spot_nodes.append(node)
         return node
 
-    def _wait_raylet(self, port: int, timeout: float, watch) -> None:
-        """Until the raylet listening on ``port`` is alive; raises ``RuntimeError`` if one
-        of the ``watch`` processes exited, ``TimeoutError`` after ``timeout`` s."""
-        import json
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self._check_alive(watch)
-            try:
-                with self._get("/nodes?view=summary") as r:
-                    nodes = json.load(r)["data"]["summary"]
-                if any(x["raylet"].get("nodeManagerPort") == port
-                       and x["raylet"].get("state") == "ALIVE" for x in nodes):
-                    return
-            except (OSError, KeyError, ValueError):
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"the raylet on port {port} not alive after {timeout} s; "
-                           f"see {self.logdir}")
-
     def _wait_dashboard(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -232,21 +212,30 @@ class RayStartCluster:
         raise TimeoutError(f"dashboard not up after {timeout} s; see {self.logdir}")
 
     def _wait_nodes(self, n: int, timeout: float) -> None:
+        self._wait_for(lambda alive: len(alive) >= n, f"{n} nodes alive", timeout)
+
+    def _wait_raylet(self, port: int, timeout: float, watch) -> None:
+        """Until the raylet listening on ``port`` is alive (see ``_wait_for``)."""
+        self._wait_for(lambda alive: any(x.get("nodeManagerPort") == port for x in alive),
+                       f"the raylet on port {port} alive", timeout, watch)
+
+    def _wait_for(self, done, what: str, timeout: float, watch=None) -> None:
+        """Until ``done(alive raylet rows of the dashboard)``; raises ``RuntimeError`` if one
+        of the ``watch`` processes (default: all) exited, ``TimeoutError`` after ``timeout``."""
         import json
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self._check_alive()
+            self._check_alive(watch)
             try:
                 with self._get("/nodes?view=summary") as r:
                     nodes = json.load(r)["data"]["summary"]
-                alive = [x for x in nodes if x["raylet"].get("state") == "ALIVE"]
-                if len(alive) >= n:
+                if done([x["raylet"] for x in nodes if x["raylet"].get("state") == "ALIVE"]):
                     return
             except (OSError, KeyError, ValueError):
                 pass
             time.sleep(1.0)
-        raise TimeoutError(f"{n} nodes not alive after {timeout} s; see {self.logdir}")
+        raise TimeoutError(f"not {what} after {timeout} s; see {self.logdir}")
 
     def _check_alive(self, procs=None) -> None:
         for p in self.procs if procs is None else procs:

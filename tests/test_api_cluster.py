@@ -25,7 +25,7 @@ def test_digits_example_survives_a_notice_and_a_hard_kill():
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, "-m", "moshray.jobs.examples.digits", "--json",
-                           "--max-seconds", "60", "--metrics-port", "0"],
+                           "--max-seconds", "50", "--metrics-port", "0"],
                           capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -305,9 +305,11 @@ TINY = ["--set", "model.n_layers=1", "--set", "model.d_model=32", "--set", "mode
 
 @pytest.mark.timeout(1500)
 def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
-    # Two nodes; node1 is preempted at 60 s and node2 arrives at 70 s; 90 s per system.
+    # Two nodes; node1 is preempted at 60 s and node2 arrives at 70 s; 75 s per system.
     # The removal comes late because Ray Train alone needs ~25-50 s to start its first
     # worker group on a loaded 2-core machine, and every system must have made progress.
+    # Ray Train's restart after the removal takes longer than the 15 s left, so its samples
+    # come from before 60 s (as they did in the 90-s version of this run).
     trace = tmp_path / "trace.csv"
     trace.write_text("0,add,node0\n0,add,node1\n60000,remove,node1\n70000,add,node2\n")
     out = tmp_path / "out"
@@ -316,7 +318,7 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(
         [sys.executable, "-m", "moshray.jobs.bench_goodput", "--trace", str(trace),
-         "--time-scale", "1", "--max-nodes", "2", "--duration", "90", "--calib-nodes", "2",
+         "--time-scale", "1", "--max-nodes", "2", "--duration", "75", "--calib-nodes", "2",
          "--calib-seconds", str(calib_s), "--checkpoint-every", "10",
          "--startup-timeout", str(startup_s), "--finish-timeout", "180", "--out", str(out), *TINY,
          "--set", "cluster.notice_s=5", "--json"],
@@ -327,13 +329,13 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
 
     for system in ("moshray", "raytrain", "ideal"):
         assert result[f"{system}_samples"] > 0, system
-        assert result[f"{system}_goodput"] == pytest.approx(result[f"{system}_samples"] / 90)
+        assert result[f"{system}_goodput"] == pytest.approx(result[f"{system}_samples"] / 75)
     assert result["moshray_vs_ideal"] == pytest.approx(
         result["moshray_samples"] / result["ideal_samples"])
     assert result["moshray_vs_raytrain"] == pytest.approx(
         result["moshray_samples"] / result["raytrain_samples"])
     # the ideal is the measured per-node rate times the trace's live node-seconds
-    assert result["live_node_seconds"] == pytest.approx(2 * 60 + 1 * 10 + 2 * 20)
+    assert result["live_node_seconds"] == pytest.approx(2 * 60 + 1 * 10 + 2 * 5)
     assert result["ideal_samples"] == pytest.approx(
         result["per_node_samples_per_s"]["2"] * result["live_node_seconds"])
     # both systems calibrated with 2 nodes; the ideal takes the better rate
@@ -354,14 +356,14 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     for system in ("moshray", "raytrain"):
         gap = result[f"{system}_gap"]
         assert gap["window_s"] == 20.0
-        assert sum(gap[c]["slices"] for c in ("startup", "node_events", "steady")) == 5
+        assert sum(gap[c]["slices"] for c in ("startup", "node_events", "steady")) == 4
         assert gap["missing"] == pytest.approx(
             result[f"{system}_failure_free_samples"] - result[f"{system}_samples"])
-    assert result["moshray_gap"]["node_events"]["slices"] >= 1  # 60-90 s: a removal, an add
+    assert result["moshray_gap"]["node_events"]["slices"] >= 1  # 60-75 s: a removal, an add
     # moshray's joins, from its controller's replica timelines: node2 joined at 70 s
     starts = result["moshray_replica_starts"]
     assert starts["started"] >= 3 and 1 <= starts["trained"] <= starts["started"]
-    assert 0 < starts["to_training_median_s"] <= starts["to_training_max_s"] < 90
+    assert 0 < starts["to_training_median_s"] <= starts["to_training_max_s"] < 75
     assert "moshray's joins: " in proc.stdout and " replicas started, " in proc.stdout
     assert "samples missing against each system's own rates" in proc.stdout
     # the machine's speed, read before, between and after the runs
@@ -372,8 +374,8 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     assert "machine speed" in proc.stdout
     for system in ("moshray", "raytrain"):
         assert result[f"{system}_final_loss"] is not None
-        assert 0 <= result[f"{system}_stall_s"] <= 90
-        assert 0 < result[f"{system}_first_step_s"] <= 90
+        assert 0 <= result[f"{system}_stall_s"] <= 75
+        assert 0 < result[f"{system}_first_step_s"] <= 75
         assert result[f"{system}_eval_loss"] is not None
     assert result["raytrain_samples_processed"] >= result["raytrain_samples"]
     assert result["raytrain_error"] is None

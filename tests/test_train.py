@@ -91,7 +91,7 @@ def test_trace_preempts_and_adds_nodes_while_training(tmp_path: Path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "moshray.jobs.train", *SMALL, "--json", "--local-nodes", "3",
              "--max-nodes", "3", "--trace", str(trace), "--time-scale", "1",
-             "--max-seconds", "65", "--metrics-port", str(port), "--set", "cluster.notice_s=3",
+             "--max-seconds", "55", "--metrics-port", str(port), "--set", "cluster.notice_s=3",
              "--set", f"run_dir={run_dir}"],
             stdout=stdout, stderr=stderr, text=True, env=env)
         last = None

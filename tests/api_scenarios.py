@@ -96,7 +96,7 @@ def bad_loss(tmp: Path) -> dict:
 def quickstart(tmp: Path) -> dict:
     from moshray.jobs.examples import quickstart as q
 
-    result = moshray.fit(q.loop, moshray.data.from_fn(q.batches), max_nodes=2, max_seconds=30,
+    result = moshray.fit(q.loop, moshray.data.from_fn(q.batches), max_nodes=2, max_seconds=15,
                          run_dir=str(tmp / "run"), json=True, metrics_port=0)
     return result.summary
 
@@ -117,7 +117,7 @@ def dataset(tmp: Path) -> dict:
         for batch in session.batches():  # {"x": (n, 2), "y": (n, 1)} tensors
             opt.step(torch.nn.functional.mse_loss(model(batch["x"]), batch["y"]))
 
-    result = moshray.fit(loop, make, max_nodes=2, max_seconds=25, batch_size=16, json=True,
+    result = moshray.fit(loop, make, max_nodes=2, max_seconds=15, batch_size=16, json=True,
                          metrics_port=0,
                          config={"training": {"target_batch_size": 32}},
                          run_dir=str(tmp / "run"))

@@ -314,7 +314,7 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     trace = tmp_path / "trace.csv"
     trace.write_text("0,add,node0\n0,add,node1\n60000,remove,node1\n65000,add,node2\n")
     out = tmp_path / "out"
-    calib_s, startup_s = 10, 240
+    calib_s, startup_s = 5, 240
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(

@@ -47,10 +47,14 @@ rates happened: ``moshray_gap`` / ``raytrain_gap`` (``goodput_gap``: 20-s slices
 start-up, after node events or steady, each with the samples expected, gained and
 ``missing``), and what moshray's joins cost: ``moshray_replica_starts`` (replicas started,
 trained, their seconds from start to training, and those gone before they trained, from the
-controller's replica timelines). How far runs made at different times can be
-compared on this machine: ``machine_step_ms`` (the model's bare training step on one core, read
-at the start, after the calibrations, after moshray's trace run and at the end;
-``machine_probe``) and ``machine_drift`` (the slowest reading over the fastest). ``--json``: the
+controller's replica timelines). Where the machine's CPU went during each trace run:
+``moshray_cpu`` / ``raytrain_cpu`` (``run_cpu``: CPU seconds and average cores of the
+training processes, control actors, notice watchers, Ray's daemons and the drivers; every
+node shares these cores here, so what node events cost comes out of training). How far runs
+made at different times can be compared on this machine: ``machine_step_ms`` (the model's
+bare training step on one core, read at the start, after the calibrations, after moshray's
+trace run and at the end; ``machine_probe``) and ``machine_drift`` (the slowest reading over
+the fastest). ``--json``: the
 last stdout line is one JSON object (``moshray_samples``, ``raytrain_samples``, ``ideal_samples``,
 ``moshray_vs_ideal``, ``moshray_vs_raytrain``, ``steady_state_vs_raytrain``,
 ``moshray_final_loss``, ``raytrain_final_loss`` and more); the same object is written to
@@ -59,7 +63,7 @@ to ``<out>/goodput.png``.
 
 Modules: ``goodput_curves`` (one system's records -> figures), ``goodput_rates`` (node counts,
 failure-free rates, the ideal, the comparisons), ``goodput_gap`` (when each system's samples
-went missing), ``goodput_moshray`` and ``goodput_runs`` (the
+went missing), ``run_cpu`` (CPU by role), ``goodput_moshray`` and ``goodput_runs`` (the
 runners and calibrations: every run of either system is a fresh driver process),
 ``goodput_report`` (plot and tables); this one parses the command and runs them.
 
@@ -82,6 +86,7 @@ from moshray.jobs.goodput_gap import GAP_WINDOW_S, gap_split, replica_starts
 from moshray.jobs.goodput_rates import (
     MOSHRAY, RAYTRAIN, BenchError, compare_rates, count_seconds, ideal_curve, live_timeline,
     ratio)
+from moshray.jobs.run_cpu import CpuSampler
 
 # A model that steps quickly on CPU (the README's small configuration).
 BENCH_DEFAULTS: dict[str, str] = {
@@ -266,9 +271,10 @@ def run(args: argparse.Namespace) -> dict:
     m_dir = out_dir / f"moshray-{stamp}"
     print(f"moshray: {duration:.0f} s under the trace (its driver's log: "
           f"{m_dir / 'moshray-driver.log'})", flush=True)
-    m_summary, m_records, _ = run_moshray_driver(config, m_dir,
-                                                 startup_timeout_s=args.startup_timeout,
-                                                 finish_timeout_s=args.finish_timeout)
+    with CpuSampler() as m_cpu:  # where the machine's CPU went, by role
+        m_summary, m_records, _ = run_moshray_driver(config, m_dir,
+                                                     startup_timeout_s=args.startup_timeout,
+                                                     finish_timeout_s=args.finish_timeout)
     moshray = summarize("moshray", m_records, duration, args.stall_gap)
     moshray_eval = held_out_loss(config, files, moshray_final_state(config.checkpoint.uri))
     probe("after_moshray")
@@ -277,7 +283,8 @@ def run(args: argparse.Namespace) -> dict:
     print(f"raytrain: {duration:.0f} s under the trace", flush=True)
     rt_dir = out_dir / f"raytrain-{stamp}"
     rt_dir.mkdir(parents=True, exist_ok=True)
-    rt = run_raytrain(config, events, duration, options, rt_dir)
+    with CpuSampler() as rt_cpu:
+        rt = run_raytrain(config, events, duration, options, rt_dir)
     raytrain = summarize("raytrain", rt.records, duration, args.stall_gap, rt.rewinds)
     raytrain_eval = held_out_loss(config, files, raytrain_final_state(rt.checkpoint))
     probe("end")
@@ -324,6 +331,8 @@ def run(args: argparse.Namespace) -> dict:
         "raytrain_elasticity": rates.elasticity(RAYTRAIN, raytrain.samples),
         "moshray_gap": gaps[MOSHRAY].to_json(), "raytrain_gap": gaps[RAYTRAIN].to_json(),
         "moshray_replica_starts": starts.to_json(),
+        "moshray_cpu": m_cpu.result and m_cpu.result.to_json(),
+        "raytrain_cpu": rt_cpu.result and rt_cpu.result.to_json(),
         "stall_gap_s": args.stall_gap, "checkpoint_every": args.checkpoint_every,
         "machine_step_ms": machine, "machine_drift": machine_probe.drift(list(machine.values())),
         "plot": str(plot_path),
@@ -344,6 +353,10 @@ def run(args: argparse.Namespace) -> dict:
     print(f"samples missing against each system's own rates, by {GAP_WINDOW_S:.0f}-s slice: "
           f"moshray {gaps[MOSHRAY].line()}; Ray Train {gaps[RAYTRAIN].line()}", flush=True)
     print(f"moshray's joins: {starts.line()}", flush=True)
+    for name, cpu in (("moshray", m_cpu.result), ("Ray Train", rt_cpu.result)):
+        if cpu is not None:
+            print(f"CPU by role over {name}'s trace run ({cpu.wall_s:.0f} s from its driver's "
+                  f"start to its end, {cpu.cpus} cores): {cpu.line()}", flush=True)
     print(machine_probe.report_line(machine), flush=True)
     return result
 

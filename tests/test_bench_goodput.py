@@ -367,6 +367,13 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     assert 0 < starts["to_training_median_s"] <= starts["to_training_max_s"] < 75
     assert "moshray's joins: " in proc.stdout and " replicas started, " in proc.stdout
     assert "samples missing against each system's own rates" in proc.stdout
+    # where the machine's CPU went in each trace run: both trained, Ray's daemons ran
+    for system in ("moshray", "raytrain"):
+        cpu = result[f"{system}_cpu"]
+        assert cpu["wall_s"] >= 75 and cpu["cpus"] == os.cpu_count()
+        assert cpu["cpu_s"]["training"] > 0 and cpu["cpu_s"]["ray_daemons"] > 0, cpu
+        assert sum(cpu["cpu_s"].values()) <= cpu["wall_s"] * cpu["cpus"] * 1.02, cpu
+    assert proc.stdout.count("CPU by role over ") == 2
     # the machine's speed, read before, between and after the runs
     probes = result["machine_step_ms"]
     assert list(probes) == ["start", "after_calibrations", "after_moshray", "end"]

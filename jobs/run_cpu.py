@@ -16,7 +16,8 @@ process's Ray title (``run_role``):
   own start-up (importing torch, building the model, copying state) is in;
 - ``control``: moshray's Coordinator, Ray Train's controller, any other actor;
 - ``watchers``: moshray's notice watchers (one per node);
-- ``ray_daemons``: raylets, the GCS, dashboard and agents, idle Ray workers (a worker
+- ``ray_daemons``: raylets, the GCS, the dashboard, every node's agents
+  (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``), idle Ray workers (a worker
   process's own start, before it hosts an actor, is here);
 - ``drivers``: the job's driver process and the bench itself (its trace replay, this
   sampler: about 1% of a core).
@@ -39,6 +40,8 @@ from moshray.jobs.join_profile import ProcSample, descendants, read_procs
 
 RUN_ROLES = ("training", "control", "watchers", "ray_daemons", "drivers")
 _TRAINING = ("ReplicaActor", "RayTrainWorker")
+# Ray's own processes that carry a ``ray::`` title: idle workers and every node's agents.
+_RAY_TITLED = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnv")
 _DAEMONS = ("raylet", "gcs_server", "dashboard", "agent", "log_monitor", "monitor.py",
             "ray.util.client.server")
 
@@ -50,7 +53,7 @@ def run_role(title: str) -> str:
             return "training"
         if "NoticeWatcher" in title:
             return "watchers"
-        return "ray_daemons" if title.startswith("ray::IDLE") else "control"
+        return "ray_daemons" if title.startswith(_RAY_TITLED) else "control"
     if any(name in title for name in _DAEMONS):
         return "ray_daemons"
     return "drivers"

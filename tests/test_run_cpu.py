@@ -19,6 +19,8 @@ from moshray.jobs.run_cpu import RUN_ROLES, CpuAccount, CpuSampler, RunCpu, run_
     ("ray::NoticeWatcher.watch", "watchers"),
     ("ray::TrainController.run", "control"),
     ("ray::IDLE", "ray_daemons"),
+    ("ray::DashboardAgent", "ray_daemons"),
+    ("ray::RuntimeEnvAgent", "ray_daemons"),
     ("/usr/lib/python3/site-packages/ray/core/src/ray/raylet/raylet --raylet_socket_name=x",
      "ray_daemons"),
     ("/x/ray/core/src/ray/gcs/gcs_server --gcs_server_port=1", "ray_daemons"),

@@ -54,7 +54,8 @@ def run_role(title: str) -> str:
         if "NoticeWatcher" in title:
             return "watchers"
         return "ray_daemons" if title.startswith(_RAY_TITLED) else "control"
-    if any(name in title for name in _DAEMONS):
+    program = title.split(" --", 1)[0]  # the executable and script, not their options
+    if any(name in program for name in _DAEMONS):
         return "ray_daemons"
     return "drivers"
 

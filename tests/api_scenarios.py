@@ -5,7 +5,7 @@ script: ``python tests/api_scenarios.py SCENARIO TMP_DIR``); prints one JSON lin
   weights) and a data function that yields sample ids; a third node joins mid-run; then a
   second run resumes from the first one's checkpoint.
 - ``bad-loss``: a loop whose loss is not a scalar.
-- ``quickstart``: the README's example (jobs/examples/quickstart.py), 30 s.
+- ``quickstart``: the README's example (jobs/examples/quickstart.py), 15 s.
 - ``dataset``: data given as a Ray Dataset (made once the driver is connected).
 """
 

@@ -29,6 +29,8 @@ from moshray.jobs.run_cpu import RUN_ROLES, CpuAccount, CpuSampler, RunCpu, run_
     ("/usr/bin/python -m ray.util.client.server --address=127.0.0.1:1", "ray_daemons"),
     ("/usr/bin/python -m moshray.jobs.goodput_moshray --config c.json", "drivers"),
     ("/usr/bin/python -m moshray.jobs.raytrain_baseline --duration 60", "drivers"),
+    # a driver's options may name anything: only the program decides
+    ("/usr/bin/python -m moshray.jobs.train --set run_dir=/tmp/agent/dashboard", "drivers"),
 ])
 def test_roles_come_from_the_ray_title(title, role):
     assert run_role(title) == role

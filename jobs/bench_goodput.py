@@ -54,10 +54,10 @@ node shares these cores here, so what node events cost comes out of training). H
 made at different times can be compared on this machine: ``machine_step_ms`` (the model's
 bare training step on one core, read at the start, after the calibrations, after moshray's
 trace run and at the end; ``machine_probe``) and ``machine_drift`` (the slowest reading over
-the fastest). ``--json``: the
-last stdout line is one JSON object (``moshray_samples``, ``raytrain_samples``, ``ideal_samples``,
-``moshray_vs_ideal``, ``moshray_vs_raytrain``, ``steady_state_vs_raytrain``,
-``moshray_final_loss``, ``raytrain_final_loss`` and more); the same object is written to
+the fastest). ``--json``: the last stdout line is one JSON object (``moshray_samples``,
+``raytrain_samples``, ``ideal_samples``, ``moshray_vs_ideal``, ``moshray_vs_raytrain``,
+``steady_state_vs_raytrain``, ``moshray_final_loss``, ``raytrain_final_loss`` and more); the
+same object is written to
 ``<out>/goodput.json`` and the plot (live nodes over time, each system's cumulative samples)
 to ``<out>/goodput.png``.
 

@@ -103,7 +103,8 @@ class RunCpu:
                 "cores": {r: round(self.cores(r), 3) for r in self.cpu_s}}
 
     def line(self) -> str:
-        """``training 812.0 CPU-s (1.35 cores), ...; 1090.2 of 1202.0``."""
+        """``training 852 CPU-s (1.38 cores), ..., drivers 26 CPU-s (0.04 cores); 1157 of
+        1234 CPU-s``: each role, then all roles together against cores x wall time."""
         used = sum(self.cpu_s.values())
         parts = ", ".join(f"{r} {v:.0f} CPU-s ({self.cores(r):.2f} cores)"
                           for r, v in self.cpu_s.items())

@@ -101,6 +101,13 @@ def role_of(title: str, on_new_node: bool) -> str:
     return "running_replicas" if replica else "rest"
 
 
+def used_since(before: Mapping[int, ProcSample], p: ProcSample) -> float:
+    """CPU seconds ``p`` used since the sample ``before``: from zero if it is not there (or
+    is another process under the same, reused pid)."""
+    b = before.get(p.pid)
+    return max(0.0, p.cpu_s - (b.cpu_s if b is not None and b.started == p.started else 0.0))
+
+
 def cpu_by_role(before: Mapping[int, ProcSample], after: Mapping[int, ProcSample],
                 node_roots: Iterable[int]) -> dict[str, float]:
     """CPU seconds each role used between the two samples (``ROLES`` order). A process in
@@ -109,9 +116,7 @@ def cpu_by_role(before: Mapping[int, ProcSample], after: Mapping[int, ProcSample
     node = descendants(after, node_roots)
     out = dict.fromkeys(ROLES, 0.0)
     for pid, p in after.items():
-        b = before.get(pid)
-        used = p.cpu_s - (b.cpu_s if b is not None and b.started == p.started else 0.0)
-        out[role_of(p.title, pid in node)] += max(0.0, used)
+        out[role_of(p.title, pid in node)] += used_since(before, p)
     return {k: round(v, 2) for k, v in out.items()}
 
 

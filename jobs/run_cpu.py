@@ -36,7 +36,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from moshray.jobs.join_profile import ProcSample, descendants, read_procs
+from moshray.jobs.join_profile import ProcSample, descendants, read_procs, used_since
 
 RUN_ROLES = ("training", "control", "watchers", "ray_daemons", "drivers")
 _TRAINING = ("ReplicaActor", "RayTrainWorker")
@@ -63,26 +63,23 @@ def run_role(title: str) -> str:
 class CpuAccount:
     """CPU seconds by role, accumulated from successive samples of a set of processes.
 
-    Pure bookkeeping: ``add`` takes one ``read_procs`` mapping and the pids in scope; a
-    process is keyed by pid and start time, so a reused pid counts as a new process."""
+    Pure bookkeeping: ``add`` takes one ``read_procs`` mapping and the pids in scope. The
+    first sample is the baseline; after it each process counts what it used since the
+    sample before (``join_profile.used_since``: a new process, or a reused pid, from zero)."""
 
     def __init__(self) -> None:
         self.by_role = dict.fromkeys(RUN_ROLES, 0.0)
-        self._cpu: dict[tuple[int, int], float] = {}
-        self._first = True
+        self._last: Mapping[int, ProcSample] | None = None
 
     def add(self, procs: Mapping[int, ProcSample], scope) -> None:
-        for pid in scope:
-            p = procs.get(pid)
-            if p is None:
-                continue
-            key = (pid, p.started)
-            last = self._cpu.get(key)
-            if last is None:  # a baseline on the first sample, new processes from zero
-                last = p.cpu_s if self._first else 0.0
-            self.by_role[run_role(p.title)] += max(0.0, p.cpu_s - last)
-            self._cpu[key] = p.cpu_s
-        self._first = False
+        if self._last is not None:
+            for pid in scope:
+                p = procs.get(pid)
+                if p is not None:
+                    self.by_role[run_role(p.title)] += used_since(self._last, p)
+        # every process's latest reading, so one that a sample missed (a failed read)
+        # does not count from zero at the next
+        self._last = procs if self._last is None else {**self._last, **procs}
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,9 @@ def test_aws_token_refreshed_after_expiry(imds):
     assert source.poll(0) is None
     imds.expire_tokens()
     imds.interrupt()
-    notice = source.poll(0)
+    # Not poll(0): the next check is due interval_s after the last one began, and on a fast
+    # machine the lines above take less than that; the wait is bounded by the next check.
+    notice = source.poll(1.0)
     assert notice is not None and notice.action == "terminate"
     assert source.tokens_fetched == 2 and source.errors == 0
     assert [r.status for r in imds.seen("/latest/meta-data/spot")][-2:] == [401, 200]
@@ -199,7 +201,7 @@ def test_aws_transient_errors_do_not_crash(imds):
     assert notice is not None and source.errors == 3
     # A garbled document is an error too, not a crash.
     imds.instance_action = {"action": "terminate", "time": "not a time"}
-    odd = source.poll(0)
+    odd = source.poll(1.0)  # at the next due check (interval_s may not have passed yet)
     assert odd is not None and 119 <= odd.notice_s <= 121  # AWS's two minutes assumed
 
 

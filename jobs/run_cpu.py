@@ -69,17 +69,19 @@ class CpuAccount:
 
     def __init__(self) -> None:
         self.by_role = dict.fromkeys(RUN_ROLES, 0.0)
-        self._last: Mapping[int, ProcSample] | None = None
+        self._last: dict[int, ProcSample] | None = None
 
     def add(self, procs: Mapping[int, ProcSample], scope) -> None:
-        if self._last is not None:
-            for pid in scope:
-                p = procs.get(pid)
-                if p is not None:
-                    self.by_role[run_role(p.title)] += used_since(self._last, p)
+        if self._last is None:
+            self._last = dict(procs)
+            return
+        for pid in scope:
+            p = procs.get(pid)
+            if p is not None:
+                self.by_role[run_role(p.title)] += used_since(self._last, p)
         # every process's latest reading, so one that a sample missed (a failed read)
-        # does not count from zero at the next
-        self._last = procs if self._last is None else {**self._last, **procs}
+        # does not count from zero at the next; updated in place, not copied per sample
+        self._last.update(procs)
 
 
 @dataclass(frozen=True)

@@ -352,6 +352,7 @@ def run(args: argparse.Namespace) -> dict:
           "at its measured rates)", flush=True)
     print(f"samples missing against each system's own rates, by {GAP_WINDOW_S:.0f}-s slice: "
           f"moshray {gaps[MOSHRAY].line()}; Ray Train {gaps[RAYTRAIN].line()}", flush=True)
+    print(f"moshray's worst slices: {gaps[MOSHRAY].worst_line()}", flush=True)
     print(f"moshray's joins: {starts.line()}", flush=True)
     for name, cpu in (("moshray", m_cpu.result), ("Ray Train", rt_cpu.result)):
         if cpu is not None:

@@ -15,7 +15,9 @@ Per class (:class:`GapPart`): the slices, the samples ``expected`` at the system
 over the live counts in them, the useful ``samples`` it gained in them (its useful curve at
 the slice's end minus at its start, so a rollback to a checkpoint makes that negative) and
 ``missing`` = expected - samples (negative: above its calibrated rates). The three
-``missing`` add up to the failure-free samples minus the useful samples.
+``missing`` add up to the failure-free samples minus the useful samples. Each slice is kept
+too (:class:`SliceGap`, ``by_slice`` in the JSON), and ``worst_line`` names the slices that
+missed the most: where in the trace the shortfall sits.
 
 What the node events cost moshray is mostly its joins: :func:`replica_starts` reads the
 controller's replica timelines (``summary["replica_timelines"]``) and says how many replicas
@@ -61,11 +63,33 @@ class GapPart:
 
 
 @dataclass(frozen=True)
+class SliceGap:
+    """One slice ``[start_s, end_s)`` of class ``kind``: the samples expected there at the
+    system's own rates and the useful samples it gained there."""
+
+    start_s: float
+    end_s: float
+    kind: str
+    expected: float
+    samples: float
+
+    @property
+    def missing(self) -> float:
+        return self.expected - self.samples
+
+    def to_json(self) -> list:
+        """``[start_s, kind, expected, samples]`` (compact: a run has dozens of slices)."""
+        return [self.start_s, self.kind, round(self.expected, 1), self.samples]
+
+
+@dataclass(frozen=True)
 class GapSplit:
-    """A system's shortfall against its own failure-free rates, by class of slice."""
+    """A system's shortfall against its own failure-free rates, by class of slice; the
+    slices themselves in time order."""
 
     window_s: float
     parts: Mapping[str, GapPart]
+    slices: tuple[SliceGap, ...] = ()
 
     @property
     def missing(self) -> float:
@@ -73,7 +97,20 @@ class GapSplit:
 
     def to_json(self) -> dict:
         return {"window_s": self.window_s, "missing": self.missing,
-                **{name: self.parts[name].to_json() for name in CLASSES}}
+                **{name: self.parts[name].to_json() for name in CLASSES},
+                "by_slice": [piece.to_json() for piece in self.slices]}
+
+    def worst(self, n: int = 3) -> list[SliceGap]:
+        """The ``n`` slices that missed the most samples, in time order; none that gained
+        above their expectation."""
+        top = sorted((p for p in self.slices if p.missing > 0), key=lambda p: -p.missing)[:n]
+        return sorted(top, key=lambda p: p.start_s)
+
+    def worst_line(self, n: int = 3) -> str:
+        """``20-40 s (after node events) 6,912 of 12,052 missing; ...``, or ``none``."""
+        return "; ".join(f"{p.start_s:.0f}-{p.end_s:.0f} s ({LABELS[p.kind]}) "
+                         f"{p.missing:,.0f} of {p.expected:,.0f} missing"
+                         for p in self.worst(n)) or "none"
 
     def line(self) -> str:
         """``start-up 13,852, after node events 9,948, steady 2,563`` (samples missing)."""
@@ -117,6 +154,7 @@ def gap_split(curve: Sequence[tuple[float, float]], events: Iterable,
     first = next((t for t, samples in curve if samples > 0), None)
     event_times = sorted(e.at_s for e in events if 0 < e.at_s <= duration_s)
     parts = {name: GapPart() for name in CLASSES}
+    slices: list[SliceGap] = []
     a = 0.0
     while a < duration_s:
         b = min(a + window_s, duration_s)
@@ -129,8 +167,9 @@ def gap_split(curve: Sequence[tuple[float, float]], events: Iterable,
         due = (_linear_at(expected, expected_times, b)
                - _linear_at(expected, expected_times, a))
         parts[name] = parts[name].plus(due, gained)
+        slices.append(SliceGap(a, b, name, due, gained))
         a = b
-    return GapSplit(window_s, parts)
+    return GapSplit(window_s, parts, tuple(slices))
 
 
 @dataclass(frozen=True)

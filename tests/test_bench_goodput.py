@@ -358,6 +358,7 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
         gap = result[f"{system}_gap"]
         assert gap["window_s"] == 20.0
         assert sum(gap[c]["slices"] for c in ("startup", "node_events", "steady")) == 4
+        assert [piece[0] for piece in gap["by_slice"]] == [0.0, 20.0, 40.0, 60.0]
         assert gap["missing"] == pytest.approx(
             result[f"{system}_failure_free_samples"] - result[f"{system}_samples"])
     assert result["moshray_gap"]["node_events"]["slices"] >= 1  # 60-75 s: a removal, an add
@@ -367,6 +368,7 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     assert 0 < starts["to_training_median_s"] <= starts["to_training_max_s"] < 75
     assert "moshray's joins: " in proc.stdout and " replicas started, " in proc.stdout
     assert "samples missing against each system's own rates" in proc.stdout
+    assert "moshray's worst slices: " in proc.stdout
     # where the machine's CPU went in each trace run: both trained, Ray's daemons ran
     for system in ("moshray", "raytrain"):
         cpu = result[f"{system}_cpu"]

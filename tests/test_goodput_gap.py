@@ -89,7 +89,9 @@ def test_json_and_console_line():
     split = gap_split(linear_curve(2.0, 40.0, 6.0), events, RATES, 40.0, window_s=20.0)
     out = split.to_json()
     assert json.loads(json.dumps(out)) == out
-    assert out["window_s"] == 20.0 and set(out) == {"window_s", "missing", *CLASSES}
+    assert out["window_s"] == 20.0
+    assert set(out) == {"window_s", "missing", *CLASSES, "by_slice"}
+    assert out["by_slice"] == [[0.0, "startup", 120.0, 114.0], [20.0, "steady", 120.0, 120.0]]
     assert out["startup"]["ratio"] == pytest.approx(114.0 / 120.0)
     assert out["node_events"]["ratio"] is None  # nothing expected there
     assert split.line() == "start-up 6, after node events 0, steady 0"
@@ -128,3 +130,20 @@ def test_replica_starts_of_a_run_without_replicas():
                                 "gone_untrained_s": 0.0}
     assert starts.line() == ("0 replicas started, 0 trained, 0 gone before training "
                              "(0.0 s of starting)")
+
+
+def test_the_slices_are_kept_and_the_worst_named_in_time_order():
+    # 2 nodes, then 1 from 30 s (a removal): 20 samples/s at 2 nodes, 10 at 1
+    events = [NodeEvent(0.0, "add", 0), NodeEvent(0.0, "add", 1), NodeEvent(30.0, "remove", 1)]
+    curve = [(0.0, 0), (10.0, 0), (20.0, 200), (40.0, 400), (60.0, 590), (80.0, 790)]
+    split = gap_split(curve, events, {1: 10.0, 2: 20.0}, 80.0, window_s=20.0)
+    assert [(p.start_s, p.end_s, p.kind) for p in split.slices] == [
+        (0.0, 20.0, "startup"), (20.0, 40.0, "node_events"), (40.0, 60.0, "node_events"),
+        (60.0, 80.0, "steady")]
+    assert [p.missing for p in split.slices] == pytest.approx([200.0, 100.0, 10.0, 0.0])
+    assert sum(p.missing for p in split.slices) == pytest.approx(split.missing)
+    assert [p.start_s for p in split.worst(2)] == [0.0, 20.0]  # the two largest, in order
+    assert split.worst_line(2) == ("0-20 s (start-up) 200 of 400 missing; "
+                                   "20-40 s (after node events) 100 of 300 missing")
+    assert gap_split([(0.0, 0), (20.0, 500)], events[:2], {2: 20.0}, 20.0).worst_line() == (
+        "none")  # above its rates everywhere

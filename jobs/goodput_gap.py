@@ -84,20 +84,27 @@ class SliceGap:
 
 @dataclass(frozen=True)
 class GapSplit:
-    """A system's shortfall against its own failure-free rates, by class of slice; the
-    slices themselves in time order."""
+    """A system's shortfall against its own failure-free rates: its slices in time order,
+    and (``parts``) their sums by class."""
 
     window_s: float
-    parts: Mapping[str, GapPart]
-    slices: tuple[SliceGap, ...] = ()
+    slices: tuple[SliceGap, ...]
+
+    @property
+    def parts(self) -> dict[str, GapPart]:
+        parts = {name: GapPart() for name in CLASSES}
+        for piece in self.slices:
+            parts[piece.kind] = parts[piece.kind].plus(piece.expected, piece.samples)
+        return parts
 
     @property
     def missing(self) -> float:
         return sum(p.missing for p in self.parts.values())
 
     def to_json(self) -> dict:
+        parts = self.parts
         return {"window_s": self.window_s, "missing": self.missing,
-                **{name: self.parts[name].to_json() for name in CLASSES},
+                **{name: parts[name].to_json() for name in CLASSES},
                 "by_slice": [piece.to_json() for piece in self.slices]}
 
     def worst(self, n: int = 3) -> list[SliceGap]:
@@ -114,7 +121,8 @@ class GapSplit:
 
     def line(self) -> str:
         """``start-up 13,852, after node events 9,948, steady 2,563`` (samples missing)."""
-        return ", ".join(f"{LABELS[n]} {self.parts[n].missing:,.0f}" for n in CLASSES)
+        parts = self.parts
+        return ", ".join(f"{LABELS[n]} {parts[n].missing:,.0f}" for n in CLASSES)
 
 
 def _value_at(curve: Sequence[tuple[float, float]], times: list[float], t: float) -> float:
@@ -153,7 +161,6 @@ def gap_split(curve: Sequence[tuple[float, float]], events: Iterable,
     times = [t for t, _ in curve]
     first = next((t for t, samples in curve if samples > 0), None)
     event_times = sorted(e.at_s for e in events if 0 < e.at_s <= duration_s)
-    parts = {name: GapPart() for name in CLASSES}
     slices: list[SliceGap] = []
     a = 0.0
     while a < duration_s:
@@ -166,10 +173,9 @@ def gap_split(curve: Sequence[tuple[float, float]], events: Iterable,
         gained = _value_at(curve, times, b) - _value_at(curve, times, a)
         due = (_linear_at(expected, expected_times, b)
                - _linear_at(expected, expected_times, a))
-        parts[name] = parts[name].plus(due, gained)
         slices.append(SliceGap(a, b, name, due, gained))
         a = b
-    return GapSplit(window_s, parts, tuple(slices))
+    return GapSplit(window_s, tuple(slices))
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from moshray.cluster.messages import RoundPlan
 from moshray.cluster.progress import ProgressReport
 from moshray.cluster.step_profile import PhaseClock
 
+from .metrics_outbox import MetricsOutbox
 from .replica_state import TrainState, step_digest
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 MAX_OWN_REJECTIONS = 3  # consecutive steps with our contribution rejected -> resync
 SYNC_ATTEMPTS = 600
 SNAPSHOT_WAIT_S = 5.0  # a donor's state waits at most this long for the loop's sync point
-RECORD_EVERY_S = 1.0  # metrics events go to the Coordinator in batches, at most this often
 
 
 class StepManager:
@@ -75,8 +75,7 @@ class StepManager:
         self._profiled = None  # the last step's StepPhases, sent with its metrics events
         self._pending_size = (0, 0)  # an overlapped step's (samples, micro-batches)
         self._contributed: tuple[int, int] | None = None  # (epoch, samples) to report once
-        self._events: list = []  # metrics events not sent yet (``record``)
-        self._recorded_at = time.monotonic()
+        self.outbox = MetricsOutbox(peer_id, coordinator)  # metrics events, in batches
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -359,18 +358,9 @@ class StepManager:
         self.record(tuple(events))
 
     def record(self, events: tuple, flush: bool = False) -> None:
-        """Metrics events to the Coordinator, fire-and-forget, in batches (one call per
-        ``RECORD_EVERY_S``, or at once with ``flush``: heartbeat, loop end, ``close``).
-        Events are lost only if the Coordinator is gone (logged)."""
-        self._events.extend(events)
-        now = time.monotonic()
-        if not self._events or not (flush or now - self._recorded_at >= RECORD_EVERY_S):
-            return
-        batch, self._events, self._recorded_at = tuple(self._events), [], now
-        try:
-            self.coordinator.record.remote(batch)
-        except ray.exceptions.RayError as exc:
-            log.info("%s: metrics not recorded (%s)", self.peer_id, type(exc).__name__)
+        """Metrics events to the Coordinator, fire-and-forget, in batches (``MetricsOutbox``:
+        at once with ``flush``: heartbeat, loop end, ``close``)."""
+        self.outbox.add(events, flush)
 
     # -- a Coordinator that restarted -----------------------------------------------------------
 

@@ -99,7 +99,7 @@ class GapSplit:
 
     @property
     def missing(self) -> float:
-        return sum(p.missing for p in self.parts.values())
+        return sum(p.missing for p in self.slices)
 
     def to_json(self) -> dict:
         parts = self.parts

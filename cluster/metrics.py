@@ -13,8 +13,8 @@ Who sends what (``coordinator.record.remote((event, ...))``):
 
 - a replica, after each ``Averager.all_reduce``: ``RoundEvent.from_report(report)``; once,
   after its first averaged step: ``JoinEvent(seconds since it started)``; it sends them in
-  batches, at most once a second (``actors/metrics_outbox.MetricsOutbox``), so they arrive up to a second
-  late (every event carries its own measurement, not its arrival time);
+  batches, at most once a second (``actors/metrics_outbox.MetricsOutbox``), so they arrive
+  up to a second late (every event carries its own measurement, not its arrival time);
 - the training job / watcher: ``NoticeEvent(cloud, pool)`` per preemption notice,
   ``NodeLostEvent(with_notice)`` per lost node, ``CapacityEvent(spot, on_demand)`` on change;
 - the mixture layer: ``ExpertCallEvent(outcome, latency_s)`` per expert call (batch them);

@@ -7,8 +7,8 @@ transient trouble (connection refused, timeouts, HTTP 5xx, a half-written body):
 it, count it in ``errors`` and return None, so the watcher loop simply polls again.
 
 Each role has its own module; this one re-exports their names (imports of
-``moshray.autoscaler.notices`` keep working) and picks a node's source (``make_source``,
-``node_metadata_service``):
+``moshray.autoscaler.notices`` keep working) and builds a node's source (``make_source``;
+``AutoSource``, the source ``auto`` picked, which says how it was found):
 
 * ``notice_message.py``: ``PreemptionNotice``, the ``NoticeSource`` interface, the actions,
   clouds, metadata addresses and notice lengths.
@@ -20,6 +20,9 @@ Each role has its own module; this one re-exports their names (imports of
   long-polled; the deadline is ``received + notice_s`` (about 30 s on GCP).
 * ``notice_local.py``: ``SimulatedSource`` (local clusters, trace replay: ``trigger()`` /
   ``deliver()`` queue a notice that ``poll`` returns) and ``SilentSource`` (no source).
+* ``cloud_detect.py``: which cloud a node runs on, for ``notice_source = auto`` (the
+  metadata service its environment names, its DMI vendor strings, a bounded probe of the
+  link-local metadata service; ``node_metadata_service``, ``detect``).
 
 Only the standard library is used (``http.client``), so the watcher runs on a bare node
 image.
@@ -27,8 +30,12 @@ image.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
+from .cloud_detect import (  # noqa: F401 - re-exported
+    AWS_ENDPOINT_ENV,
+    GCP_HOST_ENV,
+    Detection,
+    node_metadata_service,
+)
 from .notice_aws import AWSMetadataSource  # noqa: F401 - re-exported
 from .notice_gcp import GCPMetadataSource  # noqa: F401 - re-exported
 from .notice_http import (  # noqa: F401 - re-exported
@@ -53,31 +60,56 @@ from .notice_message import (  # noqa: F401 - re-exported
     PreemptionNotice,
 )
 
-# How a node names its metadata service: the variables the clouds' own SDKs honour (boto's
-# IMDS endpoint override; google-auth's metadata host). Set by the node's setup, never by
-# the job: the embedded cluster sets them to its local emulators (metadata_emulator.py).
-AWS_ENDPOINT_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
-GCP_HOST_ENV = "GCE_METADATA_HOST"
 
+class AutoSource(NoticeSource):
+    """The source ``auto`` picked (``WatcherConfig.make_source``): ``inner`` does the work,
+    ``detection`` says how its cloud was found.
 
-def node_metadata_service(environ: Mapping[str, str]) -> tuple[str, str | None]:
-    """``(cloud, metadata_url)`` a node names in its environment: ``("aws", url)``,
-    ``("gcp", url)``, or ``("none", None)`` when it names none. Pure."""
-    aws = environ.get(AWS_ENDPOINT_ENV, "").strip()
-    if aws:
-        return "aws", aws.rstrip("/")
-    gcp = environ.get(GCP_HOST_ENV, "").strip()
-    if gcp:
-        return "gcp", gcp.rstrip("/") if "://" in gcp else f"http://{gcp}"
-    return "none", None
+    Polls, ``close``, ``errors`` and ``cloud`` are the inner source's; other attributes
+    (``node_id``, ``pool``, ``base_url``...) are read through. ``describe()`` is the inner
+    source's followed by ``(auto: <how>)``, so a watcher's ``status()["source"]`` shows it;
+    notices keep the inner source's own description.
+    """
+
+    def __init__(self, inner: NoticeSource, detection: Detection) -> None:
+        self.inner = inner
+        self.detection = detection
+
+    @property
+    def cloud(self) -> str:
+        return self.inner.cloud
+
+    @property
+    def errors(self) -> int:
+        return self.inner.errors
+
+    @property
+    def closed(self) -> bool:
+        return self.inner.closed
+
+    def poll(self, timeout_s: float) -> PreemptionNotice | None:
+        return self.inner.poll(timeout_s)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()} (auto: {self.detection.how})"
+
+    def __getattr__(self, name: str):
+        if name in ("inner", "detection"):  # not set yet (e.g. while unpickling)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 def make_source(kind: str, node_id: str, *, metadata_url: str | None = None, pool: str = "",
                 **options) -> NoticeSource:
-    """The source named ``kind`` ("aws", "gcp" or "simulated") for ``node_id``.
+    """The source named ``kind`` ("aws", "gcp", "simulated" or "none") for ``node_id``.
 
     ``metadata_url`` overrides the cloud's link-local metadata address; ``options`` go to
-    the source's constructor (e.g. ``interval_s`` for AWS, ``notice_s`` for GCP).
+    the source's constructor (e.g. ``interval_s`` for AWS, ``notice_s`` for GCP). ``auto``
+    is not a kind here: ``WatcherConfig.make_source`` detects the cloud, then calls this.
+    Raises ``ValueError`` for an unknown kind.
     """
     if kind == "aws":
         return AWSMetadataSource(node_id, metadata_url or AWS_METADATA_URL, pool=pool, **options)

@@ -17,9 +17,9 @@ Each role has its own module; this one re-exports their public names (imports, t
   notice, ``lost`` without one) and summarizes the lifecycles with the Coordinator's
   rebalance times.
 * ``watch_cli.py``: ``moshray watch`` runs the watcher of the node it is started on (a real
-  cloud node): ``moshray watch --source aws`` (or ``gcp``) connects with
-  ``ray.init(address="auto")``, starts the watcher actor on this node and stays until the
-  node's deadline has passed.
+  cloud node): ``moshray watch`` (``--source auto``, the default, detects the node's cloud;
+  ``--source aws`` / ``gcp`` name it) connects with ``ray.init(address="auto")``, starts the
+  watcher actor on this node and stays until the node's deadline has passed.
 """
 
 from __future__ import annotations

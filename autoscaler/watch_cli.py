@@ -1,8 +1,10 @@
 """``moshray watch``: run the spot-notice watcher of the node it is started on.
 
-Contract: ``moshray watch --source aws`` (or ``gcp``) connects with
-``ray.init(address="auto")``, starts the watcher actor on this node and stays until the
-node's deadline has passed (or ``--max-seconds``); exit 2 on a bad argument.
+Contract: ``moshray watch`` (``--source auto``, the default: the node's cloud is detected
+on the node, see ``cloud_detect.py``; or ``--source aws`` / ``gcp`` to name it) connects
+with ``ray.init(address="auto")``, starts the watcher actor on this node, says on stderr
+which source it listens to (and, for auto, how it was found) and stays until the node's
+deadline has passed (or ``--max-seconds``); exit 2 on a bad argument.
 ``add_arguments`` / ``main`` are what the ``moshray`` CLI calls (through
 ``moshray.autoscaler.watch``, which re-exports them).
 """
@@ -20,6 +22,7 @@ import ray
 
 from moshray.cluster import placement
 
+from .cloud_detect import LINK_LOCAL_URL
 from .drain import DrainOutcome, check_node_id
 from .notice_watcher import start_watcher
 from .notices import AWS_METADATA_URL, GCP_METADATA_URL, GCP_NOTICE_S
@@ -27,11 +30,16 @@ from .watcher_config import SOURCES, WatcherConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--source", choices=SOURCES, required=True,
-                        help="where notices come from: the cloud's metadata server or simulated")
+    parser.add_argument("--source", choices=SOURCES, default="auto",
+                        help="where notices come from (default auto: the metadata service "
+                             "named in AWS_EC2_METADATA_SERVICE_ENDPOINT / GCE_METADATA_HOST, "
+                             "else the cloud the DMI vendor strings name, else a short probe "
+                             f"of {LINK_LOCAL_URL}; none, with a warning, if nothing answers); "
+                             "aws or gcp name the cloud, simulated and none are for tests")
     parser.add_argument("--metadata-url", default=None,
                         help=f"metadata server base URL (default {AWS_METADATA_URL} for aws, "
-                             f"{GCP_METADATA_URL} for gcp)")
+                             f"{GCP_METADATA_URL} for gcp; for auto, where a detected cloud's "
+                             f"service is and where the probe looks, default {LINK_LOCAL_URL})")
     parser.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     parser.add_argument("--node-id", default=None, help="Ray node id to watch (default: this node)")
     parser.add_argument("--pool", default="", help="capacity pool of this node, for metrics")
@@ -78,7 +86,8 @@ def main(args: argparse.Namespace) -> int:
     node_id = args.node_id or ray.get_runtime_context().get_node_id()
     watcher = start_watcher(node_id, config)
     ray.get(watcher.ready.remote(), timeout=120)
-    print(f"watching node {node_id} ({config.source})", file=sys.stderr, flush=True)
+    source = ray.get(watcher.status.remote(), timeout=60)["source"]  # for auto: how found
+    print(f"watching node {node_id} ({source})", file=sys.stderr, flush=True)
     end = math.inf if args.max_seconds is None else time.monotonic() + args.max_seconds
     seen = 0
     try:

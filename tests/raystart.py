@@ -44,6 +44,10 @@ def ray_env(token: str | None = None) -> dict:
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
     else:
         env["RAY_AUTH_MODE"] = "disabled"
+    # These machines are no cloud instances: the SDKs' opt-outs keep notice_source = "auto"
+    # (autoscaler/cloud_detect.py) on a node that names no metadata service from probing the
+    # host's real 169.254.169.254. A node with an emulator names it (add_spot_node).
+    env.update(AWS_EC2_METADATA_DISABLED="true", NO_GCE_CHECK="true")
     return env
 
 

@@ -17,12 +17,19 @@ Plugged in with::
       head_instance_profile_arn: arn:aws:iam::123456789012:instance-profile/moshray-head
       worker_instance_profile_arn: arn:aws:iam::123456789012:instance-profile/moshray-worker
       metrics_port: 9451                  # provider metrics on the head's loopback
-      spot_prices: {g4dn.xlarge: 0.22}    # used when the spot price history has none
+      spot_prices: {g4dn.xlarge: 0.20}    # example: used when the spot price history has none
       spot_price_ttl_s: 300
 
 ``bootstrap_config`` (``ray up``) puts the instance profiles into the node types
 (provider_config.bootstrap_identity). Spot prices come from EC2's spot price history
-(:meth:`AWSSpotNodeProvider.spot_price_history`, prices.py).
+(:meth:`AWSSpotNodeProvider.spot_price_history`, prices.py); ``spot_prices`` is only the
+fallback for a (type, zone) the history does not answer.
+
+Node labels: the pool decides each instance's type, zone and market (``InstanceMarketOptions``
+spot, or none: on-demand), which the instance's metadata (IMDS ``instance-type``,
+``placement/availability-zone``, ``instance-life-cycle``) then reports; the node's
+``ray start`` turns them into its Ray labels (``ray.io/market-type``, ``moshray-instance-type``,
+...: node_labels.py, infra/ray/cluster-aws.yaml), which the controller prices nodes by.
 
 ``node_config`` of a node type is passed to ``RunInstances`` (ImageId, KeyName,
 SecurityGroupIds, IamInstanceProfile, BlockDeviceMappings, UserData, ...), except that the
@@ -40,7 +47,6 @@ token, which EC2 answers with the first request's result instead of launching ag
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -50,7 +56,7 @@ import botocore.config
 import botocore.exceptions
 
 from moshray.autoscaler.pools import Market, Pool
-from moshray.autoscaler.prices import Fetch
+from moshray.autoscaler.prices import Fetch, ec2_spot_price_history
 from moshray.autoscaler.provider_api import (
     NODE_POOLS_KEY,
     LaunchError,
@@ -86,7 +92,6 @@ _TRANSPORT_ERRORS = (
 )
 _LIVE = ("pending", "running")
 _TRANSPORT_ATTEMPTS = 3
-_PRODUCTS = ("Linux/UNIX", "Linux/UNIX (Amazon VPC)")
 
 
 def _to_aws_tags(tags: Mapping[str, str]) -> list[dict[str, str]]:
@@ -137,17 +142,9 @@ class AWSSpotNodeProvider(SpotNodeProviderBase):
 
     def spot_price_history(self, instance_types: tuple[str, ...],
                            zones: tuple[str, ...]) -> list[dict[str, Any]]:
-        """EC2's spot price records for these types and zones from now on: the price in
-        effect now per (type, zone, product), plus any change since (prices.py picks the
-        newest). Linux only, as the node images are."""
-        paginator = self.ec2.get_paginator("describe_spot_price_history")
-        pages = paginator.paginate(
-            InstanceTypes=list(instance_types),
-            ProductDescriptions=list(_PRODUCTS),
-            Filters=[{"Name": "availability-zone", "Values": list(zones)}],
-            StartTime=datetime.datetime.now(datetime.timezone.utc),
-        )
-        return [record for page in pages for record in page.get("SpotPriceHistory", [])]
+        """EC2's spot price records for these types and zones from now on (the reader the
+        controller's PriceBook uses too: prices.ec2_spot_price_history)."""
+        return ec2_spot_price_history(self.ec2, instance_types, zones)
 
     def _default_pool(self, node_config: Mapping[str, Any]) -> Pool:
         itype = node_config.get("InstanceType")

@@ -19,6 +19,7 @@ Plugged in with::
       worker_service_account: moshray-worker@my-project.iam.gserviceaccount.com
       metrics_port: 9451                  # provider metrics on the head's loopback
       spot_prices: {g2-standard-4: 0.28}  # GCE has no spot price API: configured prices
+                                          # (the controller's PriceBook also has price_table.json)
 
 ``bootstrap_config`` (``ray up``) puts the service accounts into the node types
 (provider_config.bootstrap_identity).
@@ -33,6 +34,12 @@ regions/{region}/subnetworks/default``). Spot VMs get ``scheduling.provisioningM
 ``onHostMaintenance: TERMINATE``; on-demand ones ``provisioningModel: STANDARD``. The pool key
 is also set as the metadata attribute ``moshray-pool``, so the node's watcher can read it from
 the metadata server (``instance/attributes/moshray-pool``).
+
+Node labels: the pool decides each VM's machine type, zone and provisioning model, which the
+metadata server then reports (``instance/machine-type``, ``instance/zone``,
+``instance/scheduling/preemptible``); the node's ``ray start`` turns them into its Ray labels
+(``ray.io/market-type``, ``moshray-instance-type``, ...: node_labels.py,
+infra/ray/cluster-gcp.yaml), which the controller prices nodes by.
 
 Tags are GCE labels. Label values allow only lowercase letters, digits, ``-`` and ``_``, so
 the values of Ray's ``ray-*`` tags are escaped reversibly (:func:`encode_label_value`, e.g.

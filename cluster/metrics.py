@@ -16,7 +16,8 @@ Who sends what (``coordinator.record.remote((event, ...))``):
   batches, at most once a second (``actors/metrics_outbox.MetricsOutbox``), so they arrive
   up to a second late (every event carries its own measurement, not its arrival time);
 - the training job / watcher: ``NoticeEvent(cloud, pool)`` per preemption notice,
-  ``NodeLostEvent(with_notice)`` per lost node, ``CapacityEvent(spot, on_demand)`` on change;
+  ``NodeLostEvent(with_notice)`` per lost node, ``CapacityEvent(spot, on_demand, node_prices)``
+  on change (each live worker's $/h and where it came from);
 - the mixture layer: ``ExpertCallEvent(outcome, latency_s)`` per expert call (batch them);
 - a NodeProvider: ``LaunchEvent(pool, ok, market)`` per launch attempt.
 

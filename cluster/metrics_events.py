@@ -15,12 +15,14 @@ from typing import Union
 
 from .messages import AllReduceReport
 
-__all__ = ["EXPERT_OUTCOMES", "MARKETS", "REPLICA_STATES", "Event", "RoundEvent", "NoticeEvent",
-           "NodeLostEvent", "RebalanceEvent", "JoinEvent", "ExpertCallEvent", "LaunchEvent",
-           "CapacityEvent", "ReplicaStatesEvent", "NodeJoinedEvent", "QuarantineEvent"]
+__all__ = ["EXPERT_OUTCOMES", "MARKETS", "PRICE_SOURCES", "REPLICA_STATES", "Event",
+           "RoundEvent", "NoticeEvent", "NodeLostEvent", "RebalanceEvent", "JoinEvent",
+           "ExpertCallEvent", "LaunchEvent", "CapacityEvent", "ReplicaStatesEvent",
+           "NodeJoinedEvent", "QuarantineEvent"]
 
 EXPERT_OUTCOMES = ("ok", "timeout", "failed", "rejected")
 MARKETS = ("spot", "on_demand")
+PRICE_SOURCES = ("provider", "table", "config")  # autoscaler/prices.py PriceSource values
 
 
 def _seconds(name: str, value: float) -> None:
@@ -157,14 +159,41 @@ class LaunchEvent:
 
 @dataclass(frozen=True)
 class CapacityEvent:
-    """How many worker nodes run now on each market (a gauge, last value wins)."""
+    """How many worker nodes run now on each market, and what each costs (a gauge, last
+    value wins).
+
+    ``node_prices``: one ``(market, dollars_per_hour, source)`` per live worker node, source
+    in ``PRICE_SOURCES`` (autoscaler/prices.py ``PriceSource``: the cloud's live price, the
+    shipped table, or the configured price); its markets must add up to the two counts.
+    Empty: the exporter prices every node at its configured ``Prices`` (source ``config``).
+    """
 
     spot_nodes: int
     on_demand_nodes: int
+    node_prices: tuple[tuple[str, float, str], ...] = ()
 
     def __post_init__(self) -> None:
         _count("spot_nodes", self.spot_nodes)
         _count("on_demand_nodes", self.on_demand_nodes)
+        for row in self.node_prices:
+            if not (isinstance(row, tuple) and len(row) == 3):
+                raise ValueError(f"node_prices must hold (market, dollars_per_hour, source) "
+                                 f"triples, got {row!r}")
+            market, price, source = row
+            _market(market)
+            if isinstance(price, bool) or not (isinstance(price, (int, float))
+                                               and math.isfinite(price) and price >= 0):
+                raise ValueError(f"node price must be a finite number of dollars >= 0, "
+                                 f"got {price!r}")
+            if source not in PRICE_SOURCES:
+                raise ValueError(f"price source must be one of {PRICE_SOURCES}, "
+                                 f"got {source!r}")
+        if self.node_prices:
+            spot = sum(1 for row in self.node_prices if row[0] == "spot")
+            if (spot, len(self.node_prices) - spot) != (self.spot_nodes, self.on_demand_nodes):
+                raise ValueError(f"node_prices name {spot} spot and "
+                                 f"{len(self.node_prices) - spot} on-demand nodes, the counts "
+                                 f"say {self.spot_nodes} and {self.on_demand_nodes}")
 
 
 REPLICA_STATES = ("starting", "syncing", "training", "leaving")
@@ -204,4 +233,5 @@ class QuarantineEvent:
 
 
 Event = Union[RoundEvent, NoticeEvent, NodeLostEvent, RebalanceEvent, JoinEvent,
-              ExpertCallEvent, LaunchEvent, CapacityEvent, ReplicaStatesEvent, NodeJoinedEvent, QuarantineEvent]
+              ExpertCallEvent, LaunchEvent, CapacityEvent, ReplicaStatesEvent, NodeJoinedEvent,
+              QuarantineEvent]

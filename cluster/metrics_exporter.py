@@ -5,9 +5,11 @@ histograms in its own ``CollectorRegistry`` (never the process-global one, so se
 exporters can live in one process); ``apply`` is thread-safe. Gauges derived from the run
 (peers, global step, samples, loss, nodes and cost) are computed at scrape time from a
 ``state`` callable returning a ``TrainingState`` (``metrics_state.py``); a scrape still
-succeeds, with zeros, if it raises. ``serve`` starts a daemon HTTP thread, ``close`` stops
-it. Names follow Prometheus conventions: ``moshray_`` prefix, base units, ``_total`` for
-counters. Nothing here talks to Ray.
+succeeds, with zeros, if it raises. Cost is the sum of the live worker nodes' prices as the
+last ``CapacityEvent`` gave them (each with its source: the cloud's live price, the shipped
+table or the configured price; ``Prices`` only for nodes reported without one). ``serve``
+starts a daemon HTTP thread, ``close`` stops it. Names follow Prometheus conventions:
+``moshray_`` prefix, base units, ``_total`` for counters. Nothing here talks to Ray.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class _DerivedCollector(Collector):
         except Exception as exc:  # a scrape must not fail because the Coordinator is busy
             log.warning("metrics: training state unavailable (%s); exporting zeros", exc)
             state = TrainingState()
-        spot, on_demand = ex.nodes()
+        spot, on_demand, node_prices = ex.capacity()
         peers = GaugeMetricFamily(PREFIX + "peers", "Averaging peers by state.",
                                   labels=["state"])
         peers.add_metric(["live"], state.live_peers)
@@ -100,14 +102,25 @@ class _DerivedCollector(Collector):
         nodes.add_metric(["spot"], spot)
         nodes.add_metric(["on_demand"], on_demand)
         yield nodes
-        price = GaugeMetricFamily(PREFIX + "node_price_dollars_per_hour",
-                                  "Configured price of one worker node.", labels=["market"])
-        price.add_metric(["spot"], ex.prices.spot_per_hour)
-        price.add_metric(["on_demand"], ex.prices.on_demand_per_hour)
+        price = GaugeMetricFamily(
+            PREFIX + "node_price_dollars_per_hour",
+            "Mean price of one live worker node, by market and by where the price came from "
+            "(provider: the cloud's live price, table: the shipped price table, config: the "
+            "configured price, also shown for a market without live nodes).",
+            labels=["market", "source"])
+        groups: dict[tuple[str, str], list[float]] = {}
+        for market, dollars, source in node_prices:
+            groups.setdefault((market, source), []).append(dollars)
+        for market, configured in (("spot", ex.prices.spot_per_hour),
+                                   ("on_demand", ex.prices.on_demand_per_hour)):
+            if not any(m == market for m, _ in groups):
+                groups[(market, "config")] = [configured]
+        for (market, source), values in sorted(groups.items()):
+            price.add_metric([market, source], sum(values) / len(values))
         yield price
-        per_hour = ex.prices.cost_per_hour(spot, on_demand)
+        per_hour = sum(dollars for _, dollars, _ in node_prices)
         yield GaugeMetricFamily(PREFIX + "estimated_cost_dollars_per_hour",
-                                "Worker nodes times their configured prices.", value=per_hour)
+                                "Sum of the live worker nodes' prices.", value=per_hour)
         per_sample = per_hour / 3600.0 / state.samples_per_s if state.samples_per_s > 0 \
             else math.nan
         yield GaugeMetricFamily(PREFIX + "estimated_cost_dollars_per_sample",
@@ -131,6 +144,7 @@ class MetricsExporter:
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
         self._nodes = (0, 0)
+        self._node_prices: tuple[tuple[str, float, str], ...] = ()
         self._server = None
         self._thread = None
         self.address: tuple[str, int] | None = None
@@ -249,13 +263,23 @@ class MetricsExporter:
             self.replicas.labels(state).set(counts.get(state, 0))
 
     def _capacity(self, e: CapacityEvent) -> None:
+        prices = e.node_prices or (
+            (("spot", self.prices.spot_per_hour, "config"),) * e.spot_nodes
+            + (("on_demand", self.prices.on_demand_per_hour, "config"),) * e.on_demand_nodes)
         with self._lock:
             self._nodes = (e.spot_nodes, e.on_demand_nodes)
+            self._node_prices = tuple(prices)
 
     def nodes(self) -> tuple[int, int]:
         """(spot, on-demand) worker nodes, as last reported."""
         with self._lock:
             return self._nodes
+
+    def capacity(self) -> tuple[int, int, tuple[tuple[str, float, str], ...]]:
+        """(spot, on-demand, per-node (market, $/h, source)) as last reported; nodes reported
+        without prices are priced at the configured ``Prices``."""
+        with self._lock:
+            return self._nodes + (self._node_prices,)
 
     # exposition
 

@@ -19,10 +19,12 @@ __all__ = ["Prices", "TrainingState", "training_state"]
 
 @dataclass(frozen=True)
 class Prices:
-    """$/hour of one worker node on each market; cost estimates multiply node counts by them.
+    """The configured $/hour of one worker node on each market: the fallback for nodes whose
+    price is not known otherwise (the controller prices each node from its labels first:
+    the cloud's live spot price, then the shipped table; autoscaler/prices.py PriceBook).
 
-    The defaults are an AWS g4dn.xlarge in us-east-1 (on-demand list price, a typical spot
-    price); set your own.
+    The defaults are an AWS g4dn.xlarge in us-east-1: its on-demand list price and an
+    assumed spot price (metrics.spot_price_per_hour); set your own.
     """
 
     spot_per_hour: float = 0.16

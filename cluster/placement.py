@@ -4,6 +4,14 @@ Spot worker nodes carry the custom resource ``SPOT_RESOURCE`` (the Ray cluster Y
 embedded local cluster both set it), so training replicas and experts land only there.
 The Coordinator asks for a sliver of the head node's built-in resource, so it can never be
 placed on a node that may be preempted.
+
+Node labels say what a worker node is, for the controller's node counts and prices
+(``jobs/observations.py node_view``). Where Ray defines a key it is used, with Ray's values:
+``ray.io/market-type`` (``spot`` / ``on-demand``; Ray also fills it from ``RAY_NODE_MARKET_TYPE``)
+and ``ray.io/availability-zone``. Ray has no key for the instance type or the cloud, so those are
+moshray's. The infra/ node setup (``python -m moshray.autoscaler.node_labels``) passes them to
+``ray start --labels`` from the node's own metadata service. ``LEGACY_MARKET_LABEL`` is still
+read when Ray's key is absent.
 """
 
 from __future__ import annotations
@@ -12,7 +20,11 @@ SPOT_RESOURCE = "spot"
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's built-in resource of the head node
 NAMESPACE = "moshray"
 SLOT_LABEL = "moshray-slot"  # node label of the embedded cluster's simulated nodes
-MARKET_LABEL = "moshray-market"  # optional node label: spot (default) or on-demand
+MARKET_LABEL = "ray.io/market-type"  # Ray's key (RAY_NODE_MARKET_TYPE_KEY): spot | on-demand
+LEGACY_MARKET_LABEL = "moshray-market"  # the older moshray key, read when Ray's is absent
+ZONE_LABEL = "ray.io/availability-zone"  # Ray's key (RAY_NODE_ZONE_KEY)
+INSTANCE_TYPE_LABEL = "moshray-instance-type"  # e.g. g4dn.xlarge, g2-standard-4 (Ray has none)
+CLOUD_LABEL = "moshray-cloud"  # aws | gcp (Ray has none)
 COORDINATOR_NAME = "moshray-coordinator"
 
 

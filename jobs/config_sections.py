@@ -221,7 +221,9 @@ class ClusterSection(_Section):
     delivered through the node's metadata service. ``notice_source`` is how each node's
     watcher hears notices: ``aws`` / ``gcp`` (the cloud's metadata service), ``none``, or
     ``auto`` (the metadata service the node names in ``AWS_EC2_METADATA_SERVICE_ENDPOINT``
-    or ``GCE_METADATA_HOST``, as the embedded cluster does; else none).
+    or ``GCE_METADATA_HOST``, as the embedded cluster does; else the cloud its DMI vendor
+    strings name; else a short probe of 169.254.169.254; else none, with a warning; see
+    ``autoscaler/cloud_detect.py``).
     """
 
     _section = "cluster"
@@ -280,10 +282,11 @@ class CheckpointSection(_Section):
 @dataclass(frozen=True)
 class MetricsSection(_Section):
     """Prometheus exporter; ``port = 0`` lets the OS choose a free port. The cost metrics
-    (per hour, per sample) multiply the worker nodes the controller sees on each market by
-    ``spot_price_per_hour`` / ``on_demand_price_per_hour`` (US$ per node-hour; defaults:
-    an AWS g4dn.xlarge in us-east-1, set your instance type's; the NodeProviders export
-    the cloud's live spot prices as ``moshray_provider_spot_price_dollars``)."""
+    (per hour, per sample) sum the price of each worker node the controller sees: the
+    cloud's live spot price (EC2), else the shipped table (autoscaler/price_table.json),
+    else ``spot_price_per_hour`` / ``on_demand_price_per_hour`` (US$ per node-hour, the
+    fallback; defaults: an AWS g4dn.xlarge in us-east-1, an assumed spot price and the
+    on-demand list price). ``moshray_node_price_dollars_per_hour{source}`` says which."""
 
     _section = "metrics"
 

@@ -4,10 +4,13 @@ Each tick it *observes* (Ray's node table and drain state, the Coordinator's mem
 replicas' run refs) into plain data, lets ``reconcile.decide`` compute the actions, and
 *acts*: starts replicas pinned to their nodes (with a GPU where the node has them), stops
 the ones to drop, records every replica's state transitions (``replica_states.py``), starts
-a notice watcher on each worker node that joins, asks Ray's autoscaler for capacity
-(``ray.autoscaler.sdk.request_resources``), and reports nodes, losses, joins and replica
-states as metrics. It never asks whether the cluster is local: nodes come from outside
-(Ray's autoscaler and the cloud, or the embedded cluster playing the cloud).
+a notice watcher on each worker node that joins (or uses the one the node already has),
+asks Ray's autoscaler for capacity (``ray.autoscaler.sdk.request_resources``), and reports
+nodes, losses, joins and replica states as metrics. At the end of the job the driver calls
+``release_capacity`` (the request withdrawn) and ``stop_watchers`` (only the watchers this
+controller started: a node's own ``moshray watch`` keeps watching for the next job). It
+never asks whether the cluster is local: nodes come from outside (Ray's autoscaler and the
+cloud, or the embedded cluster playing the cloud).
 
 Failure behaviour: a failed call to Ray or the Coordinator during a tick is logged and the
 tick is skipped (the next one observes again); with fewer than ``cluster.min_nodes`` nodes
@@ -51,6 +54,30 @@ class NoCapacityError(RuntimeError):
     """No worker node came within ``cluster.wait_for_nodes_s``."""
 
 
+def capacity_requested() -> tuple[dict, ...]:
+    """The bundles standing in Ray's autoscaler from ``request_resources`` (any driver's; one
+    dict per bundle), read back where Ray keeps them: the GCS's cluster resource constraint
+    under autoscaler v2, the internal KV key the v1 monitor reads otherwise. Needs a
+    connected driver; raises what Ray raises if the GCS does not answer."""
+    import json
+
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+    if is_autoscaler_v2():
+        from ray.autoscaler.v2.sdk import get_cluster_resource_state
+        from ray.experimental.internal_kv import internal_kv_get_gcs_client
+
+        cluster = get_cluster_resource_state(internal_kv_get_gcs_client())
+        return tuple(dict(r.request.resources_bundle)
+                     for c in cluster.cluster_resource_constraints
+                     for r in c.resource_requests for _ in range(r.count))
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+    return tuple(json.loads(raw)) if raw else ()
+
+
 class ElasticController:
     """Keeps replicas on the worker nodes Ray has; see the module docstring.
 
@@ -72,13 +99,18 @@ class ElasticController:
         self.known_nodes: dict[str, float] = {}
         self.failures: dict[str, tuple[int, float]] = {}
         self.requested: int | None = None
+        self._asked = False  # a capacity request of this job may stand in Ray's autoscaler
         self.watchers: dict[str, object] = {}
+        self.own_watchers: set[str] = set()  # nodes whose watcher this controller started
+        self.hosts: set[str] = set()  # every machine (node address) seen alive
         self.lost_at: list[float] = []  # seconds since start of each node lost
         self.joined_at: list[float] = []
         self.hard_losses = 0
         self.waiting_since: float | None = None
         self._waiting_shown: tuple | None = None
         self._reported: tuple | None = None
+        self.price_book = None  # autoscaler/prices.py PriceBook, made by the first _report
+        self._cost_shown: tuple | None = None
         self._count = 0
         self._ticks = 0
 
@@ -172,6 +204,7 @@ class ElasticController:
 
             # One bundle per wanted worker node: every worker declares the spot market
             # resource (1000 units), so no two bundles fit on one node.
+            self._asked = True  # withdrawn at the end (release_capacity), even if this fails
             request_resources(bundles=[{SPOT_RESOURCE: 1000}] * action.nodes)
             self.requested = action.nodes
 
@@ -188,7 +221,8 @@ class ElasticController:
                  action.num_gpus)
 
     def _joined(self, node_id: str, obs: Observation) -> None:
-        from moshray.autoscaler.watch import WatcherConfig, start_watcher
+        from moshray.autoscaler.notice_watcher import open_watcher
+        from moshray.autoscaler.watcher_config import WatcherConfig
         from moshray.cluster import placement
 
         self.known_nodes[node_id] = obs.now_s
@@ -198,16 +232,22 @@ class ElasticController:
         market = "on_demand" if node is not None and node.market.value == "on-demand" \
             else "spot"
         self.coordinator.record.remote((metrics.NodeJoinedEvent(market),))
-        watcher = start_watcher(node_id, WatcherConfig(
+        # A node may have its own watcher already (`moshray watch` on an infra/ node, or a
+        # watcher fleet's): it is used, never stopped by this job (see stop_watchers).
+        opened = open_watcher(node_id, WatcherConfig(
             source=self.config.cluster.notice_source, poll_s=0.25,
             rpc_timeout_s=RPC_TIMEOUT_S, coordinator_name=placement.COORDINATOR_NAME))
+        watcher = opened.actor
         self.watchers[node_id] = watcher
+        if opened.created:
+            self.own_watchers.add(node_id)
         if self.experts is not None:
             watcher.register.remote(self.experts, "experts")
 
     def _lost(self, action: NodeLost, obs: Observation) -> None:
         self.known_nodes.pop(action.node_id, None)
         self.watchers.pop(action.node_id, None)
+        self.own_watchers.discard(action.node_id)
         self.lost_at.append(obs.now_s)
         self.hard_losses += int(not action.with_notice)
         self.coordinator.record.remote((metrics.NodeLostEvent(action.with_notice),))
@@ -216,16 +256,40 @@ class ElasticController:
                  "with" if action.with_notice else "without")
 
     def _report(self, obs: Observation) -> None:
-        """Capacity and replica states as metrics events, when they change."""
+        """Capacity (with each live worker's price) and replica states as metrics events,
+        when they change; a log line when the cost or its sources change.
+
+        Prices come from ``self.price_book`` (made from ``config.metrics`` on first use, or
+        injected): per node from its labels, the cloud's live price, the shipped table or
+        the configured price; it reads the cloud at most once per TTL and never raises for
+        a price (a failure falls back and is logged once)."""
+        from moshray.autoscaler.prices import NodeKey, PriceBook
+
         workers = [n for n in obs.nodes if n.alive and n.worker]
         spot = sum(1 for n in workers if n.market.value == "spot")
         counts = tuple((s.value, sum(1 for r in self.records.values() if r.state is s))
                        for s in ReplicaState if not s.terminal)
-        now = (spot, len(workers) - spot, counts)
+        if self.price_book is None:
+            self.price_book = PriceBook.for_config(getattr(self.config, "metrics", None),
+                                                   self.clock)
+        priced = self.price_book.prices([NodeKey(n.cloud, n.market.value, n.instance_type,
+                                                 n.zone) for n in workers])
+        node_prices = tuple(("spot" if n.market.value == "spot" else "on_demand",
+                             p.dollars_per_hour, p.source.value)
+                            for n, p in zip(workers, priced))
+        now = (spot, len(workers) - spot, counts, node_prices)
         if now != self._reported:
             self._reported = now
-            self.coordinator.record.remote((metrics.CapacityEvent(spot, len(workers) - spot),
-                                            metrics.ReplicaStatesEvent(counts)))
+            self.coordinator.record.remote((
+                metrics.CapacityEvent(spot, len(workers) - spot, node_prices),
+                metrics.ReplicaStatesEvent(counts)))
+        sources = tuple(sorted({(p.source.value, sum(1 for q in priced if q.source is p.source))
+                                for p in priced}))
+        cost = (round(sum(p.dollars_per_hour for p in priced), 4), sources)
+        if workers and cost != self._cost_shown:
+            self._cost_shown = cost
+            log.info("cost: %d worker nodes at $%.4f/h (prices from %s)", len(workers), cost[0],
+                     ", ".join(f"{source}: {n}" for source, n in sources))
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -236,6 +300,7 @@ class ElasticController:
         except (ray.exceptions.RayError, TimeoutError) as exc:
             log.warning("controller: observation failed (%s); next tick", type(exc).__name__)
             return None
+        self.hosts.update(n.address for n in obs.nodes if n.alive and n.address)
         decision = decide(obs, self.memory(), self.policy)
         self.act(decision, obs)
         self._ticks += 1
@@ -284,9 +349,55 @@ class ElasticController:
                 + [(t.dst.value, round(t.at_s, 2)) for t in r.history]
                 for r in self.records.values()}
 
-    def stop_watchers(self) -> None:
-        for node_id, watcher in list(self.watchers.items()):
+    # -- the end of the job: nothing left running, nothing requested ----------------------------
+
+    def stop_watchers(self, timeout_s: float = 10.0) -> None:
+        """Stop and remove the watchers this controller started (their names are free for
+        the next job); a watcher it found on a node (the node's own ``moshray watch``, an
+        earlier or other driver's) keeps running. Bounded by ``timeout_s``; each failure is
+        logged."""
+        own = [(n, w) for n, w in self.watchers.items() if n in self.own_watchers]
+        refs = []
+        for node_id, watcher in own:
             try:
-                watcher.stop.remote()
+                refs.append(watcher.stop.remote())
             except ray.exceptions.RayError as exc:
                 log.info("watcher of %s not stopped: %r", node_id[:12], exc)
+        if refs:  # let each close its source, then remove it (a stopped one hears nothing)
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for node_id, watcher in own:
+            try:
+                ray.kill(watcher, no_restart=True)
+            except ray.exceptions.RayError as exc:
+                log.info("watcher of %s not removed: %r", node_id[:12], exc)
+            self.watchers.pop(node_id, None)
+        self.own_watchers.clear()
+
+    def release_capacity(self) -> None:
+        """Withdraw this job's request to Ray's autoscaler (``request_resources`` with no
+        bundles replaces it), so Ray keeps no node for a job that ended. Does nothing if this
+        controller never asked; idempotent. A failure is logged, never raised (it runs on
+        every exit path, errors included)."""
+        if not self._asked:
+            return
+        from ray.autoscaler.sdk import request_resources
+
+        try:
+            request_resources(bundles=[])
+        except Exception as exc:  # noqa: BLE001 - on an error path: never hide the first error
+            log.warning("capacity request not withdrawn (%r); Ray's autoscaler may keep up to "
+                        "%s nodes until the next job asks", exc, self.requested)
+            return
+        self._asked = False
+        self.requested = 0
+        log.info("capacity request withdrawn")
+
+    def stop_replicas(self) -> None:
+        """Kill every replica not yet gone, without the graceful stop (the job's error path:
+        nothing is left running). Each failure is logged."""
+        for replica_id, (handle, _) in list(self.runs.items()):
+            try:
+                ray.kill(handle, no_restart=True)
+            except ray.exceptions.RayError as exc:
+                log.info("replica %s not killed: %r", replica_id, exc)
+        self.runs.clear()

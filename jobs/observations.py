@@ -13,7 +13,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from moshray.cluster.placement import HEAD_RESOURCE, MARKET_LABEL, SPOT_RESOURCE
+from moshray.cluster.placement import (
+    CLOUD_LABEL,
+    HEAD_RESOURCE,
+    INSTANCE_TYPE_LABEL,
+    LEGACY_MARKET_LABEL,
+    MARKET_LABEL,
+    SPOT_RESOURCE,
+    ZONE_LABEL,
+)
 
 
 class Market(str, enum.Enum):
@@ -27,7 +35,9 @@ class NodeView:
     resource, which spot and on-demand-fallback workers both declare; the head never).
     ``draining``: Ray is draining it (a notice's DrainNode, or an autoscaler scale-down).
     ``address``: the machine (NodeManagerAddress); two nodes with different addresses are
-    different machines."""
+    different machines. ``market``, ``cloud``, ``instance_type`` and ``zone`` come from the
+    node's labels (cluster/placement.py); a node without a market label counts as spot, and
+    ``""`` means the label is absent (its price is then the configured one)."""
 
     node_id: str
     alive: bool
@@ -37,6 +47,9 @@ class NodeView:
     address: str = ""
     draining: bool = False
     slot: int | None = None  # the embedded cluster's slot label, for display only
+    cloud: str = ""  # aws | gcp
+    instance_type: str = ""  # e.g. g4dn.xlarge
+    zone: str = ""  # e.g. us-east-1a
 
 
 class RunOutcome(str, enum.Enum):
@@ -78,19 +91,30 @@ class Observation:
         return frozenset(n.address for n in self.nodes if n.alive and n.address)
 
 
+def market_of(labels: Mapping[str, str]) -> Market:
+    """The market a node's labels name: Ray's ``ray.io/market-type``, else the older
+    ``moshray-market``; ``on-demand`` in any case, with ``_`` or ``-``, is on-demand, anything
+    else (absent included) spot."""
+    value = labels.get(MARKET_LABEL) or labels.get(LEGACY_MARKET_LABEL) or ""
+    return Market.ON_DEMAND if str(value).strip().lower().replace("_", "-") == "on-demand" \
+        else Market.SPOT
+
+
 def node_view(row: Mapping[str, Any], draining: frozenset[str] = frozenset()) -> NodeView:
     """A ``NodeView`` of one ``ray.nodes()`` row; ``draining``: node ids Ray is draining."""
     resources = row.get("Resources") or {}
     labels = row.get("Labels") or {}
     worker = resources.get(SPOT_RESOURCE, 0) > 0 and HEAD_RESOURCE not in resources
-    market = Market.ON_DEMAND if labels.get(MARKET_LABEL) == Market.ON_DEMAND.value \
-        else Market.SPOT
     slot = labels.get("moshray-slot")
     return NodeView(
-        node_id=row["NodeID"], alive=bool(row.get("Alive")), worker=worker, market=market,
+        node_id=row["NodeID"], alive=bool(row.get("Alive")), worker=worker,
+        market=market_of(labels),
         gpus=float(resources.get("GPU", 0.0)), address=str(row.get("NodeManagerAddress", "")),
         draining=row["NodeID"] in draining,
-        slot=int(slot) if isinstance(slot, str) and slot.isdigit() else None)
+        slot=int(slot) if isinstance(slot, str) and slot.isdigit() else None,
+        cloud=str(labels.get(CLOUD_LABEL, "")),
+        instance_type=str(labels.get(INSTANCE_TYPE_LABEL, "")),
+        zone=str(labels.get(ZONE_LABEL, "")))
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,11 @@ def test_startup_scripts_start_ray_with_token_auth_and_the_watcher(rendered, clo
     prometheus = head.split("<<'PROM'\n", 1)[1].split("\nPROM\n", 1)[0]
     assert prometheus.strip() == (INFRA / "prometheus" / "prometheus.yml").read_text().strip()
     assert "ray start --block" in worker and "--address=" in worker
+    # The Ray node carries its market / instance type / zone labels (from pool.env).
+    ray_unit = worker.split("moshray-ray-worker.service <<'UNIT'\n", 1)[1].split("\nUNIT\n")[0]
+    assert "EnvironmentFile=/etc/moshray/pool.env" in ray_unit
+    assert re.search(r"^ExecStart=\S+/ray start .*--labels=\$\{MOSHRAY_RAY_LABELS\}$",
+                     ray_unit, re.M), ray_unit
     # Jobs without checkpoint.uri checkpoint to the cluster's bucket (durable by default).
     assert re.search(r"^MOSHRAY_CHECKPOINT_URI=(s3|gs)://demo-bucket/\S+$", head, re.M), head
     watch_unit = worker.split("moshray-watch.service <<'UNIT'\n", 1)[1].split("\nUNIT\n", 1)[0]
@@ -322,7 +327,11 @@ def test_workers_pass_their_real_pool_to_the_watcher(rendered, cloud, tmp_path):
                                   timeout=60)
             assert proc.returncode == 0, proc.stderr
             pool = Pool(*expected).key
-            assert out.read_text() == f"MOSHRAY_POOL={pool}\n"
+            cloud_, itype, zone, market = expected
+            labels = (f"moshray-cloud={cloud_},moshray-instance-type={itype},"
+                      f"moshray-market={market},ray.io/availability-zone={zone},"
+                      f"ray.io/market-type={market}")
+            assert out.read_text() == f"MOSHRAY_POOL={pool}\nMOSHRAY_RAY_LABELS={labels}\n"
             args = cli.build_parser(["watch"]).parse_args(
                 ["watch", "--source", WATCH_SOURCE[cloud], "--pool", pool])
             assert args.pool == pool

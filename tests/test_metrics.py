@@ -124,6 +124,39 @@ def test_events_are_counted_and_output_parses():
     assert value(f, "moshray_node_price_dollars_per_hour", market="spot") == 0.25
 
 
+def test_cost_sums_the_live_nodes_prices_and_names_their_sources():
+    ex = m.MetricsExporter(m.Prices(spot_per_hour=0.16, on_demand_per_hour=0.526),
+                           state=lambda: m.TrainingState(samples_per_s=100.0))
+    ex.apply(m.CapacityEvent(2, 1, (("spot", 0.21, "provider"), ("spot", 0.25, "provider"),
+                                    ("on_demand", 0.707, "table"))))
+    f = families(ex.render())
+    price = "moshray_node_price_dollars_per_hour"
+    assert value(f, price, market="spot", source="provider") == pytest.approx(0.23)  # mean
+    assert value(f, price, market="on_demand", source="table") == pytest.approx(0.707)
+    assert not [s for s in f[price].samples if s.labels["source"] == "config"]
+    per_hour = 0.21 + 0.25 + 0.707
+    assert value(f, "moshray_estimated_cost_dollars_per_hour") == pytest.approx(per_hour)
+    assert value(f, "moshray_estimated_cost_dollars_per_sample") == \
+        pytest.approx(per_hour / 3600 / 100.0)
+    # A node priced from the config, none on demand: the configured on-demand price is shown.
+    ex.apply(m.CapacityEvent(2, 0, (("spot", 0.21, "provider"), ("spot", 0.16, "config"))))
+    f = families(ex.render())
+    assert value(f, price, market="spot", source="config") == 0.16
+    assert value(f, price, market="on_demand", source="config") == 0.526
+    assert value(f, "moshray_estimated_cost_dollars_per_hour") == pytest.approx(0.37)
+
+
+@pytest.mark.parametrize("prices, message", [
+    ((("spot", 0.2, "guess"),), "price source must be one of"),
+    ((("spot", -1.0, "table"),), "node price must be a finite number"),
+    ((("spot", 0.2, "table"), ("spot", 0.2, "table")), "name 2 spot and 0 on-demand"),
+    ((("spot", 0.2),), "triples"),
+])
+def test_capacity_prices_are_validated(prices, message):
+    with pytest.raises(ValueError, match=message):
+        m.CapacityEvent(1, 0, prices)
+
+
 def test_names_follow_prometheus_conventions():
     ex = m.MetricsExporter()
     ex.apply_all([m.RoundEvent(0.1, 10, (("late", 1),)), m.LaunchEvent("p", ok=False),

@@ -130,6 +130,22 @@ def test_node_view_reads_ray_rows():
     assert node_view(head).worker is False
 
 
+@pytest.mark.parametrize("labels, market", [
+    ({"ray.io/market-type": "on-demand"}, Market.ON_DEMAND),  # Ray's key and value
+    ({"ray.io/market-type": "ON_DEMAND"}, Market.ON_DEMAND),  # other spellings of it
+    ({"ray.io/market-type": "spot", "moshray-market": "on-demand"}, Market.SPOT),  # Ray's wins
+    ({"moshray-market": "on-demand"}, Market.ON_DEMAND),  # the older key, as a fallback
+    ({}, Market.SPOT),  # no label: spot
+])
+def test_node_view_reads_the_market_label(labels, market):
+    row = {"NodeID": "n", "Alive": True, "Resources": {"spot": 1000.0},
+           "Labels": {**labels, "moshray-instance-type": "g4dn.xlarge", "moshray-cloud": "aws",
+                      "ray.io/availability-zone": "us-east-1a"}}
+    v = node_view(row)
+    assert (v.market, v.cloud, v.instance_type, v.zone) == (market, "aws", "g4dn.xlarge",
+                                                            "us-east-1a")
+
+
 def test_one_replica_per_node_gpu_each_and_capacity_requested_once():
     w = World(Policy(min_nodes=1, max_nodes=4))
     d = w.tick(0.0, [node("a"), node("g", gpus=2), node("head", worker=False)])

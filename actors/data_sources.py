@@ -9,6 +9,7 @@ the driver can open.
 - ``from_fn(fn, num_shards)``: the user's ``fn(shard, num_shards, seed) -> iterator``.
 - ``parquet(uris, batch_size)``: Parquet files (local, ``s3://``, ``gs://``; anything
   pyarrow opens), one shard per row group, streamed in record batches, never read whole.
+  Local files only on one machine: the job refuses them once it sees a second one.
 - ``from_dataset(ds, batch_size)``: a Ray Data ``Dataset``, its blocks in the object store.
 
 ``as_source`` turns what a user passes (a source, a function, URIs, a Dataset) into one.
@@ -98,6 +99,12 @@ class ParquetSource:
     def num_shards(self) -> int:
         return len(self.fragments)
 
+    @property
+    def uris(self) -> tuple[str, ...]:
+        """The files read, each once (a node-local one is refused on a cluster of several
+        machines: ``jobs/durability.py``)."""
+        return tuple(dict.fromkeys(uri for uri, _ in self.fragments))
+
     def open(self, shard: int, seed: int) -> Iterator[Any]:
         import pyarrow.parquet as pq
 
@@ -115,7 +122,9 @@ class ParquetSource:
 def parquet(uris: str | Sequence[str], batch_size: int, columns: Sequence[str] | None = None,
             transform: Callable[[Any], Any] | None = None) -> ParquetSource:
     """A source over Parquet files or directories (local paths, ``s3://``, ``gs://``); reads
-    only the files' footers here, on the driver. ``UserError`` if nothing is found."""
+    only the files' footers here, on the driver. ``UserError`` if nothing is found. A local
+    path is read by every replica on its own machine: the job refuses it (one line) once
+    its cluster has a second machine."""
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 

@@ -13,7 +13,8 @@ no CPU) and polls its ``NoticeSource`` in a background thread. On a termination 
 
 A rebalance recommendation (AWS) only records ``running -> at_risk``.
 
-``start_watcher`` / ``get_watcher`` start and find a node's watcher, ``deliver_notice``
+``start_watcher`` / ``open_watcher`` / ``get_watcher`` start and find a node's watcher
+(``open_watcher`` says whether it made it), ``deliver_notice``
 delivers a simulated notice and waits until it was acted on, ``wait_rebalanced`` waits for
 the Coordinator's first plan without a noticed node.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import ray
 
@@ -209,15 +211,46 @@ class NoticeWatcher:
 
 
 def start_watcher(node_id: str, config: WatcherConfig = WatcherConfig()):
-    """Start (or find) the watcher of ``node_id``: pinned there, no CPU, named per node."""
+    """Start (or find) the watcher of ``node_id``: pinned there, no CPU, named per node.
+    Returns the actor; ``open_watcher`` also says whether this call made it."""
+    return open_watcher(node_id, config).actor
+
+
+@dataclass(frozen=True)
+class OpenedWatcher:
+    """``open_watcher``'s answer: the node's watcher and whether this call created it (the
+    caller then owns it and may stop it) or found one someone else started (a node's own
+    ``moshray watch``, an earlier job's), which the caller must leave running."""
+
+    actor: object
+    created: bool
+
+
+def open_watcher(node_id: str, config: WatcherConfig = WatcherConfig()) -> OpenedWatcher:
+    """Find the watcher of ``node_id`` or start one (as ``start_watcher``), saying which.
+
+    Ray's own get-or-create, with the answer kept: look the name up; if absent, create it;
+    if a creation elsewhere took the name first (``ActorAlreadyExistsError``), that one is
+    found. As with Ray's ``get_if_exists``, two creations racing past the look-up both count
+    as created (Ray checks the name before registering; the later one then fails to start).
+    ``RuntimeError`` if the name keeps being taken and freed (three looks)."""
+    from ray.exceptions import ActorAlreadyExistsError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     check_node_id(node_id)
-    return NoticeWatcher.options(
-        name=watcher_name(node_id), namespace=placement.NAMESPACE, get_if_exists=True,
-        num_cpus=0, max_concurrency=8, max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(node_id, config)
+    for _ in range(3):  # a name taken, then freed again between two looks: look again
+        found = get_watcher(node_id)
+        if found is not None:
+            return OpenedWatcher(found, created=False)
+        try:
+            return OpenedWatcher(NoticeWatcher.options(
+                name=watcher_name(node_id), namespace=placement.NAMESPACE,
+                num_cpus=0, max_concurrency=8, max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(node_id, config), created=True)
+        except ActorAlreadyExistsError:
+            continue
+    raise RuntimeError(f"the watcher name of node {node_id[:12]} keeps changing hands")
 
 
 def get_watcher(node_id: str):

@@ -27,7 +27,7 @@ Rules, in order:
    ``max_failures_per_node`` times gets no more; after any failure it waits
    ``failure_backoff_s`` (long enough for Ray to declare a dying node dead).
 4. Capacity. Ray's autoscaler is asked for ``max_nodes`` worker nodes (once; again only
-   if the number changes).
+   if the number changes). The shell withdraws the request when the job ends.
 5. Waiting. With fewer than ``min_nodes`` active nodes and no replica training, the
    decision says it waits for nodes (the shell bounds the wait).
 """

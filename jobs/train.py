@@ -16,8 +16,12 @@ Prometheus metrics on ``metrics.port``. With ``model.moe_layers`` (``--moe``) an
 ExpertSupervisor keeps the DMoE experts served on the worker nodes.
 
 Nodes are separate machines: the built-in corpus reaches replicas through the object store,
-user data as URIs each replica opens itself; on a cluster of several machines a node-local
-``checkpoint.uri`` or data path is refused at start (use s3:// or gs://).
+user data as URIs each replica opens itself. Durability follows the cluster
+(``durability.py``): once the job has seen a second machine, a node-local or missing
+``checkpoint.uri`` switches to the cluster's durable location (``MOSHRAY_CHECKPOINT_URI``) or
+the job stops with one line, as it does for a node-local data path. Every exit path
+(success, error, SIGTERM from ``ray job stop``, Ctrl-C) withdraws the job's capacity request
+and stops the watchers it started; an error also kills the replicas.
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ from moshray.jobs.config import (
     exit_on_config_error,
 )
 from moshray.jobs.driver_calls import call_with_retries, checkpoint_through_replica, final_state
+from moshray.jobs.durability import (
+    CHECKPOINT_ENV,
+    DurabilityGuard,
+    durability_warning,  # noqa: F401 - the start-time warning, kept importable from here
+    is_node_local,
+)
 
 log = logging.getLogger("moshray.train")
 POLL_S = 0.5
@@ -57,7 +67,8 @@ def run(config: TrainConfig, job=None, stop_when: StopWhen | None = None) -> dic
     LM) on the cluster at ``cluster.address`` / ``RAY_ADDRESS``, else on the embedded local
     cluster (started and stopped here); returns the run's summary. ``stop_when`` (optional)
     ends the run early, as ``max_seconds`` would (replicas stopped, final checkpoint and
-    summary); an exception it raises propagates and the replicas are not stopped cleanly."""
+    summary); an exception it raises propagates and the replicas are killed, not stopped
+    cleanly."""
     address = config.cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
         return run_job(config, address, job, stop_when)
@@ -66,14 +77,10 @@ def run(config: TrainConfig, job=None, stop_when: StopWhen | None = None) -> dic
     return run_embedded(config, lambda addr: run_job(config, addr, job, stop_when))
 
 
-def is_node_local(uri: str) -> bool:
-    """A path only the machine that writes it can read (no scheme, or ``file://``)."""
-    return "://" not in uri or uri.startswith("file://")
-
-
 def check_durable(config: TrainConfig, machines: int) -> None:
     """On a cluster of several machines, refuse node-local checkpoint and data paths (one
-    line saying what to use instead). Pure."""
+    line saying what to use instead). Pure. The driver itself applies
+    ``durability.decide_durability`` as machines appear (``DurabilityGuard``)."""
     if machines <= 1:
         return
     if config.checkpoint.uri and is_node_local(config.checkpoint.uri):
@@ -86,9 +93,6 @@ def check_durable(config: TrainConfig, machines: int) -> None:
                               f"cluster has {machines}: use s3:// or gs:// URIs")
 
 
-CHECKPOINT_ENV = "MOSHRAY_CHECKPOINT_URI"  # the cluster's durable checkpoint location
-
-
 def with_durable_checkpoints(config: TrainConfig, machines: int,
                              cluster_default: str | None) -> TrainConfig:
     """Checkpoints on by default on a cluster of several machines (pure).
@@ -97,7 +101,8 @@ def with_durable_checkpoints(config: TrainConfig, machines: int,
     default location ``cluster_default`` (``MOSHRAY_CHECKPOINT_URI`` of the driver's
     environment, which on a real cluster is the head's) becomes ``checkpoint.uri``, so a
     resubmitted job finds the newest checkpoint there and resumes by itself. With neither,
-    ``ConfigError`` (one line saying how to set one) unless ``checkpoint.optional``."""
+    ``ConfigError`` (one line saying how to set one) unless ``checkpoint.optional``. The
+    driver applies ``durability.decide_durability``, which also switches a node-local one."""
     from dataclasses import replace
 
     if machines <= 1 or config.checkpoint.uri:
@@ -117,16 +122,6 @@ def stop_on_sigterm() -> None:
     which installs Ray's own handler, from the main thread (elsewhere it does nothing)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: STOP.set())
-
-
-def durability_warning(config: TrainConfig, machines: int) -> str | None:
-    """One line to print when a run on several machines keeps no checkpoints (a lost head
-    node then loses the run; with ``checkpoint.uri`` a resubmitted job resumes). Pure."""
-    if machines > 1 and not config.checkpoint.uri:
-        return (f"warning: checkpoints are off on a cluster of {machines} machines; set "
-                f"checkpoint.uri (s3://bucket/path or gs://bucket/path) so a resubmitted "
-                f"job resumes from the last one")
-    return None
 
 
 def run_job(config: TrainConfig, address: str, job=None,
@@ -152,13 +147,11 @@ def run_job(config: TrainConfig, address: str, job=None,
             pin_loopback()
         ray.init(address=address, namespace="moshray", log_to_driver=True)
         stop_on_sigterm()
+    controller = coordinator = experts = None
     try:
-        machines = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
-        config = with_durable_checkpoints(config, len(machines), os.environ.get(CHECKPOINT_ENV))
-        check_durable(config, len(machines))
-        warning = durability_warning(config, len(machines))
-        if warning:
-            print(warning, file=out, flush=True)
+        # Durability follows the machines seen: decided now, again as new ones appear.
+        guard = DurabilityGuard(config, os.environ.get(CHECKPOINT_ENV), out)
+        config = guard.update(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
         if callable(job) and not hasattr(job, "loop"):
             job = job()
         if job is None:
@@ -169,6 +162,8 @@ def run_job(config: TrainConfig, address: str, job=None,
             else:  # the built-in corpus, built on the driver, travels through the object store
                 files = ship_files(resolve_data(None, os.path.expanduser(config.data.cache_dir)))
             job = lm.job(config, files)
+        else:
+            config = guard.add_data(getattr(getattr(job, "data", None), "uris", ()))
         init_state_ref = None
         if config.checkpoint.uri:
             found = CheckpointStore(config.checkpoint.uri).load_latest()
@@ -183,17 +178,48 @@ def run_job(config: TrainConfig, address: str, job=None,
         experts = _start_experts(config, coordinator) if config.model.moe else None
         spec = ReplicaSpec(config.to_dict(), job, coordinator, init_state_ref)
         controller = ElasticController(config, spec, experts, out)
-        try:
-            summary = _supervise(config, controller, out, stop_when)
-        finally:
-            controller.stop_watchers()
+        summary = _supervise(config, controller, out, stop_when, guard)
         if experts is not None:
             summary["experts"] = _stop_experts(experts)
-        ray.kill(coordinator)
+            experts = None
         return summary
+    except BaseException:  # an error, Ctrl-C: nothing of this job is left running
+        _leave_nothing_running(controller, experts)
+        raise
     finally:
+        _end_job(controller, coordinator)
         if owned:
             ray.shutdown()
+
+
+def _leave_nothing_running(controller, experts) -> None:
+    """The error path: kill the replicas and the expert set (no graceful stop, no final
+    checkpoint). Each failure is logged, never raised over the error being handled."""
+    import ray
+
+    if controller is not None:
+        controller.stop_replicas()
+    if experts is not None:
+        try:
+            ray.kill(experts)
+        except ray.exceptions.RayError as exc:
+            log.warning("expert set not killed: %r", exc)
+
+
+def _end_job(controller, coordinator) -> None:
+    """Every exit path (success, error, ``ray job stop``'s SIGTERM, Ctrl-C): withdraw the
+    job's capacity request, stop the watchers it started (a node's own keep running),
+    remove its Coordinator. Each failure is logged, never raised."""
+    import ray
+
+    if controller is not None:
+        controller.release_capacity()
+        controller.stop_watchers()
+    if coordinator is not None:
+        try:
+            ray.kill(coordinator)
+        except ray.exceptions.RayError as exc:
+            log.warning("Coordinator not removed: %r", exc)
 
 
 def _fresh_coordinator(config: TrainConfig):
@@ -287,10 +313,13 @@ def read_stats(fetch, last: dict) -> dict:
     return stats
 
 
-def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None = None
-               ) -> dict:
+def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None = None,
+               guard: DurabilityGuard | None = None) -> dict:
     """Run the controller until ``max_steps`` / ``max_seconds`` / ``STOP`` / ``stop_when``;
-    then stop and summarize."""
+    then withdraw the capacity request at once (``ray job stop`` kills the driver a few
+    seconds after its SIGTERM), stop the replicas and summarize. Each tick ``guard`` (if
+    given) sees the machines the controller saw: checkpoints may switch to the cluster's
+    durable location, or its ``ConfigError`` / ``UserError`` ends the run."""
     import ray
 
     from moshray.jobs import run_report
@@ -304,6 +333,8 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
     stats: dict = {"history": [], "epoch": 0}
     while True:
         controller.step()
+        if guard is not None:
+            config = guard.update(controller.hosts)
         try:
             stats = read_stats(
                 lambda since: ray.get(coordinator.stats.remote(since), timeout=30), stats)
@@ -324,6 +355,7 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
                 or (stop_when is not None and stop_when(stats)):
             break
         STOP.wait(POLL_S)
+    controller.release_capacity()
     call_with_retries(coordinator.request_stop, "stop the replicas")
     statuses = []
     for peer_id, _, run_ref in controller.live():

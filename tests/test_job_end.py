@@ -1,0 +1,170 @@
+"""A job that ends leaves nothing requested and no watcher of its own, on the shared Ray
+cluster (tests/conftest.py): the capacity request is read back where Ray's autoscaler reads
+it (``controller.capacity_requested``), during the run and after it, on the normal end, on
+an error in supervision, on Ctrl-C and on ``ray job stop``'s SIGTERM; a watcher a node had
+before the job (its own ``moshray watch``) still hears notices after it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from moshray.autoscaler.notice_watcher import deliver_notice, get_watcher, start_watcher
+from moshray.autoscaler.watcher_config import WatcherConfig
+from moshray.cluster import placement
+from moshray.cluster.placement import SPOT_RESOURCE
+from moshray.jobs.controller import capacity_requested
+
+pytestmark = pytest.mark.cluster
+MAX_NODES = 2
+
+
+def pairs(shard: int, num_shards: int, seed: int):
+    """Batches of 4 samples of y = x1 + x2, a few per shard."""
+    g = torch.Generator().manual_seed(seed * 100 + shard)
+    for _ in range(50):
+        x = torch.randn(4, 2, generator=g)
+        yield x, x.sum(dim=1, keepdim=True)
+
+
+def loop(session):
+    model = torch.nn.Linear(2, 1)
+    opt = session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    for x, y in session.batches():
+        opt.step(torch.nn.functional.mse_loss(model(x), y))
+
+
+def _config(tmp_path: Path, **settings):
+    from moshray.jobs.fit import build_config
+
+    return build_config({"training": {"target_batch_size": 8, "round_timeout_s": 5.0}},
+                        max_nodes=MAX_NODES, metrics_port=0, run_dir=str(tmp_path / "run"),
+                        **settings)
+
+
+def _job():
+    from moshray.actors.data_sources import from_fn
+    from moshray.jobs.fit import _job
+
+    return _job(loop, from_fn(pairs, num_shards=4), 4)
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    end = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _watched(cluster) -> dict[str, bool]:
+    """Node id -> whether a watcher stands under its name, for every live spot node."""
+    return {cluster.node_id(s): get_watcher(cluster.node_id(s)) is not None
+            for s in cluster.live_slots()}
+
+
+def _coordinator_gone() -> bool:
+    try:
+        ray.get_actor(placement.COORDINATOR_NAME, namespace=placement.NAMESPACE)
+    except ValueError:
+        return True
+    return False
+
+
+def _nothing_left(before: dict[str, bool]) -> None:
+    """No capacity requested; the watchers the job started are gone (those that stood before
+    it stay); its Coordinator is gone."""
+    assert capacity_requested() == ()
+    _wait(lambda: all(get_watcher(n) is None for n, had in before.items() if not had),
+          30, "the job's own watchers to be removed")
+    assert all(get_watcher(n) is not None for n, had in before.items() if had)
+    _wait(_coordinator_gone, 30, "the job's Coordinator to be removed")
+
+
+def test_a_job_ends_with_nothing_requested_and_the_nodes_own_watcher_watching(
+        local_cluster, tmp_path: Path):
+    from moshray.jobs.train import run_job
+
+    node = local_cluster.node_id(local_cluster.live_slots()[0])
+    own = start_watcher(node, WatcherConfig(source="simulated", poll_s=0.25))  # the node's
+    ray.get(own.ready.remote(), timeout=60)
+    before = _watched(local_cluster)
+    seen: list[tuple[dict, ...]] = []
+
+    def during(stats: dict) -> bool:
+        seen.append(capacity_requested())
+        return False
+
+    try:
+        summary = run_job(_config(tmp_path, max_steps=3, max_seconds=240),
+                          local_cluster.address, _job(), during)
+        assert summary["steps"] >= 3
+        assert seen and seen[0] == ({SPOT_RESOURCE: 1000},) * MAX_NODES  # asked while it ran
+        _nothing_left(before)
+        # the node's own watcher was used by the job, not stopped: it still hears notices
+        assert get_watcher(node) is not None
+        deliver_notice(node, 30.0, action="rebalance")  # recorded only: no drain
+        _wait(lambda: ray.get(own.status.remote(), timeout=30)["recommendations"] == 1, 30,
+              "the node's own watcher to hear the recommendation")
+    finally:
+        ray.get(own.stop.remote(), timeout=30)
+        ray.kill(own, no_restart=True)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_job_that_fails_in_supervision_leaves_nothing_requested(local_cluster,
+                                                                  tmp_path: Path, error):
+    from moshray.jobs.train import run_job
+
+    before = _watched(local_cluster)
+    seen: list[tuple[dict, ...]] = []
+
+    def fail(stats: dict) -> bool:
+        seen.append(capacity_requested())
+        if stats.get("epoch", 0) >= 1:  # replicas are training when it fails
+            raise error("the caller's end condition failed")
+        return False
+
+    with pytest.raises(error, match="end condition failed"):
+        run_job(_config(tmp_path, max_seconds=240), local_cluster.address, _job(), fail)
+    assert seen[0] == ({SPOT_RESOURCE: 1000},) * MAX_NODES
+    _nothing_left(before)
+
+
+def test_ray_job_stop_sigterm_withdraws_the_request(local_cluster, tmp_path: Path):
+    """The driver as ``ray job submit`` runs it, stopped as ``ray job stop`` stops it (SIGTERM;
+    Ray's SIGKILL a few seconds later is not sent here: the clean path is what is asserted)."""
+    before = _watched(local_cluster)
+    env = dict(os.environ, RAY_ADDRESS=local_cluster.address)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moshray.jobs.train", "--set", "model.n_layers=1",
+         "--set", "model.d_model=32", "--set", "model.d_ff=64", "--set", "model.n_heads=2",
+         "--set", "model.seq_len=32", "--set", "training.batch_size=4",
+         "--set", "training.target_batch_size=8", "--set", "training.round_timeout_s=5",
+         "--set", f"cluster.max_nodes={MAX_NODES}", "--max-seconds", "300",
+         "--metrics-port", "0", "--set", f"run_dir={tmp_path / 'run'}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True)
+    try:
+        _wait(lambda: capacity_requested() == ({SPOT_RESOURCE: 1000},) * MAX_NODES
+              or proc.poll() is not None, 180, "the job to ask for capacity")
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 0, out[-3000:]
+    _nothing_left(before)

@@ -23,6 +23,7 @@ import torch
 from moshray.cluster import inline
 from moshray.cluster.messages import Contribution, PartResult, RoundPlan
 
+from .build_check import build_mismatch, installed_build
 from .checkpoint import CheckpointStore
 from .model import pick_device
 from .replica_state import checksum, extra_digest
@@ -50,7 +51,7 @@ class ReplicaActor:
     """See module docstring. ``config`` is a ``TrainConfig.to_dict()`` dict."""
 
     def __init__(self, peer_id: str, config: dict, job: Job, coordinator,
-                 init_state_ref: list | None = None):
+                 init_state_ref: list | None = None, build: str | None = None):
         from moshray.jobs.config import TrainConfig
 
         torch.set_num_threads(1)
@@ -75,6 +76,11 @@ class ReplicaActor:
         self.manager = StepManager(peer_id, coordinator, handle, self.node_id,
                                    self.config.training.round_timeout_s, init_state_ref)
         self.session: Session | None = None
+        # The driver's build against this node's (``build_check.py``): ``run()`` raises the
+        # mismatch before the replica joins, and that UserError stops the job.
+        self.refusal = build_mismatch(build, installed_build(), ray.util.get_node_ip_address())
+        if self.refusal is not None:
+            log.error("%s: %s", peer_id, self.refusal)
 
     # -- transport ---------------------------------------------------------------------------
 
@@ -139,7 +145,10 @@ class ReplicaActor:
     # -- the loop ------------------------------------------------------------------------------
 
     async def run(self) -> dict:
-        """Run the user's loop until the Coordinator says stop; returns the final status."""
+        """Run the user's loop until the Coordinator says stop; returns the final status.
+        Raises the build mismatch (a ``UserError``) first, without joining, if there is one."""
+        if self.refusal is not None:
+            raise self.refusal
         self.session = Session(self.peer_id, self.config, self.device, self.manager,
                                self.job.data, asyncio.get_running_loop(), self.coordinator)
         try:

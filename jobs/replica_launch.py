@@ -10,9 +10,10 @@ tests and benchmarks that drive replicas on the embedded cluster directly.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from moshray.actors.build_check import installed_build
 from moshray.cluster.placement import SLOT_LABEL
 
 
@@ -20,12 +21,15 @@ from moshray.cluster.placement import SLOT_LABEL
 class ReplicaSpec:
     """What every replica of a job shares: the config dict, the job (the user's loop and
     data source, ``actors.replica.Job``), the Coordinator and the optional initial state
-    (a checkpoint, as ``[ObjectRef]``)."""
+    (a checkpoint, as ``[ObjectRef]``). ``build``: the driver's moshray build, read where the
+    spec is made (``actors/build_check.py``); a replica whose installed build differs refuses
+    to run, which stops the job (None: no check)."""
 
     config: dict
     job: Any
     coordinator: Any
     init_state_ref: list | None = None
+    build: str | None = field(default_factory=installed_build)
 
 
 def launch_replica(spec: ReplicaSpec, peer_id: str, node_id: str,
@@ -39,7 +43,8 @@ def launch_replica(spec: ReplicaSpec, peer_id: str, node_id: str,
     handle = ReplicaActor.options(
         num_cpus=1, num_gpus=num_gpus, max_concurrency=16,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(peer_id, spec.config, spec.job, spec.coordinator, spec.init_state_ref)
+    ).remote(peer_id, spec.config, spec.job, spec.coordinator, spec.init_state_ref,
+              build=spec.build)
     return handle, handle.run.remote()
 
 

@@ -67,8 +67,9 @@ def tf(args: list[str], cwd: Path) -> tuple[int, str, str]:
 
 
 def copy_infra(dest: Path) -> Path:
-    """infra/{aws,gcp,prometheus} under ``dest`` (modules read ../prometheus/prometheus.yml)."""
-    for name in (*CLOUDS, "prometheus"):
+    """infra/{aws,gcp,prometheus,images} under ``dest`` (modules read
+    ../prometheus/prometheus.yml and ../images/check_node.py)."""
+    for name in (*CLOUDS, "prometheus", "images"):
         shutil.copytree(INFRA / name, dest / name,
                         ignore=shutil.ignore_patterns(".terraform*", "*.tfstate*"))
     return dest

@@ -17,6 +17,8 @@ The public API (this file is the ``moshray`` package itself)::
 - ``data``: sources (``from_fn``, ``parquet``, ``from_dataset``): ``moshray.actors.data_sources``.
 - ``TrainConfig``, ``ConfigError``, ``UserError``: settings and the two kinds of bad input.
 - ``moe``: Decentralized Mixture-of-Experts layers for your model (``moshray.actors.moe``).
+- ``__version__``: this build's version, derived from git when the wheel was built; a
+  replica whose node has another build refuses to run (``moshray.actors.build_check``).
 """
 
 import importlib
@@ -37,6 +39,11 @@ __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name == "__version__":  # the build (git-derived, pyproject [tool.setuptools_scm])
+        from moshray.actors.build_check import installed_build
+
+        globals()[name] = installed_build()
+        return globals()[name]
     if name not in _EXPORTS:
         raise AttributeError(f"module 'moshray' has no attribute {name!r}")
     module_name, attr = _EXPORTS[name]

@@ -9,12 +9,21 @@ seeded schedule gives the run a preemption with notice and a hard kill (SIGKILL 
 raylet), each followed by a replacement node; ``--no-faults`` runs without them. A
 quarter of the images is held out; the last stdout line is one JSON object with
 ``test_accuracy``, ``preemptions``, ``replicas_consistent`` and the run's figures.
+
+scikit-learn is on no ``infra/`` node: on a cluster (``RAY_ADDRESS`` set) whose driver
+lacks it, the driver connects with Ray's ``runtime_env`` ``{"pip": ["scikit-learn>=1.3"]}``,
+so every replica's worker gets it, and scores the model in a task of that environment. (A
+driver that has it is taken to run where the nodes have it too: the same image.)
+A job submitted with its own packages (``ray job submit --runtime-env-json '{"pip": [...]}'``)
+keeps them instead (Ray merges no two ``pip`` lists): list scikit-learn there.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +35,37 @@ import moshray
 
 BATCH = 32
 TEST_FRACTION = 0.25
+# What the replicas need beyond a node's image, installed by Ray per job (runtime_env).
+RUNTIME_ENV = {"pip": ["scikit-learn>=1.3"]}
+PACKAGE_FIELDS = ("pip", "uv", "conda")
+
+
+def runtime_env_to_add(job_runtime_env: dict | None, driver_has_sklearn: bool) -> dict | None:
+    """The ``runtime_env`` this driver's ``ray.init`` adds: ``RUNTIME_ENV``, unless the
+    driver has scikit-learn (its nodes then run the same install) or the submitted job's own
+    environment already names packages (Ray refuses to merge two such fields; that list
+    must then hold scikit-learn). Pure."""
+    if driver_has_sklearn or (job_runtime_env
+                              and any(f in job_runtime_env for f in PACKAGE_FIELDS)):
+        return None
+    return RUNTIME_ENV
+
+
+def has_sklearn() -> bool:
+    return importlib.util.find_spec("sklearn") is not None
+
+
+def connect(address: str) -> None:
+    """Join the cluster at ``address`` with scikit-learn for every worker (``RUNTIME_ENV``)."""
+    import ray
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    from moshray.jobs.train import stop_on_sigterm
+
+    submitted = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR, "{}"))
+    ray.init(address=address, namespace="moshray", log_to_driver=True,
+             runtime_env=runtime_env_to_add(submitted.get("runtime_env"), has_sklearn()))
+    stop_on_sigterm()
 
 
 def split(seed: int = 0):
@@ -71,6 +111,16 @@ def accuracy(model_state: dict) -> float:
     return float((predicted == y).mean())
 
 
+def score(model_state: dict) -> float:
+    """``accuracy`` here, or in a Ray task (the job's runtime_env has scikit-learn) when this
+    driver has no scikit-learn of its own."""
+    if has_sklearn():
+        return accuracy(model_state)
+    import ray
+
+    return ray.get(ray.remote(num_cpus=0)(accuracy).remote(model_state), timeout=600)
+
+
 def fault_trace(path: Path) -> Path:
     """Three nodes; node1 is preempted with a notice at 20 s (node3 replaces it at 26 s),
     node2 is SIGKILLed at 34 s (node4 replaces it at 40 s)."""
@@ -86,6 +136,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-faults", action="store_true", help="no notice, no kill")
     parser.add_argument("--metrics-port", type=int, default=9450, help="0: any free port")
     args = parser.parse_args(argv)
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS")
+    owned = bool(address) and not ray.is_initialized()
+    if owned:
+        connect(address)
+    try:
+        return _train(args)
+    finally:
+        if owned:
+            ray.shutdown()
+
+
+def _train(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         trace = "off" if args.no_faults else str(fault_trace(Path(tmp) / "trace.csv"))
         result = moshray.fit(
@@ -95,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             local_nodes=3, max_nodes=3, max_seconds=args.max_seconds, trace=trace,
             json=args.json, run_dir=str(Path(tmp) / "run"), metrics_port=args.metrics_port)
     s = result.summary
-    figures = {"test_accuracy": accuracy(result.model_state) if result.state else None,
+    figures = {"test_accuracy": score(result.model_state) if result.state else None,
                "preemptions": s["preemptions"], "hard_losses": s["hard_losses"],
                "notices": s["notices"], "replicas": s["replicas"],
                "replicas_consistent": s["replicas_consistent"], "steps": s["steps"],

@@ -106,6 +106,8 @@ locals {
     wheel_file    = basename(var.wheel_key)
     ray_version   = var.ray_version
     torch_version = var.torch_version
+    # Skips the downloads on a node whose image holds these versions (infra/images/).
+    check_node = file("${path.module}/../../../images/check_node.py")
   })
 
   env = {

@@ -1,9 +1,11 @@
 """Local instance-metadata servers that speak the AWS IMDSv2 and GCE metadata protocols.
 
-Both listen on 127.0.0.1 on a free port (threaded ``http.server``). The embedded cluster
-(``jobs/local_cluster.py``) gives each simulated spot node one, named in the node's
-environment as a cloud SDK would find it (``AWS_EC2_METADATA_SERVICE_ENDPOINT`` /
-``GCE_METADATA_HOST``), and delivers spot notices through it, exactly as a cloud does; the
+Both listen on 127.0.0.1 on a free port (threaded ``http.server``), or on a socket handed in.
+The embedded cluster (``jobs/local_cluster.py``) gives each simulated spot node one: in its
+loopback mode named in the node's environment as a cloud SDK would find it
+(``AWS_EC2_METADATA_SERVICE_ENDPOINT`` / ``GCE_METADATA_HOST``); in its separate-hosts mode
+at the real link-local address ``169.254.169.254:80`` inside the node's own network
+namespace, named nowhere. It delivers spot notices through it, exactly as a cloud does; the
 real notice sources in ``moshray.autoscaler.notices`` are also tested against them. They enforce what the
 real services enforce, so a client that cuts a corner fails here too:
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import socket
 import threading
 import time
 import urllib.parse
@@ -65,9 +68,11 @@ def iso_utc(unix_s: float) -> str:
 
 
 class _Server:
-    """A threaded HTTP server on 127.0.0.1:<free port> around one handler class."""
+    """A threaded HTTP server around one handler class: on 127.0.0.1:<free port>, or on
+    ``listen``, a bound socket handed in (e.g. one made inside a node's network namespace
+    at the real link-local address, ``jobs/netns_hosts.py``); the server owns and closes it."""
 
-    def __init__(self) -> None:
+    def __init__(self, listen: socket.socket | None = None) -> None:
         self.lock = threading.Condition()
         self.requests: list[Seen] = []
         self._fail: list[int] = []
@@ -94,7 +99,15 @@ class _Server:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_PATCH = _dispatch
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if listen is None:
+            self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        else:
+            self.httpd = ThreadingHTTPServer(listen.getsockname(), Handler,
+                                             bind_and_activate=False)
+            self.httpd.socket.close()
+            self.httpd.socket = listen
+            self.httpd.server_address = listen.getsockname()
+            listen.listen(16)
         self.httpd.daemon_threads = True
         self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True,
                                         name=type(self).__name__)
@@ -143,13 +156,14 @@ class IMDSv2Server(_Server):
     TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
     TOKEN_HEADER = "X-aws-ec2-metadata-token"
 
-    def __init__(self, instance_id: str = "i-0123456789abcdef0", clock=time.monotonic) -> None:
+    def __init__(self, instance_id: str = "i-0123456789abcdef0", clock=time.monotonic,
+                 listen: socket.socket | None = None) -> None:
         self.instance_id = instance_id
         self.clock = clock
         self.tokens: dict[str, float] = {}  # token -> expiry (clock)
         self.instance_action: dict | None = None
         self.rebalance: dict | None = None
-        super().__init__()
+        super().__init__(listen)
 
     # what the test scripts ----------------------------------------------------------------
 
@@ -221,14 +235,15 @@ class GCEMetadataServer(_Server):
 
     PREEMPTED_PATH = "/computeMetadata/v1/instance/preempted"
 
-    def __init__(self, instance_id: str = "1234567890123456789", max_wait_s: float = 30.0) -> None:
+    def __init__(self, instance_id: str = "1234567890123456789", max_wait_s: float = 30.0,
+                 listen: socket.socket | None = None) -> None:
         self.instance_id = instance_id
         self.max_wait_s = max_wait_s  # cap on one hanging GET, so a test never hangs
         self.values = {self.PREEMPTED_PATH: "FALSE",
                        "/computeMetadata/v1/instance/id": instance_id,
                        "/computeMetadata/v1/instance/maintenance-event": "NONE"}
         self.versions = {path: 0 for path in self.values}
-        super().__init__()
+        super().__init__(listen)
 
     def preempt(self) -> None:
         self.set_value(self.PREEMPTED_PATH, "TRUE")

@@ -38,6 +38,7 @@ Compression = Literal["auto", "none", "fp16", "uint8", "blockwise8"]
 Overlap = Literal["auto", "on", "off"]
 LrScaling = Literal["sqrt", "none"]
 NoticeSourceName = Literal["auto", "aws", "gcp", "none"]
+HostsMode = Literal["loopback", "netns"]
 
 
 # --------------------------------------------------------------------------- sections
@@ -223,7 +224,10 @@ class ClusterSection(_Section):
     ``auto`` (the metadata service the node names in ``AWS_EC2_METADATA_SERVICE_ENDPOINT``
     or ``GCE_METADATA_HOST``, as the embedded cluster does; else the cloud its DMI vendor
     strings name; else a short probe of 169.254.169.254; else none, with a warning; see
-    ``autoscaler/cloud_detect.py``).
+    ``autoscaler/cloud_detect.py``). ``hosts`` is how the local cluster lays out its nodes:
+    ``loopback`` (every raylet on 127.0.0.1, no root needed) or ``netns`` (each spot node a
+    separate host: a network namespace with its own address and its metadata service at
+    169.254.169.254; needs root; see ``jobs/local_cluster.py``).
     """
 
     _section = "cluster"
@@ -239,6 +243,7 @@ class ClusterSection(_Section):
     wait_for_nodes_s: float = 600.0
     notice_s: float = 120.0  # trace seconds between a spot notice and the node's removal
     notice_source: NoticeSourceName = "auto"
+    hosts: HostsMode = "loopback"
 
     def _validate(self) -> None:
         _non_empty(self._path("address"), self.address)

@@ -1,7 +1,8 @@
 """The embedded cluster as a cloud: nodes come and go; the job is never called.
 
 ``run_embedded(config, job)`` starts a ``LocalCluster`` (a head plus ``cluster.local_nodes``
-spot raylets on 127.0.0.1, or the nodes a trace has at its start), runs ``job(address)`` —
+spot raylets, or the nodes a trace has at its start; on 127.0.0.1, or each in a network
+namespace of its own with ``cluster.hosts = "netns"``), runs ``job(address)`` —
 the same driver a ``RAY_ADDRESS`` cluster runs — in a thread, and meanwhile plays the cloud
 on the main thread (Ray starts raylets only from there): with ``cluster.trace`` it replays the
 spot trace, where an ``add`` is a new raylet, a ``notice`` is an interruption notice published
@@ -59,11 +60,12 @@ def run_embedded(config, job: Callable[[str], dict]) -> dict:
     from moshray.jobs.local_cluster import LocalCluster, LocalClusterConfig, pin_loopback
 
     c = config.cluster
-    pin_loopback()
+    if c.hosts == "loopback":
+        pin_loopback()
     events = _trace_events(config) if c.trace else ()
     slots = initial_slots(events) if c.trace else tuple(range(c.local_nodes))
     cluster = LocalCluster(LocalClusterConfig(spot_nodes=0, cpus_per_node=2,
-                                              gpus_per_node=c.local_gpus))
+                                              gpus_per_node=c.local_gpus, hosts=c.hosts))
     result: dict = {}
     done = threading.Event()
     try:

@@ -1,7 +1,9 @@
 """`moshray bench recovery`: how fast the real training job recovers from the four events of
 spot life.
 
-Starts an embedded local cluster (head + ``--nodes`` spot raylets on 127.0.0.1) and runs the
+Starts an embedded local cluster (head + ``--nodes`` spot raylets, on 127.0.0.1 or, with
+``--hosts netns``, each a separate host in a network namespace of its own with Ray's default
+health checks; see ``jobs/local_cluster.py``) and runs the
 training job's driver on it, ``moshray.jobs.train.run_job`` (the elastic controller, the
 default model unless ``--set`` says otherwise), in a thread as ``moshray train`` does on the
 embedded cluster. This process then only plays the cloud (``jobs/recovery_trials.py``): it
@@ -139,6 +141,12 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise BenchError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if args.hosts == "netns":
+        from moshray.jobs.netns_hosts import unavailable
+
+        why = unavailable()
+        if why:
+            raise BenchError(f"--hosts netns: {why}")
 
 
 # =========================================================================== the run
@@ -147,7 +155,8 @@ def check_args(args: argparse.Namespace) -> None:
 def job_config(config, nodes: int, bound_s: float, run_dir: str, moe: bool = False):
     """The ``TrainConfig`` of one job under test: ``config`` with room for ``nodes`` nodes,
     ``training.max_seconds = bound_s`` (a safety net; the bench ends the job sooner),
-    metrics on any free port, the job's lines on stderr, and DMoE layers if ``moe``."""
+    metrics on any free port, the job's lines on stderr, checkpoints optional (nothing here
+    outlives the bench), and DMoE layers if ``moe``."""
     from dataclasses import replace
 
     return replace(
@@ -156,6 +165,7 @@ def job_config(config, nodes: int, bound_s: float, run_dir: str, moe: bool = Fal
         training=replace(config.training, max_seconds=bound_s),
         cluster=replace(config.cluster, address=None, min_nodes=1,
                         max_nodes=max(config.cluster.max_nodes, nodes)),
+        checkpoint=replace(config.checkpoint, optional=True),
         metrics=replace(config.metrics, port=0), run_dir=run_dir, json=True)
 
 
@@ -206,7 +216,8 @@ def run(args: argparse.Namespace) -> dict:
     config = load_config(args.config, parse_set(args.set))
     log_fn = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else \
         (lambda *a: print(*a, flush=True))
-    pin_loopback()
+    if args.hosts == "loopback":
+        pin_loopback()
     values: dict[str, list[float]] = {m: [] for m in MEASURES}
     started = time.monotonic()
     load_before = os.getloadavg()[0]
@@ -215,7 +226,7 @@ def run(args: argparse.Namespace) -> dict:
     dense = job_config(config, args.nodes, bound, str(out / "job"))
     moe = job_config(config, args.nodes, bound, str(out / "job-moe"), moe=True)
     meta: dict = {}
-    cluster = LocalCluster(LocalClusterConfig(spot_nodes=0, cpus_per_node=2))
+    cluster = LocalCluster(LocalClusterConfig(spot_nodes=0, cpus_per_node=2, hosts=args.hosts))
     try:
         for slot in range(args.nodes):
             cluster.add_node(slot)
@@ -254,6 +265,7 @@ def run(args: argparse.Namespace) -> dict:
     m = config.model
     return summarize(values, {
         "trials": args.trials, "nodes": args.nodes, "notice_s": args.notice_s,
+        "hosts": args.hosts,
         "model": m.to_dict(), "target_batch_size": config.training.target_batch_size,
         "batch_size": config.training.batch_size,
         "round_timeout_s": config.training.round_timeout_s,
@@ -338,6 +350,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between a notice and the node's removal")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
                         help="bound on every wait (start-up, each recovery)")
+    parser.add_argument("--hosts", choices=("loopback", "netns"), default="loopback",
+                        help="spot nodes on 127.0.0.1 (default), or each a separate host in "
+                             "a network namespace of its own (root)")
     parser.add_argument("--config", metavar="FILE", help="TrainConfig file (TOML or JSON)")
     parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=None,
                         help="override a TrainConfig setting, e.g. --set model.n_layers=1 "

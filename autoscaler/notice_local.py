@@ -2,8 +2,9 @@
 
 ``SimulatedSource`` is for local clusters, trace replay and tests: ``trigger()`` /
 ``deliver()`` put a notice in a thread-safe queue that ``poll`` returns (trace replay turns a
-removal into one). ``SilentSource`` is a node with no notice source: its polls wait and
-never return a notice. Both follow the ``NoticeSource`` contract (``notice_message.py``).
+removal into one). ``SilentSource`` is a node with no notice source (``none``, or ``auto``
+that found no cloud): its polls wait and never return a notice. Both follow the
+``NoticeSource`` contract (``notice_message.py``).
 """
 
 from __future__ import annotations
@@ -68,8 +69,10 @@ class SimulatedSource(NoticeSource):
 
 
 class SilentSource(NoticeSource):
-    """A node with no notice source (``none``, or ``auto`` on a node that names no metadata
-    service): polls wait and never return a notice."""
+    """A node with no notice source: ``none``, or ``auto`` where detection found no cloud
+    (no metadata service named in the environment, no cloud in the DMI vendor strings, no
+    answer from the link-local probe; ``cloud_detect.py`` logs that line). Polls wait out
+    their timeout and never return a notice; ``close`` ends a waiting poll at once."""
 
     cloud = "none"
 

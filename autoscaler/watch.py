@@ -19,7 +19,11 @@ Each role has its own module; this one re-exports their public names (imports, t
 * ``watch_cli.py``: ``moshray watch`` runs the watcher of the node it is started on (a real
   cloud node): ``moshray watch`` (``--source auto``, the default, detects the node's cloud;
   ``--source aws`` / ``gcp`` name it) connects with ``ray.init(address="auto")``, starts the
-  watcher actor on this node and stays until the node's deadline has passed.
+  watcher actor on this node (or uses the one a job started there until that job removes
+  it) and stays until the node's deadline has passed.
+
+``WatcherFleet`` and ``moshray watch`` stop only the watchers they started, as the job's
+controller does: a node's watcher that someone else started is used, never removed.
 """
 
 from __future__ import annotations

@@ -2,9 +2,16 @@
 
 Contract: ``moshray watch`` (``--source auto``, the default: the node's cloud is detected
 on the node, see ``cloud_detect.py``; or ``--source aws`` / ``gcp`` to name it) connects
-with ``ray.init(address="auto")``, starts the watcher actor on this node, says on stderr
-which source it listens to (and, for auto, how it was found) and stays until the node's
-deadline has passed (or ``--max-seconds``); exit 2 on a bad argument.
+with ``ray.init(address="auto")``, says on stderr the moshray build it runs, starts the
+watcher actor on this node, says which source it listens to (and, for auto, how it was
+found) and stays until the node's deadline has passed (or ``--max-seconds``); exit 2 on a
+bad argument, 1 if its own watcher dies.
+
+It owns the watcher it starts (stopped when it exits). If the node already has one (a
+job's controller started it before ``moshray watch`` ran), it says so and uses that one,
+never stopping it; when its owner removes it (the job ended), ``moshray watch`` starts the
+node's own at once and goes on. A job that finds the node's watcher never stops it, so on
+an ``infra/`` node, where ``moshray watch`` starts at boot, one watcher serves every job.
 ``add_arguments`` / ``main`` are what the ``moshray`` CLI calls (through
 ``moshray.autoscaler.watch``, which re-exports them).
 """
@@ -24,7 +31,7 @@ from moshray.cluster import placement
 
 from .cloud_detect import LINK_LOCAL_URL
 from .drain import DrainOutcome, check_node_id
-from .notice_watcher import start_watcher
+from .notice_watcher import OpenedWatcher, open_watcher
 from .notices import AWS_METADATA_URL, GCP_METADATA_URL, GCP_NOTICE_S
 from .watcher_config import SOURCES, WatcherConfig
 
@@ -82,33 +89,71 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"moshray watch: {e}", file=sys.stderr)
         return 2
+    from moshray import __version__
+
     ray.init(address=args.address, namespace=placement.NAMESPACE, log_to_driver=False)
     node_id = args.node_id or ray.get_runtime_context().get_node_id()
-    watcher = start_watcher(node_id, config)
-    ray.get(watcher.ready.remote(), timeout=120)
-    source = ray.get(watcher.status.remote(), timeout=60)["source"]  # for auto: how found
-    print(f"watching node {node_id} ({source})", file=sys.stderr, flush=True)
+    print(f"moshray watch: moshray {__version__}", file=sys.stderr, flush=True)
+    opened = _open(node_id, config)
     end = math.inf if args.max_seconds is None else time.monotonic() + args.max_seconds
     seen = 0
     try:
         while time.monotonic() < end:
-            outcome = ray.get(watcher.wait_outcome.remote(min(config.poll_s * 5, 10.0), seen))
+            try:
+                outcome = ray.get(opened.actor.wait_outcome.remote(
+                    min(config.poll_s * 5, 10.0), seen))
+            except ray.exceptions.RayActorError as exc:
+                if opened.created:
+                    print(f"moshray watch: the watcher of node {node_id} died ({exc!r:.200})",
+                          file=sys.stderr, flush=True)
+                    return 1
+                # The watcher we found was removed by its owner (its job ended): the node
+                # must not go unwatched, so start its own (or use whichever took the name).
+                opened, seen = _open(node_id, config), 0
+                continue
             if outcome is None:
                 continue
             seen += 1
             if args.json:
                 print(_outcome_json(outcome), flush=True)
             else:
+                drain = ("accepted" if outcome.ray.accepted
+                         else "FAILED: " + outcome.ray.message)
                 print(f"{outcome.notice.action} notice: {len(outcome.peers)} peers draining, "
-                      f"Ray drain {'accepted' if outcome.ray.accepted else 'FAILED: ' + outcome.ray.message}, "
-                      f"{outcome.notice_to_draining_s:.3f} s after the notice", flush=True)
+                      f"Ray drain {drain}, {outcome.notice_to_draining_s:.3f} s after the "
+                      f"notice", flush=True)
             # Stay until the deadline so in-flight hand-offs (owned by the watcher) finish.
             left = outcome.notice.seconds_left(time.time())
             time.sleep(min(left, max(0.0, end - time.monotonic())))
             return 0
     finally:
-        try:
-            ray.get(watcher.stop.remote(), timeout=config.poll_s + 10)
-        except ray.exceptions.RayError:
-            pass  # the node (and its watcher) may already be gone
+        if opened.created:  # one found on the node is its owner's to stop
+            try:
+                ray.get(opened.actor.stop.remote(), timeout=config.poll_s + 10)
+            except ray.exceptions.RayError:
+                pass  # the node (and its watcher) may already be gone
     return 0
+
+
+def _open(node_id: str, config: WatcherConfig, budget_s: float = 30.0) -> OpenedWatcher:
+    """The node's watcher, running (``open_watcher``: started here, or found and used), with
+    one stderr line naming its source and who started it. A found watcher that dies before
+    it answers (its owner removed it; Ray frees the name shortly after) is looked for again
+    for up to ``budget_s`` seconds; then, or if the one started here dies, the actor error
+    is raised."""
+    end = time.monotonic() + budget_s
+    while True:
+        opened = open_watcher(node_id, config)
+        try:
+            ray.get(opened.actor.ready.remote(), timeout=120)
+            source = ray.get(opened.actor.status.remote(), timeout=60)["source"]
+        except ray.exceptions.RayActorError:
+            if opened.created or time.monotonic() > end:
+                raise
+            time.sleep(0.5)
+            continue
+        whose = ("its own watcher" if opened.created else
+                 "the watcher another driver (a job) started there, its source; this command "
+                 "starts the node's own when that driver removes it")
+        print(f"watching node {node_id} ({source}) with {whose}", file=sys.stderr, flush=True)
+        return opened

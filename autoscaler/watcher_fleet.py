@@ -3,7 +3,9 @@
 Contract: ``WatcherFleet`` starts one watcher per live spot node (``spot_nodes``), delivers
 simulated notices (trace replay: a removal becomes a notice, then the node is removed at its
 deadline), records how each node ended (``gone`` after a notice, ``lost`` without one) and
-summarizes the lifecycles with the Coordinator's rebalance times. Thread-safe.
+summarizes the lifecycles with the Coordinator's rebalance times. Thread-safe. A node that
+already has a watcher (its own ``moshray watch``, a job's) is watched through that one, which
+the fleet never stops or removes; it stops only the watchers it started.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from moshray.cluster import placement
 
 from .drain import DrainOutcome, check_node_id
 from .lifecycle import LifecycleSummary, NodeLifecycle, NodeState, summarize
-from .notice_watcher import deliver_notice, start_watcher
+from .notice_watcher import deliver_notice, open_watcher
 from .watcher_config import WatcherConfig
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ class WatcherFleet:
         self.clock = clock
         self._lock = threading.RLock()
         self._watchers: dict[str, object] = {}  # node id -> actor handle (live nodes)
+        self._own: set[str] = set()  # node ids whose watcher this fleet started
         self._slots: dict[int, str] = {}  # slot -> node id (live nodes)
         self._lives: dict[str, NodeLifecycle] = {}
 
@@ -65,13 +68,14 @@ class WatcherFleet:
         return check_node_id(node)
 
     def sync(self, timeout_s: float = 60.0, only: Iterable[str | int] | None = None) -> tuple[str, ...]:
-        """Start a watcher on every live spot node that has none (or only on ``only``).
+        """Watch every live spot node not yet watched (or only those in ``only``): start its
+        watcher, or use the one the node already has (left running by ``stop``).
 
-        Returns the node ids that got a new watcher, once each is running.
+        Returns the node ids this call began watching, once each watcher is running.
         """
         nodes = spot_nodes()
         wanted = None if only is None else set(only)
-        started = {}
+        started, created = {}, set()
         with self._lock:
             for node_id, slot in nodes.items():
                 if wanted is not None and node_id not in wanted and slot not in wanted:
@@ -80,10 +84,14 @@ class WatcherFleet:
                     self._slots[slot] = node_id
                 if node_id in self._watchers:
                     continue
-                started[node_id] = start_watcher(node_id, self.config)
+                opened = open_watcher(node_id, self.config)
+                started[node_id] = opened.actor
+                if opened.created:
+                    created.add(node_id)
         if started:
             ray.get([w.ready.remote() for w in started.values()], timeout=timeout_s)
         with self._lock:
+            self._own |= created
             for node_id, watcher in started.items():
                 self._watchers[node_id] = watcher
                 self._lives[node_id] = ray.get(watcher.lifecycle.remote(), timeout=timeout_s)
@@ -123,13 +131,17 @@ class WatcherFleet:
     def node_gone(self, node: str | int, at_unix_s: float | None = None) -> NodeState:
         """``node`` left the cluster: ``gone`` after a notice, ``lost`` without one.
 
-        Forgets its watcher (killing it if the node is somehow still up). Returns the final state.
+        Forgets its watcher (killing it, if this fleet started it, in case the node is somehow
+        still up). Returns the final state.
         """
         node_id = self.node_id(node)
         self._pull(node_id)
         at = self.clock() if at_unix_s is None else at_unix_s
         with self._lock:
             watcher = self._watchers.pop(node_id, None)
+            if node_id not in self._own:
+                watcher = None  # someone else's: theirs to remove
+            self._own.discard(node_id)
             self._slots = {s: n for s, n in self._slots.items() if n != node_id}
             life = self._lives.setdefault(node_id, NodeLifecycle.start(node_id, at, NodeState.RUNNING))
             if not life.terminal:
@@ -185,10 +197,12 @@ class WatcherFleet:
         return summarize(self.lifecycles().values())
 
     def stop(self) -> None:
-        """Stop and kill every watcher this fleet started (lifecycles are kept)."""
+        """Stop and kill every watcher this fleet started and forget the ones it found (they
+        keep running). Lifecycles are kept."""
         with self._lock:
-            watchers, self._watchers = dict(self._watchers), {}
-        for watcher in watchers.values():
+            watchers = [w for n, w in self._watchers.items() if n in self._own]
+            self._watchers, self._own = {}, set()
+        for watcher in watchers:
             try:
                 ray.get(watcher.stop.remote(), timeout=self.config.poll_s + 10)
             except ray.exceptions.RayError:

@@ -328,6 +328,17 @@ class ElasticController:
                 f"{waiting.needed}); check the autoscaler's logs (ray status) or start nodes "
                 f"with the 'spot' resource")
 
+    def prices(self) -> dict | None:
+        """The cost at the last report that had worker nodes, for the run's summary:
+        ``{"dollars_per_hour": the nodes' total, "sources": {price source: nodes}}``
+        (``autoscaler/prices.py`` PriceSource: ``provider``, the cloud's live price;
+        ``table``, the shipped table; ``config``, the configured price); None if no worker
+        node was ever priced."""
+        if self._cost_shown is None:
+            return None
+        total, sources = self._cost_shown
+        return {"dollars_per_hour": total, "sources": dict(sources)}
+
     def live(self) -> list[tuple[str, object, object]]:
         """``(replica_id, handle, run_ref)`` of every replica not gone."""
         return [(rid, h, run) for rid, (h, run) in self.runs.items()]

@@ -44,12 +44,7 @@ from moshray.jobs.config import (
     exit_on_config_error,
 )
 from moshray.jobs.driver_calls import call_with_retries, checkpoint_through_replica, final_state
-from moshray.jobs.durability import (
-    CHECKPOINT_ENV,
-    DurabilityGuard,
-    durability_warning,  # noqa: F401 - the start-time warning, kept importable from here
-    is_node_local,
-)
+from moshray.jobs.durability import CHECKPOINT_ENV, DurabilityGuard
 
 log = logging.getLogger("moshray.train")
 POLL_S = 0.5
@@ -75,46 +70,6 @@ def run(config: TrainConfig, job=None, stop_when: StopWhen | None = None) -> dic
     from moshray.jobs.local_cloud import run_embedded
 
     return run_embedded(config, lambda addr: run_job(config, addr, job, stop_when))
-
-
-def check_durable(config: TrainConfig, machines: int) -> None:
-    """On a cluster of several machines, refuse node-local checkpoint and data paths (one
-    line saying what to use instead). Pure. The driver itself applies
-    ``durability.decide_durability`` as machines appear (``DurabilityGuard``)."""
-    if machines <= 1:
-        return
-    if config.checkpoint.uri and is_node_local(config.checkpoint.uri):
-        raise ConfigError("checkpoint.uri", f"{config.checkpoint.uri!r} is on one machine's "
-                          f"disk but this cluster has {machines}: use durable storage "
-                          f"(s3://bucket/path or gs://bucket/path)")
-    for path in config.data.paths:
-        if is_node_local(path):
-            raise ConfigError("data.paths", f"{path!r} is on one machine's disk but this "
-                              f"cluster has {machines}: use s3:// or gs:// URIs")
-
-
-def with_durable_checkpoints(config: TrainConfig, machines: int,
-                             cluster_default: str | None) -> TrainConfig:
-    """Checkpoints on by default on a cluster of several machines (pure).
-
-    One machine, or a ``checkpoint.uri`` given: ``config`` unchanged. Else the cluster's
-    default location ``cluster_default`` (``MOSHRAY_CHECKPOINT_URI`` of the driver's
-    environment, which on a real cluster is the head's) becomes ``checkpoint.uri``, so a
-    resubmitted job finds the newest checkpoint there and resumes by itself. With neither,
-    ``ConfigError`` (one line saying how to set one) unless ``checkpoint.optional``. The
-    driver applies ``durability.decide_durability``, which also switches a node-local one."""
-    from dataclasses import replace
-
-    if machines <= 1 or config.checkpoint.uri:
-        return config
-    if cluster_default:
-        return replace(config, checkpoint=replace(config.checkpoint, uri=cluster_default))
-    if config.checkpoint.optional:
-        return config
-    raise ConfigError("checkpoint.uri", f"this cluster has {machines} machines and no durable "
-                      f"checkpoint location (a lost head would lose the run): pass --checkpoint "
-                      f"s3://bucket/path (or gs://), or set {CHECKPOINT_ENV} where the head "
-                      f"runs `ray start`; --set checkpoint.optional=true runs without")
 
 
 def stop_on_sigterm() -> None:
@@ -382,6 +337,7 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
     summary["replica_lifecycle"] = controller.states()
     summary["replica_timelines"] = controller.timelines()
     summary["nodes_joined"] = len(controller.joined_at)
+    summary["prices"] = controller.prices()  # what the worker nodes cost, and whence
     summary["plot"] = run_report.write_outputs(
         config.run_dir, stats["history"], summary,
         {"preemptions": controller.lost_at, "joins": controller.joined_at})

@@ -226,20 +226,28 @@ def test_overlapped_steps_keep_the_replicas_identical():
     assert summary["steps"] >= 8 and summary["replicas"] == 2
     assert summary["replicas_consistent"] is True and summary["lost_steps"] == 0
     assert summary["final_loss"] < summary["initial_loss"]
+    from moshray.jobs.config import load_config
+
+    # local raylets carry no market or instance labels: both priced from the config
+    spot = load_config(None).metrics.spot_price_per_hour
+    assert summary["prices"] == {"dollars_per_hour": pytest.approx(2 * spot),
+                                 "sources": {"config": 2}}
 
 
 def test_refuses_node_local_checkpoint_on_several_machines():
     from moshray.jobs.config import ConfigError, load_config
-    from moshray.jobs.train import check_durable
+    from moshray.jobs.durability import Keep, Stop, decide_durability, durability_warning
 
     config = load_config(None, {"checkpoint.uri": "/tmp/ckpt"})
-    check_durable(config, machines=1)  # one machine: its disk is everyone's
-    with pytest.raises(ConfigError, match="checkpoint.uri.*durable storage"):
-        check_durable(config, machines=3)
-    check_durable(load_config(None, {"checkpoint.uri": "s3://bucket/run"}), machines=3)
-    with pytest.raises(ConfigError, match="data.paths"):
-        check_durable(load_config(None, {"data.paths": '["/data/x.parquet"]'}), machines=2)
-    from moshray.jobs.train import durability_warning
+    assert decide_durability(config, 1, None) == Keep()  # one machine: its disk is everyone's
+    refused = decide_durability(config, 3, None)
+    assert isinstance(refused, Stop) and isinstance(refused.error, ConfigError)
+    assert refused.error.field_path == "checkpoint.uri" and "durable storage" in refused.message
+    assert decide_durability(load_config(None, {"checkpoint.uri": "s3://bucket/run"}), 3,
+                             None) == Keep()
+    refused = decide_durability(load_config(None, {"data.paths": '["/data/x.parquet"]'}), 2,
+                                "s3://b/run")
+    assert isinstance(refused, Stop) and refused.error.field_path == "data.paths"
 
     assert "checkpoint.uri" in durability_warning(load_config(None), machines=2)
     assert durability_warning(load_config(None), machines=1) is None
@@ -248,20 +256,22 @@ def test_refuses_node_local_checkpoint_on_several_machines():
 
 def test_checkpoints_are_on_by_default_on_several_machines():
     from moshray.jobs.config import ConfigError, load_config
-    from moshray.jobs.train import with_durable_checkpoints
+    from moshray.jobs.durability import Keep, Stop, Switch, decide_durability
 
     bare = load_config(None)
-    assert with_durable_checkpoints(bare, 1, "s3://b/run") is bare  # one machine: off
-    on = with_durable_checkpoints(bare, 3, "s3://b/run")  # the cluster's default location
-    assert on.checkpoint.uri == "s3://b/run"
+    assert decide_durability(bare, 1, "s3://b/run") == Keep()  # one machine: off
+    # the cluster's default location
+    assert decide_durability(bare, 3, "s3://b/run") == Switch("s3://b/run")
     given = load_config(None, {"checkpoint.uri": "gs://mine/x"})
-    assert with_durable_checkpoints(given, 3, "s3://b/run") is given  # the user's wins
-    with pytest.raises(ConfigError, match="checkpoint.uri.*MOSHRAY_CHECKPOINT_URI"):
-        with_durable_checkpoints(bare, 3, None)  # refused, one line saying how to set it
-    with pytest.raises(ConfigError, match="checkpoint.uri.*--checkpoint"):
-        with_durable_checkpoints(bare, 2, "")
+    assert decide_durability(given, 3, "s3://b/run") == Keep()  # the user's wins
+    for default, words in ((None, "MOSHRAY_CHECKPOINT_URI"), ("", "--checkpoint")):
+        refused = decide_durability(bare, 3 if default is None else 2, default)
+        # refused, one line saying how to set it
+        assert isinstance(refused, Stop) and isinstance(refused.error, ConfigError)
+        assert refused.error.field_path == "checkpoint.uri" and words in refused.message
+        assert "\n" not in refused.message
     optional = load_config(None, {"checkpoint.optional": "true"})
-    assert with_durable_checkpoints(optional, 3, None).checkpoint.uri is None
+    assert decide_durability(optional, 3, None) == Keep()
 
 
 def test_the_default_run_replays_the_shipped_trace():

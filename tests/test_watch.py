@@ -318,6 +318,89 @@ def test_moshray_watch_cli_on_a_node(local_cluster, coordinator):
             _replace_node(local_cluster, slot)
 
 
+def _remove(watcher, node: str) -> None:
+    """Stop and kill ``watcher`` as its owner would, and wait until its name is free."""
+    from moshray.autoscaler.watch import get_watcher
+
+    try:
+        ray.get(watcher.stop.remote(), timeout=30)
+    except ray.exceptions.RayError:
+        pass  # already gone
+    ray.kill(watcher, no_restart=True)
+    _wait(lambda: get_watcher(node) is None, 60, "the watcher's name to be free")
+
+
+@pytest.mark.cluster
+def test_fleet_uses_a_watcher_it_found_and_never_removes_it(local_cluster):
+    from moshray.autoscaler.notice_watcher import open_watcher
+    from moshray.autoscaler.watch import WatcherConfig, WatcherFleet, get_watcher
+
+    config = WatcherConfig(source="simulated", poll_s=0.2)
+    node = local_cluster.node_id(3)
+    own = open_watcher(node, config)  # the node's own, as its `moshray watch` starts it
+    assert own.created
+    ray.get(own.actor.ready.remote(), timeout=60)
+    fleet = WatcherFleet(config)
+    try:
+        assert node in fleet.sync()
+        assert fleet.watcher(node)._actor_id == own.actor._actor_id  # used, not a second one
+        fleet.node_gone(node)  # forgotten by the fleet ...
+        fleet.stop()  # ... and the fleet's own watchers stopped
+        found = get_watcher(node)  # the node's is still there and serving
+        assert found is not None and found._actor_id == own.actor._actor_id
+        assert ray.get(found.ready.remote(), timeout=30) == node
+        others = [n for s, n in ((s, local_cluster.node_id(s)) for s in local_cluster.live_slots())
+                  if n != node]
+        _wait(lambda: all(get_watcher(n) is None for n in others), 60,
+              "the fleet's own watchers to be removed")
+    finally:
+        fleet.stop()
+        _remove(own.actor, node)
+
+
+@pytest.mark.cluster
+def test_moshray_watch_uses_a_jobs_watcher_then_starts_the_nodes_own(local_cluster, tmp_path):
+    """``moshray watch`` on a node where a job's watcher runs: it uses that one, never
+    stopping it; when the job removes it, the command starts the node's own at once."""
+    import subprocess
+    import sys
+
+    import moshray
+    from moshray.autoscaler.notice_watcher import open_watcher
+    from moshray.autoscaler.watch import WatcherConfig, get_watcher
+
+    node = local_cluster.node_id(3)
+    job = open_watcher(node, WatcherConfig(source="simulated", poll_s=0.2))  # the job's
+    assert job.created
+    ray.get(job.actor.ready.remote(), timeout=60)
+    err_path = tmp_path / "watch.err"
+    with err_path.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moshray.autoscaler.watch", "--source", "simulated",
+             "--address", local_cluster.address, "--node-id", node, "--poll-s", "0.2",
+             "--max-seconds", "300"], stdout=subprocess.DEVNULL, stderr=err, text=True)
+    try:
+        _wait(lambda: "started there" in err_path.read_text() or proc.poll() is not None,
+              120, "moshray watch to find the job's watcher")
+        assert proc.poll() is None, err_path.read_text()
+        assert f"moshray watch: moshray {moshray.__version__}" in err_path.read_text()
+        assert ray.get(job.actor.ready.remote(), timeout=30) == node  # used, not replaced
+
+        _remove(job.actor, node)  # the job ends and removes its watcher
+        _wait(lambda: "with its own watcher" in err_path.read_text() or proc.poll() is not None,
+              120, "moshray watch to start the node's own watcher")
+        assert proc.poll() is None, err_path.read_text()
+        own = _wait(lambda: get_watcher(node), 60, "the node's own watcher")
+        assert own._actor_id != job.actor._actor_id
+        assert ray.get(own.ready.remote(), timeout=30) == node
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+    # the node's own watcher belongs to the command: gone with it
+    _wait(lambda: get_watcher(node) is None, 60, "moshray watch's watcher to go with it")
+
+
 def test_cli_rejects_bad_arguments_with_exit_2():
     import subprocess
     import sys

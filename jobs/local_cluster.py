@@ -243,7 +243,11 @@ class LocalCluster:
         # The head is this machine, which is no cloud instance: the clouds' SDK opt-outs keep
         # anything on it (a watcher with notice_source="auto") from probing this machine's
         # real 169.254.169.254. Restored at shutdown; spot nodes do not inherit them.
-        self._saved_env = {k: os.environ.get(k) for k in HEAD_ENV}
+        self._saved_env = {k: os.environ.get(k) for k in
+                           (*HEAD_ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+        from ray._private import ray_constants
+
+        self._saved_ray_cluster = ray_constants.ENABLE_RAY_CLUSTER
         os.environ.update(HEAD_ENV)
         if config.hosts == "netns":
             from moshray.jobs.netns_hosts import HostNetwork, unavailable
@@ -586,6 +590,12 @@ class LocalCluster:
         if self._auth is not None:
             self._auth.undo()
             self._auth = None
+        if self.net is not None:  # this process binds to loopback again, as before
+            from ray._private import ray_constants
+
+            ray_constants.ENABLE_RAY_CLUSTER = self._saved_ray_cluster
+        else:
+            self._saved_env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
         for key, value in getattr(self, "_saved_env", {}).items():
             if value is None:
                 os.environ.pop(key, None)

@@ -178,7 +178,6 @@ def allow_cluster_addresses() -> None:
 
 HOSTS = ("loopback", "netns")
 HEAD_ENV = {AWS_DISABLED_ENV: "true", GCE_CHECK_OFF_ENV: "true"}
-PREFIX_ARGS = 10  # HostNetwork.popen's "ip netns exec <ns> unshare --pid ... --kill-child"
 # What a spot node of the separate-hosts mode must not inherit from the driver: a Ray address
 # or token of another cluster, and anything that names or switches off the metadata service
 # (the node finds its own at 169.254.169.254, as on a cloud).
@@ -189,9 +188,11 @@ NODE_ENV_DROP = ("RAY_ADDRESS", "RAY_AUTH_TOKEN", AWS_ENDPOINT_ENV, GCP_HOST_ENV
 @dataclass
 class _NetnsNode:
     """A spot node of the separate-hosts mode: its ``ray start --block`` process (a session
-    of its own, inside the slot's namespace), its directory and its Ray node id."""
+    of its own, inside the slot's namespace), the command, its directory and its Ray node
+    id."""
 
     proc: object
+    argv: tuple[str, ...]
     root: str
     node_id: str
     log_path: str
@@ -301,10 +302,6 @@ class LocalCluster:
         return self.cluster.address
 
     @property
-    def hosts(self) -> str:
-        return self.config.hosts
-
-    @property
     def auth_token_path(self) -> str | None:
         """File holding the token when token authentication is on (else None)."""
         return self._auth.token_path if self._auth else None
@@ -400,7 +397,7 @@ class LocalCluster:
                 proc = self.net.popen(slot, argv, stdout=out, stderr=subprocess.STDOUT,
                                       env=self._node_env(root), cwd=root)
             node_id = self._wait_registered(host.address, proc, log_path)
-            return _NetnsNode(proc, root, node_id, log_path), imds
+            return _NetnsNode(proc, tuple(argv), root, node_id, log_path), imds
         except BaseException:
             if proc is not None:
                 _end_group(proc, graceful=False)
@@ -553,9 +550,8 @@ class LocalCluster:
         _end_pids(_namespace_pids(net.host(slot).namespace))
         import subprocess
 
-        argv = list(node.proc.args[PREFIX_ARGS:])  # drop "ip netns exec <ns> unshare ..."
         with open(node.log_path, "a") as out:
-            proc = net.popen(slot, argv, stdout=out, stderr=subprocess.STDOUT,
+            proc = net.popen(slot, list(node.argv), stdout=out, stderr=subprocess.STDOUT,
                              env=self._node_env(node.root), cwd=node.root)
         try:
             node_id = self._wait_registered(address, proc, node.log_path, old=node.node_id)
@@ -563,7 +559,7 @@ class LocalCluster:
             _end_group(proc, graceful=False)
             raise
         with self._lock:
-            self.nodes[slot] = _NetnsNode(proc, node.root, node_id, node.log_path)
+            self.nodes[slot] = _NetnsNode(proc, node.argv, node.root, node_id, node.log_path)
         log.info("spot node %d back as a new raylet (%s)", slot, node_id)
         return "new"
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 CLUSTER_TAG = "moshray-cluster"
 # Value: "head" or "worker".
 ROLE_TAG = "moshray-role"
-# Value: the pool the instance was launched from (see autoscaler/pools.py for the encoding).
+# Value: the pool the instance was launched from (see autoscaler/pools/__init__.py for the encoding).
 POOL_TAG = "moshray-pool"
 # Value: "spot" or "on-demand".
 MARKET_TAG = "moshray-market"
 
 # The `provider: type: external` module paths of Ray's autoscaler config.
-AWS_PROVIDER = "moshray.autoscaler.aws_provider.AWSSpotNodeProvider"
-GCP_PROVIDER = "moshray.autoscaler.gcp_provider.GCPSpotNodeProvider"
+AWS_PROVIDER = "moshray.autoscaler.clouds.aws.provider.AWSSpotNodeProvider"
+GCP_PROVIDER = "moshray.autoscaler.clouds.gcp.provider.GCPSpotNodeProvider"
 
 # Where the Prometheus exporter listens by default (the Coordinator serves it).
 METRICS_PORT = 9450

@@ -6,10 +6,10 @@ The Coordinator asks for a sliver of the head node's built-in resource, so it ca
 placed on a node that may be preempted.
 
 Node labels say what a worker node is, for the controller's node counts and prices
-(``jobs/observations.py node_view``). Where Ray defines a key it is used, with Ray's values:
+(``jobs/controller/observations.py node_view``). Where Ray defines a key it is used, with Ray's values:
 ``ray.io/market-type`` (``spot`` / ``on-demand``; Ray also fills it from ``RAY_NODE_MARKET_TYPE``)
 and ``ray.io/availability-zone``. Ray has no key for the instance type or the cloud, so those are
-moshray's. The infra/ node setup (``python -m moshray.autoscaler.node_labels``) passes them to
+moshray's. The infra/ node setup (``python -m moshray.autoscaler.clouds.node_labels``) passes them to
 ``ray start --labels`` from the node's own metadata service. ``LEGACY_MARKET_LABEL`` is still
 read when Ray's key is absent.
 """

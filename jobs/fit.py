@@ -2,7 +2,7 @@
 
     result = moshray.fit(loop, data, max_nodes=3, max_seconds=120)
 
-``loop(session)`` runs inside every replica (``actors/session.py``); ``data`` is anything
+``loop(session)`` runs inside every replica (``actors/replica/session.py``); ``data`` is anything
 ``actors.data_sources.as_source`` takes: a function ``(shard, num_shards, seed) ->
 batches``, Parquet URIs, a source, or a zero-argument function returning a Ray Dataset
 (called on the driver once it is connected). With ``RAY_ADDRESS`` set (as under
@@ -21,11 +21,11 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-from moshray.actors.data_sources import as_source
+from moshray.actors.replica.data_sources import as_source
 from moshray.actors.errors import UserError
-from moshray.actors.replica import Job
+from moshray.actors.replica.actor import Job
 
-from .config import ConfigError, TrainConfig, load_config
+from moshray.jobs.config import ConfigError, TrainConfig, load_config
 
 SHORTCUTS = {
     "max_nodes": "cluster.max_nodes", "min_nodes": "cluster.min_nodes",
@@ -120,7 +120,7 @@ def _job(loop, data, batch_size: int):
 
 def fit(loop, data, config: Any = None, **settings: Any) -> Result:
     """Train with ``loop`` on ``data`` (see module docstring); returns a ``Result``."""
-    from .train import run
+    from moshray.jobs.train import run
 
     cfg = build_config(config, **settings)
     if cfg.cluster.trace == "off":

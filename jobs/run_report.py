@@ -45,7 +45,7 @@ class Console:
 
     ``show`` prints the steps of ``stats["history"]`` not shown yet. The samples/s of a
     line sums the history afresh: its counts are corrected as replicas report what they
-    really averaged (cluster/step_samples.py). A restarted Coordinator starts a new
+    really averaged (cluster/coordinator/step_samples.py). A restarted Coordinator starts a new
     history (its sum drops): the old one's sum is kept and added."""
 
     def __init__(self, out) -> None:

@@ -2,9 +2,9 @@
 
 Against a running cluster (``RAY_ADDRESS`` set, as under ``ray job submit``, or
 ``cluster.address``) the job connects to it; with no address it first starts the embedded
-local cluster, which plays the cloud (``jobs/local_cloud.py``: raylets on 127.0.0.1 added,
+local cluster, which plays the cloud (``jobs/local/cloud.py``: raylets on 127.0.0.1 added,
 noticed, removed or killed, by a replayed spot trace with ``--trace``). Either way the same
-elastic controller (``jobs/controller.py``) then keeps one replica on every worker node Ray
+elastic controller (``jobs/controller/elastic.py``) then keeps one replica on every worker node Ray
 has, up to ``cluster.max_nodes``, asks Ray's autoscaler for capacity, and waits (bounded by
 ``cluster.wait_for_nodes_s``) while there is none.
 
@@ -43,8 +43,8 @@ from moshray.jobs.config import (
     config_from_args,
     exit_on_config_error,
 )
-from moshray.jobs.driver_calls import call_with_retries, checkpoint_through_replica, final_state
-from moshray.jobs.durability import CHECKPOINT_ENV, DurabilityGuard
+from moshray.jobs.controller.driver_calls import call_with_retries, checkpoint_through_replica, final_state
+from moshray.jobs.controller.durability import CHECKPOINT_ENV, DurabilityGuard
 
 log = logging.getLogger("moshray.train")
 POLL_S = 0.5
@@ -67,7 +67,7 @@ def run(config: TrainConfig, job=None, stop_when: StopWhen | None = None) -> dic
     address = config.cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
         return run_job(config, address, job, stop_when)
-    from moshray.jobs.local_cloud import run_embedded
+    from moshray.jobs.local.cloud import run_embedded
 
     return run_embedded(config, lambda addr: run_job(config, addr, job, stop_when))
 
@@ -86,10 +86,10 @@ def run_job(config: TrainConfig, address: str, job=None,
     need Ray, such as a Ray Dataset's blocks, are made there)."""
     import ray
 
-    from moshray.actors.checkpoint import CheckpointStore
-    from moshray.actors.data import resolve_data, ship_files
-    from moshray.jobs.controller import ElasticController
-    from moshray.jobs.replica_launch import ReplicaSpec
+    from moshray.actors.replica.checkpoint import CheckpointStore
+    from moshray.jobs.examples.lm.corpus import resolve_data, ship_files
+    from moshray.jobs.controller.elastic import ElasticController
+    from moshray.jobs.controller.replica_launch import ReplicaSpec
 
     out = sys.stderr if config.json else sys.stdout
     owned = not ray.is_initialized()  # a caller's own connection stays up after the job
@@ -97,7 +97,7 @@ def run_job(config: TrainConfig, address: str, job=None,
         if address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
             # A loopback cluster (tests, one machine): stay on loopback; Ray would otherwise
             # swap 127.0.0.1 for this machine's network address.
-            from moshray.jobs.local_cluster import pin_loopback
+            from moshray.jobs.local.cluster import pin_loopback
 
             pin_loopback()
         ray.init(address=address, namespace="moshray", log_to_driver=True)
@@ -110,8 +110,7 @@ def run_job(config: TrainConfig, address: str, job=None,
         if callable(job) and not hasattr(job, "loop"):
             job = job()
         if job is None:
-            from moshray.jobs.examples import lm
-
+            import moshray.jobs.examples.lm.example as lm
             if config.data.paths:
                 files = resolve_data(list(config.data.paths), config.data.cache_dir)
             else:  # the built-in corpus, built on the driver, travels through the object store
@@ -183,10 +182,10 @@ def _fresh_coordinator(config: TrainConfig):
     earlier job on the same cluster is replaced: one training job per cluster."""
     import ray
 
-    from moshray.cluster import coordinator as coordinator_mod
+    import moshray.cluster.coordinator.actor as coordinator_mod
     from moshray.cluster.metrics import Prices
     from moshray.cluster import placement
-    from moshray.cluster.membership import MembershipConfig
+    from moshray.cluster.coordinator.membership import MembershipConfig
 
     t = config.training
     try:
@@ -222,9 +221,9 @@ def _fresh_coordinator(config: TrainConfig):
 def _start_experts(config: TrainConfig, coordinator):
     """The DMoE experts of ``config.model``: an ExpertSupervisor on the head node keeping
     every shard served on the spot nodes (snapshots under ``<checkpoint.uri>/experts``)."""
-    from moshray.actors.expert_config import ExpertSetConfig, ExpertSpec
-    from moshray.actors.expert_supervisor import spawn_expert_set
-    from moshray.actors.model import moe_layer_name
+    from moshray.actors.moe.expert_config import ExpertSetConfig, ExpertSpec
+    from moshray.actors.moe.expert_supervisor import spawn_expert_set
+    from moshray.jobs.examples.lm.model import moe_layer_name
 
     m, t = config.model, config.training
     snapshot = f"{config.checkpoint.uri.rstrip('/')}/experts" if config.checkpoint.uri else ""
@@ -357,7 +356,7 @@ def with_default_trace(config: TrainConfig) -> TrainConfig:
     first run shows preemptions survived. A cluster address leaves the trace unset."""
     from dataclasses import replace
 
-    from moshray.autoscaler.trace import DEFAULT_TRACE
+    from moshray.autoscaler.traces import DEFAULT_TRACE
 
     c = config.cluster
     if c.trace == "off":
@@ -369,7 +368,7 @@ def with_default_trace(config: TrainConfig) -> TrainConfig:
 
 @exit_on_config_error
 def main(args: argparse.Namespace) -> int:
-    from moshray.jobs.controller import NoCapacityError
+    from moshray.jobs.controller.elastic import NoCapacityError
 
     config = with_default_trace(config_from_args(args))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -20,7 +20,7 @@ SPOT_NODES = 4
 @pytest.fixture(scope="session")
 def local_cluster():
     """A head plus 4 spot raylets (slots 0-3); tests may add and remove other slots."""
-    from moshray.jobs.local_cluster import LocalCluster, LocalClusterConfig
+    from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig
 
     cluster = LocalCluster(LocalClusterConfig(spot_nodes=SPOT_NODES, cpus_per_node=4))
     cluster.connect()

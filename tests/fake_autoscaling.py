@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moshray.jobs.join_profile import ProcSample, descendants, read_procs
+from moshray.jobs.bench.join_profile import ProcSample, descendants, read_procs
 from raystart import free_port
 
 LOOPBACK = "127.0.0.1"

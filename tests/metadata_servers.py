@@ -1,7 +1,7 @@
 """The metadata servers the tests script (they ship with the product: the embedded cluster
 delivers its spot notices through them)."""
 
-from moshray.autoscaler.metadata_emulator import (  # noqa: F401
+from moshray.autoscaler.clouds.metadata_emulator import (  # noqa: F401
     GCEMetadataServer,
     IMDSv2Server,
     Seen,

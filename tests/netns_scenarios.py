@@ -78,10 +78,10 @@ def partition(tmp_path: Path) -> dict:
     link comes back Ray has declared it dead, so a new raylet starts there and its replica
     trains again after a donor sync. Nothing lost or repeated, the staying replicas equal;
     after the job nothing is requested and w's own watcher still runs."""
-    from moshray.autoscaler.watcher_config import watcher_name
+    from moshray.autoscaler.watch.config import watcher_name
     from moshray.cluster import placement
-    from moshray.jobs.controller import capacity_requested
-    from moshray.jobs.local_cluster import LocalCluster, LocalClusterConfig
+    from moshray.jobs.controller.elastic import capacity_requested
+    from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig
 
     port = free_port()
     cluster = LocalCluster(LocalClusterConfig(spot_nodes=0, hosts="netns", cpus_per_node=2,
@@ -189,8 +189,8 @@ def slow_link(tmp_path: Path) -> dict:
     the moment a second host is present (one line, exit 2, nothing left requested); a
     second job (checkpoints optional) trains on both with the slow replica in every step
     and no round missing its deadline."""
-    from moshray.jobs.controller import capacity_requested
-    from moshray.jobs.local_cluster import LocalCluster, LocalClusterConfig
+    from moshray.jobs.controller.elastic import capacity_requested
+    from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig
 
     cluster = LocalCluster(LocalClusterConfig(spot_nodes=0, hosts="netns", cpus_per_node=2,
                                               object_store_bytes=150 * 1024 * 1024))

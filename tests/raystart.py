@@ -23,7 +23,7 @@ LOOPBACK = "127.0.0.1"
 
 
 def free_port() -> int:
-    from moshray.jobs.local_cluster import free_ports
+    from moshray.jobs.local.cluster import free_ports
 
     return free_ports(1)[0]
 
@@ -45,7 +45,7 @@ def ray_env(token: str | None = None) -> dict:
     else:
         env["RAY_AUTH_MODE"] = "disabled"
     # These machines are no cloud instances: the SDKs' opt-outs keep notice_source = "auto"
-    # (autoscaler/cloud_detect.py) on a node that names no metadata service from probing the
+    # (autoscaler/clouds/detect.py) on a node that names no metadata service from probing the
     # host's real 169.254.169.254. A node with an emulator names it (add_spot_node).
     env.update(AWS_EC2_METADATA_DISABLED="true", NO_GCE_CHECK="true")
     return env
@@ -168,7 +168,7 @@ class RayStartCluster:
         """Start one more spot worker as a separate machine would be: its own working
         directory and HOME, its own instance-metadata service (an IMDSv2 emulator named in
         ``AWS_EC2_METADATA_SERVICE_ENDPOINT``). Returns a ``SpotNode``; waits until it is alive."""
-        from moshray.autoscaler.metadata_emulator import IMDSv2Server
+        from moshray.autoscaler.clouds.metadata_emulator import IMDSv2Server
 
         root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.logdir))
         (root / "home").mkdir()

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import ray
 
-from moshray.cluster import coordinator as coordinator_mod
-from moshray.cluster.averager import CONTRIBUTION_FRACTION
-from moshray.cluster.compression import max_abs_error_bound
-from moshray.cluster.membership import Membership, MembershipConfig
+import moshray.cluster.coordinator.actor as coordinator_mod
+from moshray.cluster.collective.averager import CONTRIBUTION_FRACTION
+from moshray.cluster.collective.codecs import max_abs_error_bound
+from moshray.cluster.coordinator.membership import Membership, MembershipConfig
 from moshray.cluster.messages import PeerInfo, RejectReason
-from moshray.cluster.peer import AveragingPeer
+from moshray.cluster.collective.peer import AveragingPeer
 
 pytestmark = pytest.mark.cluster
 
@@ -182,7 +182,7 @@ def test_a_small_tensors_dead_owner_is_re_reduced_from_copies_asked_for(cluster)
     """One owner (a small tensor): the other members were sent no contributions, so when
     the owner dies mid-round each survivor asks the others for their held-back copies
     (``CopyRequest`` through the real actor calls) and they re-reduce alike."""
-    from moshray.cluster.partition import group_part_sizes
+    from moshray.cluster.collective.partition import group_part_sizes
 
     peers = spawn(4, "copy-")
     try:

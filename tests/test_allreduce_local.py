@@ -10,10 +10,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from moshray.cluster.averager import Averager
-from moshray.cluster.membership import Membership, MembershipConfig
+from moshray.cluster.collective.averager import Averager
+from moshray.cluster.coordinator.membership import Membership, MembershipConfig
 from moshray.cluster.messages import PeerInfo
-from moshray.cluster.transport import LocalNetwork
+from moshray.cluster.collective.transport import LocalNetwork
 
 TIMEOUT = 2.0
 
@@ -140,7 +140,7 @@ def test_a_wrong_length_is_rejected_with_the_length_the_sender_sent():
 
 
 def _owner(plan) -> str:
-    from moshray.cluster.partition import group_part_sizes
+    from moshray.cluster.collective.partition import group_part_sizes
 
     members = plan.grid.rounds[0].group_of("p0")[1].members
     sizes = group_part_sizes(plan, members, 1000)
@@ -268,9 +268,9 @@ def test_small_parts_travel_inline_large_ones_as_refs_and_both_survive_a_dead_ow
     """Small parts ride in the call (``Inline``, the other members' copies ``InBundle``:
     one put); with the threshold at 0 every part is an object ref. Either way the round
     is exact and bitwise equal, and a dead owner's part is re-reduced from the copies."""
-    from moshray.cluster import round_send
+    import moshray.cluster.collective.round_send as round_send
     from moshray.cluster.messages import Contribution, InBundle, Inline, PartResult
-    from moshray.cluster.transport import LocalRef
+    from moshray.cluster.collective.transport import LocalRef
 
     if inline_max is not None:
         monkeypatch.setattr(round_send, "INLINE_MAX_BYTES", inline_max)

@@ -13,8 +13,8 @@ import random
 import numpy as np
 import pytest
 
-from moshray.cluster.grid import plan_grid
-from moshray.cluster.partition import WeightedMean
+from moshray.cluster.collective.grid import plan_grid
+from moshray.cluster.collective.partition import WeightedMean
 
 
 def _replay(plan, values, weights, order=None):

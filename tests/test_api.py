@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import moshray
-from moshray.actors.data_sources import as_source, from_fn, parquet
+from moshray.actors.replica.data_sources import as_source, from_fn, parquet
 from moshray.actors.errors import UserError, find_user_error
-from moshray.actors.replica_state import TrainState, extra_digest
-from moshray.actors.session import batch_size_of, check_loss, check_optimizer
-from moshray.actors.shard_feed import ShardFeed
-from moshray.cluster.shard_ledger import ShardLedger, shard_of
+from moshray.actors.replica.state import TrainState, extra_digest
+from moshray.actors.replica.session import batch_size_of, check_loss, check_optimizer
+from moshray.actors.replica.shard_feed import ShardFeed
+from moshray.cluster.coordinator.shard_ledger import ShardLedger, shard_of
 
 
 def test_public_api_is_importable_as_moshray():
@@ -144,8 +144,8 @@ def test_feeds_of_replicas_that_come_and_go_never_repeat_a_sample():
 
 
 def test_a_restarted_coordinator_grants_no_shard_before_it_heard_the_positions():
-    from moshray.cluster.coordinator_core import REJOIN_GRACE_S, CoordinatorCore
-    from moshray.cluster.membership import MembershipConfig
+    from moshray.cluster.coordinator.core import REJOIN_GRACE_S, CoordinatorCore
+    from moshray.cluster.coordinator.membership import MembershipConfig
 
     now = [100.0]
     core = CoordinatorCore(MembershipConfig(), clock=lambda: now[0])

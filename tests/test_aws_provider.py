@@ -22,7 +22,7 @@ from ray.autoscaler.tags import (
 )
 
 from fake_ec2 import running_fake_ec2
-from moshray.autoscaler.aws_provider import AWSSpotNodeProvider
+from moshray.autoscaler.clouds.aws.provider import AWSSpotNodeProvider
 from moshray.autoscaler.pools import EventKind, Pool
 from moshray.autoscaler.tags import (
     AWS_PROVIDER,

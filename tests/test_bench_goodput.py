@@ -1,6 +1,6 @@
 """`moshray bench goodput`: the figures' math on plain data, bad input, and one short real run.
 
-The real run is a subprocess (``python -m moshray.jobs.bench_goodput``) that starts its own
+The real run is a subprocess (``python -m moshray.jobs.bench.goodput``) that starts its own
 local clusters one after the other (so it never clashes with the session fixture cluster),
 replays a tiny per-node trace (one removal, one addition) and trains a tiny model under
 moshray and Ray Train, after calibrating both with 2 nodes. Its checks are about consistency, never about speed.
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from moshray.autoscaler.trace import NodeEvent, live_node_seconds
-from moshray.jobs import goodput_curves as gc
-from moshray.jobs import goodput_rates as gr
-from moshray.jobs.goodput_curves import Progress
+from moshray.autoscaler.traces import NodeEvent, live_node_seconds
+import moshray.jobs.bench.goodput_curves as gc
+import moshray.jobs.bench.goodput_rates as gr
+from moshray.jobs.bench.goodput_curves import Progress
 
 
 def steps(*rows):
@@ -123,7 +123,7 @@ def test_steady_window_runs_from_the_first_step_with_every_node():
 
 
 def test_a_calibration_is_stopped_once_its_steady_window_has_passed():
-    from moshray.jobs.goodput_moshray import steady_stop
+    from moshray.jobs.bench.goodput_moshray import steady_stop
 
     rows = [(1, 1.0, 8, None, 1), (2, 3.0, 16, None, 2), (3, 6.0, 16, None, 2),
             (4, 9.0, 16, None, 2)]
@@ -136,7 +136,7 @@ def test_a_calibration_is_stopped_once_its_steady_window_has_passed():
 
 
 def test_a_killed_ray_train_driver_is_evaluated_on_its_newest_persisted_checkpoint(tmp_path):
-    from moshray.jobs.goodput_runs import latest_persisted
+    from moshray.jobs.bench.goodput_runs import latest_persisted
 
     assert latest_persisted(str(tmp_path)) is None
     run = tmp_path / "raytrain-baseline-1"
@@ -150,7 +150,7 @@ def test_a_killed_ray_train_driver_is_evaluated_on_its_newest_persisted_checkpoi
 
 
 def test_a_ray_train_run_is_kept_as_plain_json():
-    from moshray.jobs.goodput_runs import RayTrainRun
+    from moshray.jobs.bench.goodput_runs import RayTrainRun
 
     run = RayTrainRun(records=(Progress(1.5, 1, 32, 5.2), Progress(2.0, 2, 64, None)),
                       rewinds=((0.0, 0),), checkpoint=None, error=None,
@@ -239,7 +239,7 @@ def test_compare_rates_with_one_calibration_count_scales_the_better_per_node_rat
 
 
 def test_baseline_refuses_a_non_positive_steady_window():
-    from moshray.jobs.raytrain_baseline import BaselineConfig
+    from moshray.jobs.bench.raytrain_baseline import BaselineConfig
 
     base = dict(train={}, files=("f",), max_workers=2, deadline_unix=0.0, storage_path="s",
                 recorder="r")
@@ -272,7 +272,7 @@ def test_malformed_trace_exits_2_naming_the_line(tmp_path, capsys):
 
 
 def test_a_shipped_trace_name_passes_the_trace_check(tmp_path, capsys):
-    from moshray.autoscaler.trace import DEFAULT_TRACE
+    from moshray.autoscaler.traces import DEFAULT_TRACE
 
     assert run_cli("--trace", DEFAULT_TRACE, "--out", str(tmp_path), "--duration", "0") == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -318,7 +318,7 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "moshray.jobs.bench_goodput", "--trace", str(trace),
+        [sys.executable, "-m", "moshray.jobs.bench.goodput", "--trace", str(trace),
          "--time-scale", "1", "--max-nodes", "2", "--duration", "75", "--calib-nodes", "2",
          "--calib-seconds", str(calib_s), "--checkpoint-every", "10",
          "--startup-timeout", str(startup_s), "--finish-timeout", "180", "--out", str(out), *TINY,

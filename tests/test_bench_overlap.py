@@ -2,7 +2,7 @@
 
 import pytest
 
-from moshray.jobs.bench_overlap import compare, loss_at, steady_rate
+from moshray.jobs.bench.overlap import compare, loss_at, steady_rate
 from moshray.jobs.config import ConfigError, load_config, parse_set
 
 # history rows: epoch, at_s, samples, loss, peers

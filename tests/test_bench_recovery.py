@@ -1,6 +1,6 @@
 """`moshray bench recovery`: the figures' math and bad input without Ray, and one short real run.
 
-The real run is a subprocess (``python -m moshray.jobs.bench_recovery``) that starts its own
+The real run is a subprocess (``python -m moshray.jobs.bench.recovery``) that starts its own
 local cluster (so it never clashes with the session fixture cluster), runs the training job
 on it (twice: dense, then with DMoE layers) and one trial of cloud events with a tiny model.
 Its checks are about the JSON's shape and sanity, never about the targets.
@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from moshray.cluster.coordinator_core import CoordinatorCore
-from moshray.cluster.membership import MembershipConfig
-from moshray.cluster.progress import ProgressReport
-from moshray.jobs import bench_recovery as br
-from moshray.jobs import recovery_steps as rs
-
+from moshray.cluster.coordinator.core import CoordinatorCore
+from moshray.cluster.coordinator.membership import MembershipConfig
+from moshray.cluster.coordinator.progress import ProgressReport
+import moshray.jobs.bench.recovery as br
+import moshray.jobs.bench.recovery_steps as rs
 KEYS = [k for m in br.MEASURES for k in (m, f"{m}_max")]
 
 
@@ -172,7 +171,7 @@ def test_one_trial_reports_all_eight_figures(tmp_path: Path):
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "moshray.jobs.bench_recovery", "--trials", "1", "--nodes", "3",
+        [sys.executable, "-m", "moshray.jobs.bench.recovery", "--trials", "1", "--nodes", "3",
          "--notice-s", "3", "--timeout", "150", "--out", str(out), *TINY, "--json"],
         capture_output=True, text=True, timeout=390, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

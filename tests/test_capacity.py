@@ -1,13 +1,13 @@
-"""DeDLOC shares from measured throughput (cluster/capacity.py, Membership.plan)."""
+"""DeDLOC shares from measured throughput (cluster/collective/shares.py, Membership.plan)."""
 
 import math
 
 import pytest
 
-from moshray.cluster.capacity import (
+from moshray.cluster.collective.shares import (
     MAX_SHARE, MIN_SHARE, ThroughputMeter, busy_seconds, relative_shares, round_throughput,
 )
-from moshray.cluster.membership import Membership, MembershipConfig
+from moshray.cluster.coordinator.membership import Membership, MembershipConfig
 from moshray.cluster.messages import PeerInfo
 
 
@@ -63,7 +63,7 @@ def test_plan_shares_follow_heartbeat_throughput() -> None:
 
 
 def test_coordinator_heartbeat_carries_throughput() -> None:
-    from moshray.cluster.coordinator_core import CoordinatorCore
+    from moshray.cluster.coordinator.core import CoordinatorCore
 
     core = CoordinatorCore(MembershipConfig(), clock=lambda: 0.0)
     core.register("a", None)

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from moshray.autoscaler.chaos import ChaosConfig, chaos_events, write_trace
-from moshray.autoscaler.trace import load_trace
+from moshray.jobs.bench.chaos_schedule import ChaosConfig, chaos_events, write_trace
+from moshray.autoscaler.traces import load_trace
 
-from moshray.jobs.chaos_plan import (SCHEDULES, draw_plan, invariant_failures, stall_causes,
+from moshray.jobs.bench.chaos_plan import (SCHEDULES, draw_plan, invariant_failures, stall_causes,
                                      stalled_seconds)
 
 
@@ -100,7 +100,7 @@ def test_stalls_and_invariants_are_judged_from_figures():
 def test_short_chaos_run_loses_nothing_and_quarantines_the_bad_replicas(tmp_path: Path):
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-m", "moshray.jobs.bench_chaos", "--schedule",
+    proc = subprocess.run([sys.executable, "-m", "moshray.jobs.bench.chaos", "--schedule",
                            "short", "--out", str(tmp_path)], capture_output=True, text=True,
                           timeout=360, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -118,7 +118,7 @@ def test_short_chaos_run_loses_nothing_and_quarantines_the_bad_replicas(tmp_path
 
 
 def test_join_times_run_from_a_replicas_start_to_its_first_training_state():
-    from moshray.jobs.chaos_plan import join_seconds
+    from moshray.jobs.bench.chaos_plan import join_seconds
 
     timelines = {"r1": [("starting", 1.0), ("syncing", 3.0), ("training", 7.5), ("gone", 9)],
                  "r2": [("starting", 2.0), ("gone", 4.0)]}

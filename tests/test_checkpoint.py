@@ -1,4 +1,4 @@
-"""Tests for moshray.actors.checkpoint: format, atomic naming, pruning, corruption."""
+"""Tests for moshray.actors.replica.checkpoint: format, atomic naming, pruning, corruption."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from moshray.actors.checkpoint import _HEADER, FORMAT_VERSION, MAGIC, CheckpointStore
-from moshray.actors.model import ModelConfig, build_model
+from moshray.actors.replica.checkpoint import _HEADER, FORMAT_VERSION, MAGIC, CheckpointStore
+from moshray.jobs.examples.lm.model import ModelConfig, build_model
 
 TINY = ModelConfig(seq_len=8, d_model=16, n_layers=1, n_heads=2, d_ff=32)
 
@@ -98,7 +98,7 @@ def test_checksum_mismatch_is_skipped_with_warning(tmp_path, caplog):
     store.save({"step": 10}, 10)
     bad = store.save({"step": 20}, 20)
     _flip_last_byte(bad)
-    with caplog.at_level(logging.WARNING, logger="moshray.actors.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="moshray.actors.replica.checkpoint"):
         assert store.load_latest() == (10, {"step": 10})
     [record] = caplog.records
     assert record.getMessage() == f"checkpoint {bad} is corrupt (checksum mismatch); skipping"

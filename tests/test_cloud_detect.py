@@ -1,4 +1,4 @@
-"""``notice_source = auto``: which cloud a node is on (autoscaler/cloud_detect.py).
+"""``notice_source = auto``: which cloud a node is on (autoscaler/clouds/detect.py).
 
 The decision is tested with plain data (env beats DMI beats probe; AWS vs GCP; garbage and
 contradicting DMI; nothing -> none; the SDKs' opt-outs); the IO against a DMI directory in
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from metadata_servers import GCEMetadataServer, IMDSv2Server
-from moshray.autoscaler.cloud_detect import (
+from moshray.autoscaler.clouds.detect import (
     LINK_LOCAL_URL,
     DetectConfig,
     Detection,
@@ -30,12 +30,10 @@ from moshray.autoscaler.cloud_detect import (
     read_dmi,
     searched_clouds,
 )
-from moshray.autoscaler.notices import (
-    AutoSource,
-    AWSMetadataSource,
-    GCPMetadataSource,
-    SilentSource,
-)
+from moshray.autoscaler.clouds.aws.notices import AWSMetadataSource
+from moshray.autoscaler.clouds.gcp.notices import GCPMetadataSource
+from moshray.autoscaler.notices.local import SilentSource
+from moshray.autoscaler.notices.sources import AutoSource
 from moshray.autoscaler.watch import WatcherConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -223,7 +221,7 @@ def test_probe_rejects_a_malformed_address_in_one_line():
 
 def test_detect_logs_one_line_saying_what_and_how(tmp_path: Path, caplog):
     config = DetectConfig(dmi_dir=str(tmp_path))
-    caplog.set_level(logging.INFO, logger="moshray.autoscaler.cloud_detect")
+    caplog.set_level(logging.INFO, logger="moshray.autoscaler.clouds.detect")
     with IMDSv2Server() as imds:
         found = detect({}, base_url=imds.url, config=config)
     assert (found.cloud, found.metadata_url) == ("aws", imds.url)
@@ -295,7 +293,7 @@ def test_auto_without_env_or_dmi_probes_imdsv2(tmp_path: Path):
 
 
 def test_auto_with_nothing_answering_is_silent_and_says_why(tmp_path: Path, caplog):
-    caplog.set_level(logging.WARNING, logger="moshray.autoscaler.cloud_detect")
+    caplog.set_level(logging.WARNING, logger="moshray.autoscaler.clouds.detect")
     with closed_port() as url:
         source = WatcherConfig(source="auto", metadata_url=url,
                                detect=_dmi(tmp_path)).make_source(NODE, {})
@@ -345,7 +343,7 @@ def test_watcher_on_a_node_shows_how_auto_found_its_source(local_cluster):
     metadata emulator in its environment, and ``status()["source"]`` says so."""
     import ray
 
-    from moshray.autoscaler.notice_watcher import open_watcher
+    from moshray.autoscaler.watch.watcher import open_watcher
 
     slot = local_cluster.add_node()
     try:

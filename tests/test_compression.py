@@ -1,4 +1,4 @@
-"""Tests for moshray.cluster.compression: round-trip error bounds, payload sizes, non-finite input."""
+"""Tests for moshray.cluster.collective.codecs: round-trip error bounds, payload sizes, non-finite input."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from moshray.cluster.compression import (
+from moshray.cluster.collective.codecs import (
     BLOCK,
     WIRE_DTYPE,
     Compression,
@@ -17,7 +17,7 @@ from moshray.cluster.compression import (
     max_abs_error_bound,
 )
 from moshray.cluster.messages import RejectReason
-from moshray.cluster.partition import check_contribution
+from moshray.cluster.collective.partition import check_contribution
 
 CODECS = list(Compression)
 
@@ -195,7 +195,7 @@ def test_unknown_codec_raises() -> None:
 @pytest.mark.parametrize("codec", list(Compression))
 def test_received_values_and_decode_into_match_decode(codec: Compression) -> None:
     """The zero-copy paths the all-reduce uses give exactly ``decode``'s values."""
-    from moshray.cluster.compression import decode_into, received_values, round_trip
+    from moshray.cluster.collective.codecs import decode_into, received_values, round_trip
 
     values = np.random.default_rng(4).normal(size=10_001).astype(np.float32)
     enc = encode(values, codec)
@@ -230,7 +230,7 @@ def test_half_conversions_match_numpy_bit_for_bit() -> None:
     """The vectorized conversions (torch when present) equal numpy's ``astype``: every
     float16 value widened, and float32 values narrowed across the whole bit range (normal,
     subnormal, overflowing, ties), NaN staying NaN."""
-    from moshray.cluster.compression import to_float, to_half
+    from moshray.cluster.collective.codecs import to_float, to_half
 
     every = np.arange(65536, dtype=np.uint16).view(np.float16)
     wide = to_float(every)

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from moshray.actors.model import ModelConfig
+from moshray.jobs.examples.lm.model import ModelConfig
 from moshray.jobs.config import (
     ConfigError,
     ModelSection,

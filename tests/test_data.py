@@ -1,4 +1,4 @@
-"""Tests for moshray.actors.data: cached stdlib corpus, resolving, batches."""
+"""Tests for moshray.jobs.examples.lm.corpus: cached stdlib corpus, resolving, batches."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from moshray.actors.data import ByteBatches, _stdlib_sources, build_default_corpus, resolve_data
+from moshray.jobs.examples.lm.corpus import ByteBatches, _stdlib_sources, build_default_corpus, resolve_data
 
 SMALL = {"max_bytes": 60_000, "shard_bytes": 20_000}
 
@@ -181,7 +181,7 @@ def test_reading_parquet_does_not_import_pyarrow_dataset(tmp_path):
 
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"text": ["hello world " * 20]}), str(path))
-    code = ("import sys; from moshray.actors.data import ByteBatches; "
+    code = ("import sys; from moshray.jobs.examples.lm.corpus import ByteBatches; "
             f"ByteBatches([{str(path)!r}], 0, 1, seq_len=8, batch_size=2, seed=0); "
             "print('pyarrow.dataset' in sys.modules, 'pandas' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

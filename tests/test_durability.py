@@ -1,4 +1,4 @@
-"""Durability follows the cluster (``jobs/durability.py``): the pure decision for every kind
+"""Durability follows the cluster (``jobs/controller/durability.py``): the pure decision for every kind
 of checkpoint and data location as machines appear, and the driver's guard fed node tables
 as ``ray.nodes()`` gives them (every node of this repo's clusters is on 127.0.0.1, so
 machines here are addresses written into the rows)."""
@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moshray.actors.data_sources import parquet
+from moshray.actors.replica.data_sources import parquet
 from moshray.actors.errors import UserError
 from moshray.jobs.config import ConfigError, TrainConfig, load_config
-from moshray.jobs.durability import (
+from moshray.jobs.controller.durability import (
     DurabilityGuard,
     Keep,
     Stop,

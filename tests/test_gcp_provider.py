@@ -21,7 +21,7 @@ from ray.autoscaler.tags import (
 )
 
 from fake_gcp import FakeCompute
-from moshray.autoscaler.gcp_provider import (
+from moshray.autoscaler.clouds.gcp.provider import (
     GCPSpotNodeProvider,
     decode_label_value,
     encode_label_value,

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from moshray.autoscaler.trace import NodeEvent
-from moshray.jobs import goodput_curves as gc
-from moshray.jobs import goodput_rates as gr
-from moshray.jobs.goodput_curves import Progress
-from moshray.jobs.goodput_gap import CLASSES, gap_split, replica_starts
+from moshray.autoscaler.traces import NodeEvent
+import moshray.jobs.bench.goodput_curves as gc
+import moshray.jobs.bench.goodput_rates as gr
+from moshray.jobs.bench.goodput_curves import Progress
+from moshray.jobs.bench.goodput_gap import CLASSES, gap_split, replica_starts
 
 RATES = {1: 6.0, 2: 10.0}
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from moshray.jobs import goodput_moshray as gm
+import moshray.jobs.bench.goodput_moshray as gm
 from moshray.jobs.config import load_config
-from moshray.jobs.goodput_rates import BenchError
+from moshray.jobs.bench.goodput_rates import BenchError
 
 
 def _config(max_seconds: float):
@@ -34,7 +34,7 @@ def _gone(pid: int) -> bool:
 
 def test_the_driver_command_carries_the_steady_window(tmp_path):
     cmd = gm._driver_command(tmp_path / "c.json", tmp_path / "r.json", (3, 40.0))
-    assert cmd[:3] == [sys.executable, "-m", "moshray.jobs.goodput_moshray"]
+    assert cmd[:3] == [sys.executable, "-m", "moshray.jobs.bench.goodput_moshray"]
     assert cmd[cmd.index("--steady-nodes") + 1] == "3"
     assert float(cmd[cmd.index("--steady-seconds") + 1]) == 40.0
     assert "--steady-nodes" not in gm._driver_command(tmp_path / "c", tmp_path / "r", None)

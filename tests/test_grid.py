@@ -1,4 +1,4 @@
-"""Tests for moshray.cluster.grid: dimension choice, plan structure and exact averaging.
+"""Tests for moshray.cluster.collective.grid: dimension choice, plan structure and exact averaging.
 
 Pure functions, no Ray. Every structural property is checked for every peer count in
 1..300 and several ``max_group`` values.
@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 
-from moshray.cluster.grid import DEFAULT_MAX_GROUP, choose_dims, plan_grid, simulate
+from moshray.cluster.collective.grid import DEFAULT_MAX_GROUP, choose_dims, plan_grid, simulate
 from moshray.cluster.messages import GridPlan
 
 N_MAX = 300
@@ -288,7 +288,7 @@ def test_invalid_input_raises_value_error(call) -> None:
 
 _CHILD = """
 import sys
-from moshray.cluster.grid import plan_grid
+from moshray.cluster.collective.grid import plan_grid
 n = int(sys.argv[1])
 try:
     plan_grid([f"p{i}" for i in range(n)], 2)

@@ -307,7 +307,7 @@ POOL_CASES = {
 @pytest.mark.parametrize("cloud", CLOUDS)
 def test_workers_pass_their_real_pool_to_the_watcher(rendered, cloud, tmp_path):
     """The worker script's pool snippet, run against a local metadata server, writes the
-    key the NodeProvider uses (autoscaler/pools.py) for `moshray watch --pool`: the pool
+    key the NodeProvider uses (autoscaler/pools/__init__.py) for `moshray watch --pool`: the pool
     tag / attribute when the provider set it, else the same key from type, zone, market."""
     from moshray.autoscaler.pools import Pool
 

@@ -200,7 +200,7 @@ def test_version_comes_from_git_and_is_the_packages():
     from importlib import metadata
 
     import moshray
-    from moshray.actors.build_check import installed_build
+    from moshray.actors.replica.build_check import installed_build
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "version" in project["project"]["dynamic"]
@@ -210,7 +210,7 @@ def test_version_comes_from_git_and_is_the_packages():
 
 
 def test_build_mismatch_is_pure_and_one_line():
-    from moshray.actors.build_check import build_mismatch
+    from moshray.actors.replica.build_check import build_mismatch
     from moshray.actors.errors import UserError
 
     assert build_mismatch("0.1.1.dev5+g1a2b3c4", "0.1.1.dev5+g1a2b3c4", "10.0.0.5") is None
@@ -223,8 +223,8 @@ def test_build_mismatch_is_pure_and_one_line():
 
 
 def test_spec_carries_the_drivers_build():
-    from moshray.actors.build_check import installed_build
-    from moshray.jobs.replica_launch import ReplicaSpec
+    from moshray.actors.replica.build_check import installed_build
+    from moshray.jobs.controller.replica_launch import ReplicaSpec
 
     assert ReplicaSpec({}, None, None).build == installed_build()
 
@@ -237,8 +237,8 @@ def test_replica_of_another_build_refuses_and_the_controller_stops_the_job(local
 
     from moshray.actors.errors import UserError
     from moshray.jobs.config import TrainConfig
-    from moshray.jobs.controller import ElasticController
-    from moshray.jobs.replica_launch import ReplicaSpec, launch_replica, slot_node_id
+    from moshray.jobs.controller.elastic import ElasticController
+    from moshray.jobs.controller.replica_launch import ReplicaSpec, launch_replica, slot_node_id
 
     node = slot_node_id(0)
     spec = ReplicaSpec(TrainConfig().to_dict(), None, None, build="0.0.0+another.build")

@@ -1,12 +1,12 @@
-"""``cluster/inline.py``: small payloads split into call-argument chunks and joined back."""
+"""``cluster/collective/inline.py``: small payloads split into call-argument chunks and joined back."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from moshray.cluster import compression as comp
-from moshray.cluster import inline
+import moshray.cluster.collective.codecs as comp
+import moshray.cluster.collective.inline as inline
 from moshray.cluster.messages import Contribution, InBundle, Inline, PartResult, Probe
 
 

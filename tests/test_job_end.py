@@ -17,11 +17,11 @@ import pytest
 import ray
 import torch
 
-from moshray.autoscaler.notice_watcher import deliver_notice, get_watcher, start_watcher
-from moshray.autoscaler.watcher_config import WatcherConfig
+from moshray.autoscaler.watch.watcher import deliver_notice, get_watcher, start_watcher
+from moshray.autoscaler.watch.config import WatcherConfig
 from moshray.cluster import placement
 from moshray.cluster.placement import SPOT_RESOURCE
-from moshray.jobs.controller import capacity_requested
+from moshray.jobs.controller.elastic import capacity_requested
 
 pytestmark = pytest.mark.cluster
 MAX_NODES = 2
@@ -51,7 +51,7 @@ def _config(tmp_path: Path, **settings):
 
 
 def _job():
-    from moshray.actors.data_sources import from_fn
+    from moshray.actors.replica.data_sources import from_fn
     from moshray.jobs.fit import _job
 
     return _job(loop, from_fn(pairs, num_shards=4), 4)

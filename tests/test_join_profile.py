@@ -1,4 +1,4 @@
-"""``jobs/join_profile.py``: a join's instants and its CPU by role (pure), and the ``/proc``
+"""``jobs/bench/join_profile.py``: a join's instants and its CPU by role (pure), and the ``/proc``
 reader on this machine's real processes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from moshray.jobs.join_profile import (ROLES, JoinProfile, ProcSample, cpu_by_role, descendants,
+from moshray.jobs.bench.join_profile import (ROLES, JoinProfile, ProcSample, cpu_by_role, descendants,
                                        node_cpu, parse_stat, read_procs, role_of)
 
 

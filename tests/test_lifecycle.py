@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from moshray.autoscaler.lifecycle import (
+from moshray.autoscaler.watch.lifecycle import (
     TERMINAL,
     TRANSITIONS,
     IllegalTransition,

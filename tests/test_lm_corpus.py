@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moshray.jobs.examples.lm import ByteCorpus
+from moshray.jobs.examples.lm.example import ByteCorpus
 
 
 def _regions_file(tmp_path, regions: int, size: int) -> str:

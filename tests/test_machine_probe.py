@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from moshray.actors.model import ModelConfig
-from moshray.jobs.machine_probe import drift, probe, report_line, step_ms
+from moshray.jobs.examples.lm.model import ModelConfig
+from moshray.jobs.bench.machine_probe import drift, probe, report_line, step_ms
 
 TINY = ModelConfig(seq_len=8, d_model=16, n_layers=1, n_heads=2, d_ff=32)
 

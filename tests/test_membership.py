@@ -1,4 +1,4 @@
-"""Tests for moshray.cluster.membership and CoordinatorCore with an injected clock."""
+"""Tests for moshray.cluster.coordinator.membership and CoordinatorCore with an injected clock."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from moshray.cluster.coordinator_core import CoordinatorCore
-from moshray.cluster.grid import DEFAULT_MAX_GROUP, plan_grid
-from moshray.cluster.membership import Membership, MembershipConfig
+from moshray.cluster.coordinator.core import CoordinatorCore
+from moshray.cluster.collective.grid import DEFAULT_MAX_GROUP, plan_grid
+from moshray.cluster.coordinator.membership import Membership, MembershipConfig
 from moshray.cluster.messages import PeerInfo
 
 TTL = 10.0
@@ -304,7 +304,7 @@ def test_core_plan_round_subset_and_pass_through() -> None:
 
 
 def _report(core: CoordinatorCore, peer: str, epoch: int, samples: int = 8):
-    from moshray.cluster.progress import ProgressReport
+    from moshray.cluster.coordinator.progress import ProgressReport
 
     return core.report(ProgressReport(peer, epoch, samples))
 

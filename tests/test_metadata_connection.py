@@ -9,8 +9,9 @@ import threading
 
 import pytest
 
-from moshray.autoscaler.notice_http import MetadataConnection, _TransientError
-from moshray.autoscaler.notices import AWSMetadataSource, GCPMetadataSource
+from moshray.autoscaler.notices.http import MetadataConnection, _TransientError
+from moshray.autoscaler.clouds.aws.notices import AWSMetadataSource
+from moshray.autoscaler.clouds.gcp.notices import GCPMetadataSource
 from metadata_servers import GCEMetadataServer, IMDSv2Server
 
 NODE = "cd" * 28

@@ -275,8 +275,8 @@ def test_serves_http_on_a_free_port_and_stops():
 def test_coordinator_serves_metrics_from_its_state_and_events(local_cluster):
     import ray
 
-    from moshray.cluster import coordinator as coord
-    from moshray.cluster.progress import ProgressReport
+    import moshray.cluster.coordinator.actor as coord
+    from moshray.cluster.coordinator.progress import ProgressReport
 
     name = f"metrics-test-{time.time_ns()}"
     c = coord.get_or_create(target_batch_size=32, name=name, metrics_port=0,
@@ -337,8 +337,7 @@ def test_coordinator_serves_metrics_from_its_state_and_events(local_cluster):
 def test_coordinator_without_a_port_counts_but_does_not_serve(local_cluster):
     import ray
 
-    from moshray.cluster import coordinator as coord
-
+    import moshray.cluster.coordinator.actor as coord
     c = coord.get_or_create(name=f"metrics-noport-{time.time_ns()}")
     try:
         assert ray.get(c.metrics_address.remote(), timeout=60) is None

@@ -1,4 +1,4 @@
-"""The replica's metrics batching (actors/metrics_outbox.py): what is sent, when, and that a
+"""The replica's metrics batching (actors/replica/metrics_outbox.py): what is sent, when, and that a
 Coordinator that is gone loses only the batch in hand."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 
 import ray
 
-from moshray.actors.metrics_outbox import MetricsOutbox
+from moshray.actors.replica.metrics_outbox import MetricsOutbox
 
 
 class _Clock:
@@ -61,7 +61,7 @@ def test_flush_sends_at_once_and_an_empty_queue_sends_nothing():
 def test_a_gone_coordinator_drops_that_batch_and_the_outbox_goes_on(caplog):
     clock, coordinator = _Clock(), _Coordinator(fail=True)
     outbox = MetricsOutbox("p0", coordinator, every_s=1.0, clock=clock)
-    with caplog.at_level(logging.INFO, logger="moshray.actors.metrics_outbox"):
+    with caplog.at_level(logging.INFO, logger="moshray.actors.replica.metrics_outbox"):
         outbox.add(("a",), flush=True)  # does not raise
     assert outbox.events == []
     assert "metrics not recorded" in caplog.text

@@ -1,11 +1,11 @@
-"""Tests for moshray.actors.model: shapes, determinism, causality, learning."""
+"""Tests for moshray.jobs.examples.lm.model: shapes, determinism, causality, learning."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moshray.actors.model import ByteTransformerLM, ModelConfig, build_model, pick_device
+from moshray.jobs.examples.lm.model import ByteTransformerLM, ModelConfig, build_model, pick_device
 
 TINY = ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64)
 

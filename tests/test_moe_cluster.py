@@ -16,7 +16,7 @@ import pytest
 import ray
 import torch
 
-from moshray.actors.expert import (
+from moshray.actors.moe import (
     ExpertActor,
     ExpertInputError,
     ExpertRejectReason,
@@ -24,12 +24,12 @@ from moshray.actors.expert import (
     ExpertSpec,
     spawn_expert_set,
 )
-from moshray.actors.model import ModelConfig, build_model
+from moshray.jobs.examples.lm.model import ModelConfig, build_model
 from moshray.actors.moe import LocalExpertBackend, MoEConfig, RayExpertBackend, \
     RemoteMixtureOfExperts
-from moshray.cluster import coordinator as coordinator_mod
+import moshray.cluster.coordinator.actor as coordinator_mod
 from moshray.cluster import placement
-from moshray.cluster.registry import grid_uids
+from moshray.cluster.coordinator.expert_registry import grid_uids
 
 pytestmark = pytest.mark.timeout(300)
 

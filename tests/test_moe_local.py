@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from moshray.actors.expert import (
+from moshray.actors.moe import (
     ExpertHostCore,
     ExpertInputError,
     ExpertRejectReason,
@@ -20,7 +20,7 @@ from moshray.actors.expert import (
     build_expert,
     layout_shards,
 )
-from moshray.actors.model import ModelConfig, build_model
+from moshray.jobs.examples.lm.model import ModelConfig, build_model
 from moshray.actors.moe import (
     LocalExpertBackend,
     MoEConfig,
@@ -354,7 +354,7 @@ def test_model_moe_config_validation():
 
 
 def test_call_outcomes_classify_every_expert_called():
-    from moshray.actors.expert import ExpertInputError, ExpertRejectReason
+    from moshray.actors.moe import ExpertInputError, ExpertRejectReason
     from moshray.actors.moe import CallOutcome, RayExpertBackend, call_outcomes
 
     bad = ExpertInputError(ExpertRejectReason.BAD_SHAPE, "moe0.0.0", "wrong shape")

@@ -1,6 +1,6 @@
 """The training job on a cluster of separate hosts: one network namespace per spot node.
 
-The embedded cluster's ``hosts="netns"`` mode plays the cloud (``jobs/local_cluster.py``,
+The embedded cluster's ``hosts="netns"`` mode plays the cloud (``jobs/local/cluster.py``,
 from a process of its own: ``netns_scenarios.py``):
 each spot node has its own address on a bridge, its own HOME and temporary directory, and
 its EC2 metadata service at the real ``169.254.169.254`` inside its namespace, named by no
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.cluster
 
 
 def _unavailable() -> str | None:
-    from moshray.jobs.netns_hosts import unavailable
+    from moshray.jobs.local.netns import unavailable
 
     return unavailable()
 
@@ -39,8 +39,7 @@ def test_host_network_links_and_cleanup():
     """Namespaces with their own addresses reach the head's bridge address; a cut link
     passes nothing and a healed one does again; a shaped link carries its qdisc; a
     namespace left by a dead run is removed; ``close`` removes everything."""
-    from moshray.jobs import netns_hosts
-
+    import moshray.jobs.local.netns as netns_hosts
     stale = f"{netns_hosts.PREFIX}4999999-0"  # a pid above Linux's limit: never alive
     subprocess.run(["ip", "netns", "add", stale], check=True, timeout=30)
     try:

@@ -17,10 +17,10 @@ import yaml
 from ray._private.label_utils import parse_node_labels_string
 
 from fake_ec2 import running_fake_ec2
-from moshray.autoscaler import node_labels
-from moshray.autoscaler.metadata_emulator import GCEMetadataServer, IMDSv2Server
+import moshray.autoscaler.clouds.node_labels as node_labels
+from moshray.autoscaler.clouds.metadata_emulator import GCEMetadataServer, IMDSv2Server
 from moshray.autoscaler.pools import Market, Pool
-from moshray.autoscaler.prices import (
+from moshray.autoscaler.clouds.prices import (
     NodeKey,
     NodePrice,
     PriceBook,
@@ -29,8 +29,8 @@ from moshray.autoscaler.prices import (
     choose_price,
     ec2_fetch,
 )
-from moshray.jobs.observations import Market as NodeMarket
-from moshray.jobs.observations import node_view
+from moshray.jobs.controller.observations import Market as NodeMarket
+from moshray.jobs.controller.observations import node_view
 
 ROOT = Path(__file__).resolve().parents[1]
 FALLBACK = {"spot": 0.16, "on-demand": 0.526}
@@ -91,7 +91,7 @@ def test_price_book_per_node_cached_with_fallbacks(caplog):
         NodeKey(),  # no labels at all (e.g. the embedded cluster): config, no fetch for it
         NodeKey("gcp", "on-demand", "Bad Type!", "us-central1-a"),  # bad label: config
     ]
-    with caplog.at_level(logging.INFO, logger="moshray.autoscaler.prices"):
+    with caplog.at_level(logging.INFO, logger="moshray.autoscaler.clouds.prices"):
         got = book.prices(nodes)
         assert [(p.dollars_per_hour, p.source.value) for p in got] == [
             (pytest.approx(0.21), "provider"), (0.16, "config"), (0.526, "table"),
@@ -214,10 +214,10 @@ def test_cluster_yaml_ray_start_carries_the_labels(cloud):
     config = yaml.safe_load((ROOT / "infra" / "ray" / f"cluster-{cloud}.yaml").read_text())
     starts = [c for c in config["worker_start_ray_commands"] if "ray start" in c]
     assert len(starts) == 1
-    assert f'--labels="$(python3 -m moshray.autoscaler.node_labels {cloud})"' in starts[0]
+    assert f'--labels="$(python3 -m moshray.autoscaler.clouds.node_labels {cloud})"' in starts[0]
     # The command it runs exists and, given a pool, prints labels Ray's parser accepts.
     proc = subprocess.run(
-        [sys.executable, "-m", "moshray.autoscaler.node_labels", "--pool",
+        [sys.executable, "-m", "moshray.autoscaler.clouds.node_labels", "--pool",
          Pool(cloud, "g4dn.xlarge" if cloud == "aws" else "g2-standard-4",
               "us-east-1a" if cloud == "aws" else "us-central1-a").key],
         capture_output=True, text=True, timeout=60)

@@ -11,13 +11,11 @@ import urllib.request
 
 import pytest
 
-from moshray.autoscaler.notices import (
-    AWSMetadataSource,
-    GCPMetadataSource,
-    PreemptionNotice,
-    SimulatedSource,
-    make_source,
-)
+from moshray.autoscaler.clouds.aws.notices import AWSMetadataSource
+from moshray.autoscaler.clouds.gcp.notices import GCPMetadataSource
+from moshray.autoscaler.notices.local import SimulatedSource
+from moshray.autoscaler.notices.message import PreemptionNotice
+from moshray.autoscaler.notices.sources import make_source
 from metadata_servers import GCEMetadataServer, IMDSv2Server
 
 NODE = "ab" * 28
@@ -302,7 +300,7 @@ def test_notice_validation_and_make_source():
 
 
 def test_watcher_source_follows_what_the_node_names():
-    from moshray.autoscaler.notices import node_metadata_service
+    from moshray.autoscaler.clouds.detect import node_metadata_service
     from moshray.autoscaler.watch import WatcherConfig
 
     assert node_metadata_service({}) == ("none", None)

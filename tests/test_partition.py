@@ -1,4 +1,4 @@
-"""Tests for moshray.cluster.partition: part sizes, slices, validation, weighted mean."""
+"""Tests for moshray.cluster.collective.partition: part sizes, slices, validation, weighted mean."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moshray.cluster.messages import RejectReason
-from moshray.cluster.partition import WeightedMean, check_contribution, part_sizes, part_slices
+from moshray.cluster.collective.partition import WeightedMean, check_contribution, part_sizes, part_slices
 
 NAN, INF = float("nan"), float("inf")
 
@@ -270,7 +270,7 @@ def test_weighted_mean_terms_are_bitwise_the_reference(dtype, weights) -> None:
 
 
 def test_owner_shares_give_small_tensors_fewer_owners_in_turn() -> None:
-    from moshray.cluster.partition import owner_shares
+    from moshray.cluster.collective.partition import owner_shares
 
     assert owner_shares(1000, [1, 3, 2, 3], min_part=1000) == [1, 0, 0, 0]
     assert owner_shares(1000, [1, 3, 2, 3], min_part=1000, rotate=1) == [0, 3, 0, 0]
@@ -289,7 +289,7 @@ def test_owner_shares_give_small_tensors_fewer_owners_in_turn() -> None:
 def test_group_part_sizes_follow_the_plans_shares_min_part_and_epoch() -> None:
     from types import SimpleNamespace
 
-    from moshray.cluster.partition import group_part_sizes
+    from moshray.cluster.collective.partition import group_part_sizes
 
     plan = SimpleNamespace(min_part=1000, epoch=1, share_of={"a": 1, "b": 3, "c": 2}.get)
     assert group_part_sizes(plan, ["a", "b", "c"], 1000) == (0, 1000, 0)  # one owner, in turn

@@ -3,9 +3,9 @@ step, plans pushed the moment they exist, and a notice that re-plans at once (pu
 
 from __future__ import annotations
 
-from moshray.cluster.coordinator_core import CoordinatorCore
-from moshray.cluster.membership import MembershipConfig
-from moshray.cluster.progress import ProgressReport
+from moshray.cluster.coordinator.core import CoordinatorCore
+from moshray.cluster.coordinator.membership import MembershipConfig
+from moshray.cluster.coordinator.progress import ProgressReport
 
 
 class Clock:
@@ -367,7 +367,7 @@ def test_a_step_counts_the_samples_its_participants_really_averaged():
 
 
 def test_step_samples_forget_old_steps_and_unplanned_peers():
-    from moshray.cluster.step_samples import KEEP_EPOCHS, StepSamples
+    from moshray.cluster.coordinator.step_samples import KEEP_EPOCHS, StepSamples
 
     s = StepSamples()
     s.planned(1, {"a": 8})

@@ -198,8 +198,8 @@ def test_shipped_config_passes_promtool(tmp_path: Path):
 def test_prometheus_scrapes_moshray_and_ray(local_cluster, tmp_path: Path):
     import ray
 
-    from moshray.cluster import coordinator as coord
-    from moshray.cluster.progress import ProgressReport
+    import moshray.cluster.coordinator.actor as coord
+    from moshray.cluster.coordinator.progress import ProgressReport
 
     c = coord.get_or_create(target_batch_size=16, name=f"prom-test-{time.time_ns()}",
                             metrics_port=0)

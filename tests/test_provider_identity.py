@@ -16,9 +16,9 @@ import yaml
 from ray.autoscaler._private.providers import _get_node_provider_cls
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from moshray.autoscaler.aws_provider import AWSSpotNodeProvider
-from moshray.autoscaler.gcp_provider import GCPSpotNodeProvider
-from moshray.autoscaler.provider_config import GCP_SCOPES, bootstrap_identity, metrics_port
+from moshray.autoscaler.clouds.aws.provider import AWSSpotNodeProvider
+from moshray.autoscaler.clouds.gcp.provider import GCPSpotNodeProvider
+from moshray.autoscaler.providers.config import GCP_SCOPES, bootstrap_identity, metrics_port
 from moshray.autoscaler.tags import PROVIDER_METRICS_PORT
 
 ROOT = Path(__file__).resolve().parents[1]

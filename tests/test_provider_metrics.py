@@ -1,4 +1,4 @@
-"""The NodeProviders' own metrics (autoscaler/provider_metrics.py): launches, launch failures,
+"""The NodeProviders' own metrics (autoscaler/providers/metrics.py): launches, launch failures,
 terminations and preemptions by pool, counted as the AWS provider works against moto's EC2
 server, and served on a loopback port once per process (what the head's Prometheus scrapes).
 """
@@ -16,10 +16,10 @@ from ray.autoscaler.tags import TAG_RAY_NODE_KIND, TAG_RAY_USER_NODE_TYPE
 
 from fake_ec2 import running_fake_ec2
 from raystart import free_port
-from moshray.autoscaler import provider_metrics
-from moshray.autoscaler.aws_provider import AWSSpotNodeProvider
+import moshray.autoscaler.providers.metrics as provider_metrics
+from moshray.autoscaler.clouds.aws.provider import AWSSpotNodeProvider
 from moshray.autoscaler.pools import Pool
-from moshray.autoscaler.provider_metrics import REGISTRY
+from moshray.autoscaler.providers.metrics import REGISTRY
 from moshray.autoscaler.tags import AWS_PROVIDER
 
 REGION = "us-east-1"

@@ -1,4 +1,4 @@
-"""Spot prices per pool (autoscaler/prices.py): the newest EC2 spot price per (type, zone),
+"""Spot prices per pool (autoscaler/clouds/prices.py): the newest EC2 spot price per (type, zone),
 cached for a TTL, the configured price where the API has none or fails; exported as
 ``moshray_provider_spot_price_dollars{pool}``. The AWS path runs against moto's EC2 server on
 127.0.0.1 (moto serves DescribeSpotPriceHistory), through the fault proxy of fake_ec2.py.
@@ -11,11 +11,11 @@ import datetime as dt
 import pytest
 
 from fake_ec2 import running_fake_ec2
-from moshray.autoscaler.aws_provider import AWSSpotNodeProvider
-from moshray.autoscaler.gcp_provider import GCPSpotNodeProvider
+from moshray.autoscaler.clouds.aws.provider import AWSSpotNodeProvider
+from moshray.autoscaler.clouds.gcp.provider import GCPSpotNodeProvider
 from moshray.autoscaler.pools import Pool
-from moshray.autoscaler.prices import PriceConfig, SpotPrices, newest_prices
-from moshray.autoscaler.provider_metrics import REGISTRY
+from moshray.autoscaler.clouds.prices import PriceConfig, SpotPrices, newest_prices
+from moshray.autoscaler.providers.metrics import REGISTRY
 from moshray.autoscaler.tags import AWS_PROVIDER, GCP_PROVIDER
 
 REGION = "us-east-1"

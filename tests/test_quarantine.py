@@ -1,6 +1,6 @@
 """Quarantine decisions (pure): faults count at once, layout disputes by votes per epoch."""
 
-from moshray.cluster.quarantine import Quarantine
+from moshray.cluster.coordinator.quarantine import Quarantine
 
 
 def test_a_fault_counts_at_once_once_per_receiver_and_round():
@@ -60,8 +60,8 @@ def test_a_one_to_one_length_dispute_is_settled_by_the_swarms_layout():
 
 
 def test_the_layout_is_what_most_ready_replicas_report():
-    from moshray.cluster.membership import Membership, MembershipConfig
-    from moshray.cluster.progress import ProgressReport, ProgressTracker
+    from moshray.cluster.coordinator.membership import Membership, MembershipConfig
+    from moshray.cluster.coordinator.progress import ProgressReport, ProgressTracker
 
     t = ProgressTracker(Membership(MembershipConfig()), target_batch_size=8)
     t.ready |= {"a", "b", "c"}

@@ -29,8 +29,8 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.autoscaler.tags import TAG_RAY_NODE_KIND, TAG_RAY_USER_NODE_TYPE
 
 from fake_gcp import FakeCompute
-from moshray.autoscaler.aws_provider import AWSSpotNodeProvider
-from moshray.autoscaler.gcp_provider import GCPSpotNodeProvider
+from moshray.autoscaler.clouds.aws.provider import AWSSpotNodeProvider
+from moshray.autoscaler.clouds.gcp.provider import GCPSpotNodeProvider
 from moshray.autoscaler.tags import (
     AWS_PROVIDER,
     CLUSTER_TAG,

@@ -19,8 +19,8 @@ from ray.autoscaler.tags import TAG_RAY_NODE_KIND, TAG_RAY_USER_NODE_TYPE
 from fake_ec2 import FakeEC2
 from fake_gcp import FakeCompute
 from raystart import free_port
-from moshray.autoscaler.aws_provider import AWSSpotNodeProvider
-from moshray.autoscaler.gcp_provider import GCPSpotNodeProvider
+from moshray.autoscaler.clouds.aws.provider import AWSSpotNodeProvider
+from moshray.autoscaler.clouds.gcp.provider import GCPSpotNodeProvider
 from moshray.autoscaler.tags import AWS_PROVIDER, GCP_PROVIDER, POOL_TAG
 
 MODULES = {"aws": AWS_PROVIDER, "gcp": GCP_PROVIDER}
@@ -204,7 +204,7 @@ def capacity_scenario(cloud, name: str) -> None:
     from ray.autoscaler._private.load_metrics import LoadMetrics
     from ray.autoscaler._private.prom_metrics import AutoscalerPrometheusMetrics
 
-    from moshray.autoscaler import provider_metrics
+    import moshray.autoscaler.providers.metrics as provider_metrics
     from moshray.autoscaler.pools import EventKind, Pool
 
     port = free_port()

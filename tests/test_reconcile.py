@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moshray.jobs.observations import (
+from moshray.jobs.controller.observations import (
     Market,
     Memory,
     NodeView,
@@ -13,7 +13,7 @@ from moshray.jobs.observations import (
     RunOutcome,
     node_view,
 )
-from moshray.jobs.reconcile import (
+from moshray.jobs.controller.reconcile import (
     NodeFailure,
     NodeJoined,
     NodeLost,
@@ -26,7 +26,7 @@ from moshray.jobs.reconcile import (
     decide,
     replicas_wanted,
 )
-from moshray.jobs.replica_states import (
+from moshray.jobs.controller.replica_states import (
     TRANSITIONS,
     IllegalTransition,
     ReplicaRecord,

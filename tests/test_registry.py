@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from moshray.cluster.coordinator_core import CoordinatorCore
-from moshray.cluster.membership import MembershipConfig
-from moshray.cluster.registry import (
+from moshray.cluster.coordinator.core import CoordinatorCore
+from moshray.cluster.coordinator.membership import MembershipConfig
+from moshray.cluster.coordinator.expert_registry import (
     ExpertRegistry,
     HeartbeatStatus,
     choose_node,

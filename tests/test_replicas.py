@@ -14,10 +14,10 @@ import time
 import pytest
 import ray
 
-from moshray.cluster import coordinator as coordinator_mod
-from moshray.cluster.membership import MembershipConfig
+import moshray.cluster.coordinator.actor as coordinator_mod
+from moshray.cluster.coordinator.membership import MembershipConfig
 from moshray.jobs.config import add_config_arguments, config_from_args
-from moshray.jobs.replica_launch import ReplicaSupervisor
+from moshray.jobs.controller.replica_launch import ReplicaSupervisor
 
 pytestmark = pytest.mark.cluster
 
@@ -40,7 +40,7 @@ class Swarm:
     """A Coordinator and one replica per slot, started as the training driver does."""
 
     def __init__(self, config, slots):
-        from moshray.actors.data import resolve_data
+        from moshray.jobs.examples.lm.corpus import resolve_data
 
         t = config.training
         self.config = config

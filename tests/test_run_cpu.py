@@ -1,4 +1,4 @@
-"""`jobs/run_cpu.py`: a run's CPU by role (the roles, the bookkeeping, a real sample)."""
+"""`jobs/bench/run_cpu.py`: a run's CPU by role (the roles, the bookkeeping, a real sample)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from moshray.jobs.join_profile import ProcSample
-from moshray.jobs.run_cpu import RUN_ROLES, CpuAccount, CpuSampler, RunCpu, run_role
+from moshray.jobs.bench.join_profile import ProcSample
+from moshray.jobs.bench.run_cpu import RUN_ROLES, CpuAccount, CpuSampler, RunCpu, run_role
 
 
 @pytest.mark.parametrize("title, role", [
@@ -27,8 +27,8 @@ from moshray.jobs.run_cpu import RUN_ROLES, CpuAccount, CpuSampler, RunCpu, run_
     ("/usr/bin/python -u /x/ray/dashboard/agent.py --node-ip-address=127.0.0.1",
      "ray_daemons"),
     ("/usr/bin/python -m ray.util.client.server --address=127.0.0.1:1", "ray_daemons"),
-    ("/usr/bin/python -m moshray.jobs.goodput_moshray --config c.json", "drivers"),
-    ("/usr/bin/python -m moshray.jobs.raytrain_baseline --duration 60", "drivers"),
+    ("/usr/bin/python -m moshray.jobs.bench.goodput_moshray --config c.json", "drivers"),
+    ("/usr/bin/python -m moshray.jobs.bench.raytrain_baseline --duration 60", "drivers"),
     # a driver's options may name anything: only the program decides
     ("/usr/bin/python -m moshray.jobs.train --set run_dir=/tmp/agent/dashboard", "drivers"),
 ])

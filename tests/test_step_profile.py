@@ -1,8 +1,8 @@
-"""The step profile's arithmetic (cluster/step_profile.py): pure, with a fake clock."""
+"""The step profile's arithmetic (cluster/coordinator/step_profile.py): pure, with a fake clock."""
 
 import pytest
 
-from moshray.cluster.step_profile import PhaseClock, StepPhases, StepProfile
+from moshray.cluster.coordinator.step_profile import PhaseClock, StepPhases, StepProfile
 
 
 class FakeClock:
@@ -73,8 +73,7 @@ def test_negative_seconds_are_refused():
 def test_bench_step_rejects_bad_node_counts_with_one_line(capsys):
     import argparse
 
-    from moshray.jobs import bench_step
-
+    import moshray.jobs.bench.step as bench_step
     assert bench_step.parse_counts("4,1,2,2") == [1, 2, 4]
     parser = argparse.ArgumentParser()
     bench_step.add_arguments(parser)

@@ -1,4 +1,4 @@
-"""Which progress reports a replica sends per micro-batch (actors/step_manager.py), with a
+"""Which progress reports a replica sends per micro-batch (actors/replica/step_manager.py), with a
 fake Coordinator that records them: no Ray, no averaging (the global step is replaced by
 one that only advances the epoch)."""
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
-from moshray.actors.step_manager import StepManager
-from moshray.cluster.progress import ProgressReply
+from moshray.actors.replica.step_manager import StepManager
+from moshray.cluster.coordinator.progress import ProgressReply
 
 
 class FakeCoordinator:

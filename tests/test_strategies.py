@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moshray.actors.strategies import Collaborative, lr_scale, scaled_lr
+from moshray.actors.replica.strategies import Collaborative, lr_scale, scaled_lr
 
 
 @pytest.mark.parametrize("samples,target,rule,expected", [

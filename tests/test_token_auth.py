@@ -39,7 +39,7 @@ REFUSAL_TIMEOUT_S = 180
 
 CLUSTER_SCRIPT = r"""
 import json, os, signal, sys
-from moshray.jobs.local_cluster import LocalCluster, LocalClusterConfig
+from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig
 
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 cluster = LocalCluster(LocalClusterConfig(spot_nodes=0, head_cpus=1, dashboard=True,

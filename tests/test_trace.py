@@ -1,4 +1,4 @@
-"""Tests for moshray.autoscaler.trace: parsing, scheduling, replay on a fake clock. No Ray."""
+"""Tests for moshray.autoscaler.traces: parsing, scheduling, replay on a fake clock. No Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from moshray.autoscaler.trace import (
+from moshray.autoscaler.traces import (
     NodeEvent,
     Trace,
     TraceError,
@@ -23,7 +23,7 @@ from moshray.autoscaler.trace import (
 @pytest.fixture
 def aws() -> Trace:
     """The real AWS trace that ships with moshray."""
-    from moshray.autoscaler.trace import DEFAULT_TRACE
+    from moshray.autoscaler.traces import DEFAULT_TRACE
 
     return load_trace(DEFAULT_TRACE)
 

@@ -236,7 +236,7 @@ def test_overlapped_steps_keep_the_replicas_identical():
 
 def test_refuses_node_local_checkpoint_on_several_machines():
     from moshray.jobs.config import ConfigError, load_config
-    from moshray.jobs.durability import Keep, Stop, decide_durability, durability_warning
+    from moshray.jobs.controller.durability import Keep, Stop, decide_durability, durability_warning
 
     config = load_config(None, {"checkpoint.uri": "/tmp/ckpt"})
     assert decide_durability(config, 1, None) == Keep()  # one machine: its disk is everyone's
@@ -256,7 +256,7 @@ def test_refuses_node_local_checkpoint_on_several_machines():
 
 def test_checkpoints_are_on_by_default_on_several_machines():
     from moshray.jobs.config import ConfigError, load_config
-    from moshray.jobs.durability import Keep, Stop, Switch, decide_durability
+    from moshray.jobs.controller.durability import Keep, Stop, Switch, decide_durability
 
     bare = load_config(None)
     assert decide_durability(bare, 1, "s3://b/run") == Keep()  # one machine: off
@@ -275,7 +275,7 @@ def test_checkpoints_are_on_by_default_on_several_machines():
 
 
 def test_the_default_run_replays_the_shipped_trace():
-    from moshray.autoscaler.trace import DEFAULT_TRACE, load_trace, shipped_traces
+    from moshray.autoscaler.traces import DEFAULT_TRACE, load_trace, shipped_traces
     from moshray.jobs.config import load_config
     from moshray.jobs.train import with_default_trace
 

@@ -13,9 +13,9 @@ import uuid
 
 import pytest
 
-from moshray.cluster.coordinator_core import CoordinatorCore
-from moshray.cluster.membership import MembershipConfig
-from moshray.cluster.progress import ProgressReport
+from moshray.cluster.coordinator.core import CoordinatorCore
+from moshray.cluster.coordinator.membership import MembershipConfig
+from moshray.cluster.coordinator.progress import ProgressReport
 
 # -- the Coordinator's side, as plain data ---------------------------------------------------
 
@@ -111,8 +111,7 @@ def _pinned(node_id: str):
 
 @pytest.fixture
 def coordinator(local_cluster):
-    from moshray.cluster import coordinator as coordinator_mod
-
+    import moshray.cluster.coordinator.actor as coordinator_mod
     name = f"test-watch-{uuid.uuid4().hex[:8]}"
     handle = coordinator_mod.get_or_create(MembershipConfig(peer_ttl_s=600), name=name)
     ray.get(handle.stats.remote(), timeout=60)
@@ -142,8 +141,8 @@ def _wait(predicate, timeout_s: float, what: str):
 def test_aws_notice_drains_node_and_rebalances(local_cluster, coordinator):
     from metadata_servers import IMDSv2Server
 
-    from moshray.autoscaler.drain import draining_nodes
-    from moshray.autoscaler.lifecycle import NodeState
+    from moshray.autoscaler.watch.drain import draining_nodes
+    from moshray.autoscaler.watch.lifecycle import NodeState
     from moshray.autoscaler.watch import WatcherConfig, get_watcher, start_watcher, wait_rebalanced
 
     name, coord = coordinator
@@ -202,8 +201,8 @@ def test_aws_notice_drains_node_and_rebalances(local_cluster, coordinator):
 
 @pytest.mark.cluster
 def test_fleet_simulated_notice_then_removal_and_a_hard_loss(local_cluster, coordinator):
-    from moshray.autoscaler.drain import draining_nodes
-    from moshray.autoscaler.lifecycle import NodeState
+    from moshray.autoscaler.watch.drain import draining_nodes
+    from moshray.autoscaler.watch.lifecycle import NodeState
     from moshray.autoscaler.watch import WatcherConfig, WatcherFleet, spot_nodes
 
     name, coord = coordinator
@@ -285,7 +284,7 @@ def test_moshray_watch_cli_on_a_node(local_cluster, coordinator):
     import ray
     from metadata_servers import GCEMetadataServer
 
-    from moshray.autoscaler.drain import draining_nodes
+    from moshray.autoscaler.watch.drain import draining_nodes
 
     name, coord = coordinator
     slot = 0
@@ -332,7 +331,7 @@ def _remove(watcher, node: str) -> None:
 
 @pytest.mark.cluster
 def test_fleet_uses_a_watcher_it_found_and_never_removes_it(local_cluster):
-    from moshray.autoscaler.notice_watcher import open_watcher
+    from moshray.autoscaler.watch.watcher import open_watcher
     from moshray.autoscaler.watch import WatcherConfig, WatcherFleet, get_watcher
 
     config = WatcherConfig(source="simulated", poll_s=0.2)
@@ -366,7 +365,7 @@ def test_moshray_watch_uses_a_jobs_watcher_then_starts_the_nodes_own(local_clust
     import sys
 
     import moshray
-    from moshray.autoscaler.notice_watcher import open_watcher
+    from moshray.autoscaler.watch.watcher import open_watcher
     from moshray.autoscaler.watch import WatcherConfig, get_watcher
 
     node = local_cluster.node_id(3)

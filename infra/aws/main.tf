@@ -2,7 +2,7 @@
 # head node and the spot worker launch template that moshray's NodeProvider launches from.
 #
 # The head's startup script (modules/bootstrap) starts Ray's head with token auth and the
-# autoscaler config naming moshray.autoscaler.aws_provider.AWSSpotNodeProvider; the provider
+# autoscaler config naming moshray.autoscaler.clouds.aws.provider.AWSSpotNodeProvider; the provider
 # launches workers from the launch template in the pools of var.worker_pools; each worker's
 # startup script joins Ray and runs `moshray watch --source aws --pool <its pool>`. Every node
 # installs the same moshray wheel (built from your checkout, uploaded to the cluster's bucket

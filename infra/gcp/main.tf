@@ -2,7 +2,7 @@
 # on-demand head VM and the Spot worker VM definition that moshray's NodeProvider launches.
 #
 # The head's startup script (modules/bootstrap) starts Ray's head with token auth and the
-# autoscaler config naming moshray.autoscaler.gcp_provider.GCPSpotNodeProvider; the provider
+# autoscaler config naming moshray.autoscaler.clouds.gcp.provider.GCPSpotNodeProvider; the provider
 # inserts Spot VMs in the pools of var.worker_pools; each worker's startup script joins Ray
 # and runs `moshray watch --source gcp --pool <its pool>`. Every VM installs the same moshray
 # wheel (built from your checkout, uploaded to the cluster's bucket by storage.tf) with the

@@ -13,24 +13,24 @@ The public API (this file is the ``moshray`` package itself)::
     result = moshray.fit(loop, moshray.data.from_fn(my_batches), max_nodes=4)
 
 - ``fit``, ``Result``, ``build_config``: ``moshray.jobs.fit``.
-- ``Session``, ``ElasticOptimizer``: ``moshray.actors.session``.
-- ``data``: sources (``from_fn``, ``parquet``, ``from_dataset``): ``moshray.actors.data_sources``.
+- ``Session``, ``ElasticOptimizer``: ``moshray.actors.replica.session``.
+- ``data``: sources (``from_fn``, ``parquet``, ``from_dataset``): ``moshray.actors.replica.data_sources``.
 - ``TrainConfig``, ``ConfigError``, ``UserError``: settings and the two kinds of bad input.
-- ``moe``: Decentralized Mixture-of-Experts layers for your model (``moshray.actors.moe``).
+- ``moe``: Decentralized Mixture-of-Experts layers for your model (``moshray.actors.moe.layer``).
 - ``__version__``: this build's version, derived from git when the wheel was built; a
-  replica whose node has another build refuses to run (``moshray.actors.build_check``).
+  replica whose node has another build refuses to run (``moshray.actors.replica.build_check``).
 """
 
 import importlib
 
-# Loaded on first use (PEP 562), so that importing a submodule such as moshray.cluster.grid
+# Loaded on first use (PEP 562), so that importing a submodule such as moshray.cluster.collective.grid
 # stays light (no torch, no Ray).
 _EXPORTS = {
     "fit": ("moshray.jobs.fit", "fit"), "Result": ("moshray.jobs.fit", "Result"),
     "build_config": ("moshray.jobs.fit", "build_config"),
-    "Session": ("moshray.actors.session", "Session"),
-    "ElasticOptimizer": ("moshray.actors.session", "ElasticOptimizer"),
-    "data": ("moshray.actors.data_sources", None), "moe": ("moshray.actors.moe", None),
+    "Session": ("moshray.actors.replica.session", "Session"),
+    "ElasticOptimizer": ("moshray.actors.replica.session", "ElasticOptimizer"),
+    "data": ("moshray.actors.replica.data_sources", None), "moe": ("moshray.actors.moe.layer", None),
     "UserError": ("moshray.actors.errors", "UserError"),
     "TrainConfig": ("moshray.jobs.config", "TrainConfig"),
     "ConfigError": ("moshray.jobs.config", "ConfigError"),
@@ -40,7 +40,7 @@ __all__ = list(_EXPORTS)
 
 def __getattr__(name: str):
     if name == "__version__":  # the build (git-derived, pyproject [tool.setuptools_scm])
-        from moshray.actors.build_check import installed_build
+        from moshray.actors.replica.build_check import installed_build
 
         globals()[name] = installed_build()
         return globals()[name]

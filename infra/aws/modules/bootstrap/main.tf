@@ -20,7 +20,7 @@ locals {
     market  = "moshray-market"
   }
   # autoscaler/tags.py AWS_PROVIDER: the `provider: type: external` module of Ray's autoscaler.
-  provider_module = "moshray.autoscaler.aws_provider.AWSSpotNodeProvider"
+  provider_module = "moshray.autoscaler.clouds.aws.provider.AWSSpotNodeProvider"
   # cluster/placement.py SPOT_RESOURCE: replicas and experts are placed only on nodes with it.
   spot_resource = "spot"
 

@@ -20,7 +20,7 @@ locals {
     market  = "moshray-market"
   }
   # autoscaler/tags.py GCP_PROVIDER: the `provider: type: external` module of Ray's autoscaler.
-  provider_module = "moshray.autoscaler.gcp_provider.GCPSpotNodeProvider"
+  provider_module = "moshray.autoscaler.clouds.gcp.provider.GCPSpotNodeProvider"
   # cluster/placement.py SPOT_RESOURCE: replicas and experts are placed only on nodes with it.
   spot_resource = "spot"
   # GCPSpotNodeProvider names its VMs "ray-<cluster>-<role>-<id>" (IAM conditions match it).

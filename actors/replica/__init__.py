@@ -1,0 +1,1 @@
+"""moshray.actors.replica.actor."""

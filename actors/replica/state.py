@@ -1,0 +1,191 @@
+"""What a replica holds and hands on: the user's model, optimizer and extra state, the
+data position, the RNG states and the step bookkeeping (epoch, lineage, digest).
+
+``TrainState.snapshot()`` is the dict that travels to a joiner (through the object store)
+and into a checkpoint; ``load`` puts one back into the user's own objects, in place (a
+training loop keeps holding the same model and optimizer). A donor's state whose model was
+built with different initial parameters is refused with a ``UserError``; a state whose
+tensors do not fit the model is refused with one too.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moshray.actors.errors import UserError
+
+STATE_VERSION = 2
+
+
+def checksum(model: torch.nn.Module) -> str:
+    """Digest of every parameter's bytes (equal digests = bitwise equal replicas)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+DIGEST_ELEMENTS = 1 << 16  # parameters sampled by the per-step digest
+
+
+def step_digest(model: torch.nn.Module, epoch: int) -> str:
+    """A cheap per-step digest: about ``DIGEST_ELEMENTS`` parameter values at a stride that
+    rotates with ``epoch``, plus every tensor's sum (a step changes every element, so a
+    replica that diverged differs in the sample and the sums). ``checksum`` is the full one
+    (end of run, on demand)."""
+    params = [p.detach().reshape(-1) for p in model.parameters()]
+    total = sum(p.numel() for p in params)
+    stride = max(1, total // DIGEST_ELEMENTS)
+    h = hashlib.sha256()
+    for p in params:
+        start = epoch % stride if p.numel() > stride else 0
+        h.update(p[start::stride].cpu().numpy().tobytes())
+        h.update(p.sum(dtype=torch.float64).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class Lineage:
+    """Which global steps the state this replica holds has gone through.
+
+    Travels with the state (donor copies, checkpoints). Steps must be applied in order,
+    once each: a step skipped is counted in ``gaps`` (lost), one applied again in
+    ``repeats``; both stay 0 in a correct run.
+    """
+
+    last: int = 0
+    gaps: int = 0
+    repeats: int = 0
+
+    def apply(self, epoch: int) -> None:
+        if epoch <= self.last:
+            self.repeats += 1
+        else:
+            self.gaps += epoch - self.last - 1
+        self.last = max(self.last, epoch)
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        return (self.last, self.gaps, self.repeats)
+
+    @classmethod
+    def from_tuple(cls, t, epoch: int) -> "Lineage":
+        """From ``as_tuple``; a state without one (older checkpoint) starts clean at ``epoch``."""
+        return cls(*t) if t else cls(last=epoch)
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+            "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _extra_snapshot(extra: dict) -> dict:
+    return {k: (v.state_dict() if hasattr(v, "load_state_dict") else copy.deepcopy(v))
+            for k, v in extra.items()}
+
+
+def _extra_load(extra: dict, saved: dict) -> None:
+    """Into the user's dict, in place: objects with ``load_state_dict`` load theirs."""
+    for k, v in saved.items():
+        if hasattr(extra.get(k), "load_state_dict"):
+            extra[k].load_state_dict(v)
+        else:
+            extra[k] = copy.deepcopy(v)
+
+
+def extra_digest(extra: dict) -> str:
+    """Digest of the user's extra state (tensors by their bytes): equal on every replica
+    that holds the same step."""
+    h = hashlib.sha256()
+
+    def visit(value) -> None:
+        if isinstance(value, torch.Tensor):
+            h.update(value.detach().cpu().contiguous().numpy().tobytes())
+        elif isinstance(value, dict):
+            for k in sorted(value, key=str):
+                h.update(str(k).encode())
+                visit(value[k])
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+        else:
+            h.update(repr(value).encode())
+
+    visit(_extra_snapshot(extra))
+    return h.hexdigest()[:16]
+
+
+class TrainState:
+    """The user's objects plus the step bookkeeping of one replica (see module docstring).
+
+    ``strategy_state`` is the step strategy's own (e.g. the outer optimizer of local SGD):
+    an object with ``state_dict``/``load_state_dict``, or None; ``feed`` the data feed."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 extra: dict | None, feed, config: dict):
+        self.model, self.optimizer, self.feed, self.config = model, optimizer, feed, config
+        self.extra = extra if extra is not None else {}
+        self.strategy_state = None
+        self.epoch = 0
+        self.lineage = Lineage()
+        self.init_digest = step_digest(model, 0)  # the model as the user's code built it
+        self.step_checksum = self.init_digest
+
+    def snapshot(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "lineage": self.lineage.as_tuple(),
+            "step_checksum": self.step_checksum,
+            "init_digest": self.init_digest,
+            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "strategy": self.strategy_state.state_dict() if self.strategy_state else None,
+            "extra": _extra_snapshot(self.extra),
+            "data": self.feed.state_dict() if self.feed is not None else {},
+            "rng": _rng_state(),
+            "config": self.config,
+        }
+
+    def load(self, state: dict, from_donor: bool) -> None:
+        """Put ``state`` (a ``snapshot``) into the user's objects. ``from_donor``: refuse a
+        model built with other initial parameters (the replicas would train different
+        models; a checkpoint may come from other code and is not checked)."""
+        if from_donor and state.get("init_digest") not in (None, self.init_digest):
+            raise UserError("model", "its initial parameters differ between replicas "
+                            f"({self.init_digest} here, {state['init_digest']} on the donor): "
+                            "build it deterministically, e.g. torch.manual_seed(session.seed) "
+                            "before creating it")
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise UserError("model", f"the state to load does not fit this model or "
+                            f"optimizer ({str(exc).splitlines()[0][:200]})") from None
+        if self.strategy_state is not None and state.get("strategy") is not None:
+            self.strategy_state.load_state_dict(state["strategy"])
+        _extra_load(self.extra, state.get("extra") or {})
+        if self.feed is not None:
+            self.feed.load_state_dict(state.get("data") or {})
+        if state.get("rng"):
+            _set_rng_state(state["rng"])
+        self.epoch = int(state["epoch"])
+        self.lineage = Lineage.from_tuple(state.get("lineage"), self.epoch)
+        # Local SGD: a donor hands over its current (moved-on) parameters; the checksum
+        # that identifies the step is the donor's, taken right after that step.
+        self.step_checksum = state.get("step_checksum") or checksum(self.model)
+        self.optimizer.zero_grad(set_to_none=True)

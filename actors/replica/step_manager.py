@@ -1,0 +1,407 @@
+"""The replica's side of the Coordinator protocol, in one object (torchft's ``Manager``).
+
+It registers the replica, copies state from a donor (or the initial checkpoint) until the
+Coordinator marks it ready, reports progress without the training loop waiting for the
+reply, takes the plans the Coordinator pushes, runs the step strategy's global step,
+commits it (epoch, lineage, digest), rejoins a restarted Coordinator and resyncs when told.
+
+It lives on the replica actor's event loop; the training loop's thread calls
+``after_micro_batch`` once per micro-batch (through the ``Session``) and waits for it.
+Failures of other peers never raise here (the averager's deadlines bound every round);
+a Coordinator that is briefly away is retried by Ray (its calls have task retries) and
+reports that fail are dropped (the next one carries the same progress).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import ray
+
+from moshray.cluster import metrics
+from moshray.cluster.collective.averager import Averager
+from moshray.cluster.messages import RoundPlan
+from moshray.cluster.coordinator.progress import ProgressReport
+from moshray.cluster.coordinator.step_profile import PhaseClock
+
+from moshray.actors.replica.metrics_outbox import MetricsOutbox
+from moshray.actors.replica.state import TrainState, step_digest
+
+log = logging.getLogger(__name__)
+
+MAX_OWN_REJECTIONS = 3  # consecutive steps with our contribution rejected -> resync
+SYNC_ATTEMPTS = 600
+SNAPSHOT_WAIT_S = 5.0  # a donor's state waits at most this long for the loop's sync point
+
+
+class StepManager:
+    """See module docstring. ``handle`` is the replica actor's own handle (peers and the
+    Coordinator call it); ``init_state_ref`` an optional ``[ObjectRef]`` of a checkpoint."""
+
+    def __init__(self, peer_id: str, coordinator, handle, node_id: str, round_timeout_s: float,
+                 init_state_ref: list | None = None):
+        self.peer_id, self.coordinator, self.handle = peer_id, coordinator, handle
+        self.node_id, self.round_timeout_s = node_id, round_timeout_s
+        self.averager = Averager(peer_id)
+        self.state: TrainState | None = None
+        self.strategy: Any = None
+        self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+        self.own_rejections = 0
+        self.consecutive_bad = 0
+        self.fault: str | None = None
+        self.stopping = False
+        self.lock = asyncio.Lock()  # held while the state changes (steps, loads)
+        self.started_at = time.monotonic()  # join time is measured from here
+        self.joined = False  # contributed to an averaged step yet?
+        self._init_state_ref = init_state_ref
+        self._plan: RoundPlan | None = None  # pushed by the Coordinator, not yet taken
+        # (epoch sent at, rejoin generation sent in, reply)
+        self._inflight: list[tuple[int, int, asyncio.Future]] = []
+        # others' rejected contributions, for the Coordinator: (sender, reason, epoch, numel)
+        self._saw_rejections: list[tuple[str, str, int, int]] = []
+        self._heartbeat: asyncio.Future | None = None
+        self.loop_running = False  # between the loop's prepare() and its end
+        self._snapshot_requests: list[asyncio.Future] = []
+        self.syncing = False  # copying a donor's state (not ready)
+        self._generation = 0  # rejoins done: an "unknown" from before one is answered
+        self._rejoin_lock = asyncio.Lock()
+        # an overlapped step: (plan, the averaging task), applied at a later sync point
+        self._pending: tuple[RoundPlan, asyncio.Task] | None = None
+        self._layout_numel: int | None = None
+        self.phases = PhaseClock(time.monotonic)  # where the time goes (cluster/step_profile)
+        self._profiled = None  # the last step's StepPhases, sent with its metrics events
+        self._pending_size = (0, 0)  # an overlapped step's (samples, micro-batches)
+        self._contributed: tuple[int, int] | None = None  # (epoch, samples) to report once
+        self.outbox = MetricsOutbox(peer_id, coordinator)  # metrics events, in batches
+
+    # -- joining ---------------------------------------------------------------------------
+
+    async def start(self, state: TrainState, strategy) -> None:
+        """Register, take the state of the swarm (donor or checkpoint), start heartbeats."""
+        self.state, self.strategy = state, strategy
+        await self.coordinator.register.remote(self.peer_id, self.handle, self.node_id)
+        # Heartbeats first: a Coordinator restarted during the copy learns of this replica
+        # from them (``rejoin``), else it would refuse its ``mark_ready``.
+        self._heartbeat = asyncio.ensure_future(self._beat())
+        await self.sync()
+        self.loop_running = True
+        self.send_report(force=True)
+
+    async def sync(self) -> None:
+        """Copy state from a donor (or the initial checkpoint) and become ready. A
+        ``UserError`` in the loaded state (another model) propagates."""
+        self.syncing = True
+        try:
+            await self._sync()
+        finally:
+            self.syncing = False
+
+    async def _sync(self) -> None:
+        for attempt in range(SYNC_ATTEMPTS):
+            donor = await self.coordinator.donor.remote(self.peer_id)
+            if donor is not None:
+                try:
+                    _, [ref] = await donor[1].get_state.remote()
+                    loaded = await ref
+                except ray.exceptions.RayError as exc:
+                    log.warning("%s: donor %s failed (%s); retrying", self.peer_id, donor[0],
+                                type(exc).__name__)
+                    await asyncio.sleep(0.2)
+                    continue
+                await self._load(loaded, from_donor=True)
+            elif self._init_state_ref:
+                await self._load(await self._init_state_ref[0], from_donor=False)
+                await self.coordinator.resume_from.remote(self.state.epoch)
+            if await self.coordinator.mark_ready.remote(self.peer_id, self.state.epoch):
+                log.info("%s ready at epoch %d (attempt %d)", self.peer_id, self.state.epoch,
+                         attempt)
+                return
+            if attempt % 50 == 49:
+                log.warning("%s: still syncing after %d attempts (donor %s, state epoch %d)",
+                            self.peer_id, attempt + 1, donor and donor[0], self.state.epoch)
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"{self.peer_id}: could not sync state after {SYNC_ATTEMPTS} attempts")
+
+    async def _load(self, loaded: dict, from_donor: bool) -> None:
+        async with self.lock:
+            self.state.load(loaded, from_donor)
+            self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+
+    async def snapshot(self) -> dict:
+        """The state at the training loop's next sync point (inside ``opt.step``, after the
+        user's code has updated its extra state for the last global step), or at once
+        under the lock when the loop is not running or does not come by within
+        ``SNAPSHOT_WAIT_S``. Never mid-step."""
+        if self.loop_running:
+            future = asyncio.get_running_loop().create_future()
+            self._snapshot_requests.append(future)
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), SNAPSHOT_WAIT_S)
+            except asyncio.TimeoutError:
+                log.info("%s: state taken outside the loop's sync point", self.peer_id)
+        async with self.lock:
+            return self.state.snapshot()
+
+    async def _serve_snapshots(self) -> None:
+        if not self._snapshot_requests or self._pending is not None:
+            return  # (not while an overlapped step is half done: at the next sync point)
+        async with self.lock:
+            snap = self.state.snapshot()
+        requests, self._snapshot_requests = self._snapshot_requests, []
+        for future in requests:
+            if not future.done():
+                future.set_result(snap)
+
+    async def loop_ended(self) -> None:
+        """The training loop returned (or raised): serve what waits for a snapshot."""
+        self.loop_running = False
+        if self.state is not None:
+            await self._finish_pending(wait=True)
+            await self._serve_snapshots()
+        self.record((), flush=True)
+
+    # -- progress --------------------------------------------------------------------------
+
+    def receive_plan(self, plan: RoundPlan) -> None:
+        """A plan from the Coordinator (pushed, or in a report's reply): the next step's
+        (``state.epoch + 1``) is taken at the next micro-batch; any other is stale and
+        ignored."""
+        if self.state is None:
+            return
+        if plan.epoch == self.state.epoch + 1 and self._pending is None:
+            self._plan = plan
+            self.phases.plan_arrived()
+
+    def send_report(self, force: bool = False) -> None:
+        """Progress to the Coordinator without waiting for the reply; at most one routine
+        report in flight, ``force`` sends anyway (right after a step or a sync)."""
+        if self._inflight and not force:
+            return
+        s = self.state
+        report = ProgressReport(self.peer_id, s.epoch, self.samples,
+                                self.loss_sum / self.samples if self.samples else None,
+                                s.step_checksum, self.own_rejections,
+                                tuple(self._saw_rejections), self._numel(), self._contributed)
+        self._saw_rejections.clear()
+        self._contributed = None
+        ref = self.coordinator.report.remote(report)
+        self._inflight.append((s.epoch, self._generation, asyncio.ensure_future(_awaited(ref))))
+
+    @property
+    def _overlapped(self) -> bool:
+        return getattr(self.strategy, "overlap", False)
+
+    def _plan_due(self) -> bool:
+        """This micro-batch takes a held plan in a synchronous step, which reports right
+        after: a routine report now is not needed (what it carries stays queued)."""
+        plan = self._plan
+        return (plan is not None and plan.epoch == self.state.epoch + 1
+                and self._pending is None and not self._overlapped)
+
+    def _numel(self) -> int:
+        """The length of the tensor this replica averages (its parameters, flattened)."""
+        if self._layout_numel is None:
+            self._layout_numel = sum(p.numel() for p in self.state.model.parameters())
+        return self._layout_numel
+
+    def _replies(self) -> str | None:
+        """Handle the replies that arrived: ``"stop"``, ``"resync"`` (if still meant for this
+        replica's epoch) or ``"rejoin"``; a plan to take is kept. None if nothing to do."""
+        verdict = None
+        while self._inflight and self._inflight[0][2].done():
+            sent_at, generation, future = self._inflight.pop(0)
+            try:
+                reply = future.result()
+            except ray.exceptions.RayError as exc:
+                log.info("%s: report failed (%s)", self.peer_id, type(exc).__name__)
+                continue
+            if reply.unknown:
+                if generation == self._generation:  # else a rejoin since answered it
+                    verdict = verdict or "rejoin"
+            elif reply.stop:
+                verdict = "stop"
+            elif reply.resync and sent_at == self.state.epoch and verdict is None:
+                verdict = "resync"
+            elif reply.plan is not None:
+                self.receive_plan(reply.plan)
+        return verdict
+
+    async def after_micro_batch(self, samples: int, loss: float) -> bool:
+        """Count one micro-batch and act on what the Coordinator said; True if a global step
+        was applied. Sets ``stopping`` when the Coordinator says stop. An overlapped step
+        (``strategy.overlap``) is started here and applied at the first sync point after
+        its averaging is done, or before anything else changes the state."""
+        self.phases.enter()
+        try:
+            return await self._after_micro_batch(samples, loss)
+        finally:
+            self.phases.leave()
+
+    async def _after_micro_batch(self, samples: int, loss: float) -> bool:
+        self.samples += samples
+        self.micro += 1
+        self.loss_sum += loss * samples
+        applied = await self._finish_pending(wait=False)
+        await self._serve_snapshots()
+        if applied or not self._plan_due():
+            self.send_report(force=applied)
+        verdict = self._replies()
+        if verdict is not None:
+            applied = await self._finish_pending(wait=True) or applied
+        if verdict == "stop":
+            self.stopping = True
+            return False
+        if verdict in ("resync", "rejoin"):
+            await (self.sync() if verdict == "resync" else self.rejoin(self._generation))
+            self.send_report(force=True)
+            return False
+        plan, self._plan = self._plan, None
+        if plan is None or plan.epoch != self.state.epoch + 1 or self._pending is not None:
+            return applied
+        if self._overlapped:
+            self._begin_overlapped(plan)
+            return applied
+        await self.global_step(plan)
+        self.send_report(force=True)
+        return True
+
+    def _begin_overlapped(self, plan: RoundPlan) -> None:
+        """Start ``plan``'s averaging on the gradients accumulated so far and let the loop
+        go on (its next micro-batches count toward the step after)."""
+        s = self.state
+        grads = self.strategy.take_gradients(s.model, self.micro)  # before the loop goes on
+        task = asyncio.ensure_future(self.strategy.average(
+            self.averager, grads, plan, self.samples, self.round_timeout_s, self.fault))
+        self._pending = (plan, task)
+        self._pending_size = (self.samples, self.micro)
+        self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+
+    async def _finish_pending(self, wait: bool) -> bool:
+        """Apply the overlapped step if its averaging is done (``wait``: wait for it; the
+        round's deadlines bound that). True if a step was applied."""
+        if self._pending is None or not (wait or self._pending[1].done()):
+            return False
+        plan, task = self._pending
+        try:
+            averaged, report = await task
+        finally:
+            self._pending = None
+        s = self.state
+        self.phases.step_begins()
+        async with self.lock:
+            self.strategy.finish_step(s.model, s.optimizer, averaged, report.total_weight)
+            self._commit(plan)
+        self._profiled = self.phases.step_ends(plan.epoch, report.seconds, *self._pending_size,
+                                               overlapped=True, round_phases=report.phases)
+        await self._after_round(plan, report)
+        return True
+
+    # -- the global step ---------------------------------------------------------------------
+
+    async def global_step(self, plan: RoundPlan) -> None:
+        s = self.state
+        self.phases.step_begins()
+        async with self.lock:
+            report = await self.strategy.global_step(
+                s.model, s.optimizer, self.averager, plan, self.samples, self.micro,
+                self.round_timeout_s, self.fault)
+            self._commit(plan)
+            self._profiled = self.phases.step_ends(plan.epoch, report.seconds, self.samples,
+                                                   self.micro, round_phases=report.phases)
+            self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+        await self._after_round(plan, report)
+
+    def _commit(self, plan: RoundPlan) -> None:
+        s = self.state
+        s.lineage.apply(plan.epoch)
+        s.step_checksum = step_digest(s.model, plan.epoch)
+        s.epoch = plan.epoch
+
+    async def _after_round(self, plan: RoundPlan, report) -> None:
+        """Metrics, rejections for the Coordinator, and a resync after too many of our own
+        contributions were rejected in a row."""
+        self._record(report)
+        self._saw_rejections.extend((r.sender, r.reason.value, plan.epoch, r.numel)
+                                    for r in report.rejections if r.sender != self.peer_id)
+        mine = [r for r in report.rejections if r.sender == self.peer_id]
+        if not mine:
+            self.consecutive_bad = 0
+            return
+        self.own_rejections += 1
+        self.consecutive_bad += 1
+        log.warning("%s: own contribution rejected at epoch %d (%s)", self.peer_id, plan.epoch,
+                    mine[0].reason.value)
+        if self.consecutive_bad >= MAX_OWN_REJECTIONS:
+            log.warning("%s: %d bad steps in a row; restarting from a donor", self.peer_id,
+                        self.consecutive_bad)
+            self.consecutive_bad = 0
+            await self.coordinator.leave.remote(self.peer_id)
+            await self.coordinator.register.remote(self.peer_id, self.handle, self.node_id)
+            await self.sync()
+
+    def _record(self, report) -> None:
+        """Metrics events for one averaging round (fire-and-forget; cluster/metrics/__init__.py): the
+        round itself and, after this replica's first averaged step, its join time. Also
+        what this replica put into the step, for its next report (``contributed``)."""
+        events: list = [metrics.RoundEvent.from_report(report)]
+        if self._profiled is not None and self.peer_id in report.contributors:
+            self._contributed = (report.epoch, self._profiled.samples)
+        if self._profiled is not None:
+            events.append(self._profiled)
+            self._profiled = None
+        if not self.joined and self.peer_id in report.contributors:
+            self.joined = True
+            events.append(metrics.JoinEvent(max(0.0, time.monotonic() - self.started_at)))
+        self.record(tuple(events))
+
+    def record(self, events: tuple, flush: bool = False) -> None:
+        """Metrics events to the Coordinator, fire-and-forget, in batches (``MetricsOutbox``:
+        at once with ``flush``: heartbeat, loop end, ``close``)."""
+        self.outbox.add(events, flush)
+
+    # -- a Coordinator that restarted -----------------------------------------------------------
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.record((), flush=True)
+            try:
+                generation = self._generation
+                if not await self.coordinator.heartbeat.remote(
+                        self.peer_id, self.averager.meter.value):
+                    await self.rejoin(generation)
+            except ray.exceptions.RayError:
+                pass
+
+    async def rejoin(self, generation: int) -> None:
+        """The Coordinator restarted and forgot this replica: re-register with the epoch
+        of the state held (it is ready at once if that is the newest; not while it copies a
+        donor's state) and the data position this replica knows. ``generation``: the rejoin
+        count when the "unknown" answer was asked for; if another rejoin happened since
+        (the heartbeat and a report both heard it), nothing is done."""
+        async with self._rejoin_lock:
+            if generation != self._generation:
+                return
+            syncing = self.syncing
+            async with self.lock:
+                epoch = self.state.epoch
+                position = self.state.feed.position if self.state.feed is not None else 0
+            ready = await self.coordinator.rejoin.remote(
+                self.peer_id, self.handle, self.node_id, epoch, position, syncing)
+            self._generation += 1
+        log.warning("%s: rejoined a restarted Coordinator at epoch %d (%s)", self.peer_id,
+                    epoch, "ready" if ready else "syncing" if syncing else "to resync")
+
+    def close(self) -> None:
+        self.record((), flush=True)
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        for _, _, future in self._inflight:
+            future.cancel()
+
+
+async def _awaited(ref):
+    return await ref

@@ -1,0 +1,1 @@
+"""moshray.autoscaler.clouds.gcp."""

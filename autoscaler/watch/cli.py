@@ -1,0 +1,159 @@
+"""``moshray watch``: run the spot-notice watcher of the node it is started on.
+
+Contract: ``moshray watch`` (``--source auto``, the default: the node's cloud is detected
+on the node, see ``cloud_detect.py``; or ``--source aws`` / ``gcp`` to name it) connects
+with ``ray.init(address="auto")``, says on stderr the moshray build it runs, starts the
+watcher actor on this node, says which source it listens to (and, for auto, how it was
+found) and stays until the node's deadline has passed (or ``--max-seconds``); exit 2 on a
+bad argument, 1 if its own watcher dies.
+
+It owns the watcher it starts (stopped when it exits). If the node already has one (a
+job's controller started it before ``moshray watch`` ran), it says so and uses that one,
+never stopping it; when its owner removes it (the job ended), ``moshray watch`` starts the
+node's own at once and goes on. A job that finds the node's watcher never stops it, so on
+an ``infra/`` node, where ``moshray watch`` starts at boot, one watcher serves every job.
+``add_arguments`` / ``main`` are what the ``moshray`` CLI calls (through
+``moshray.autoscaler.watch``, which re-exports them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+
+import ray
+
+from moshray.cluster import placement
+
+from moshray.autoscaler.clouds.detect import LINK_LOCAL_URL
+from moshray.autoscaler.watch.drain import DrainOutcome, check_node_id
+from moshray.autoscaler.watch.watcher import OpenedWatcher, open_watcher
+from moshray.autoscaler.notices.message import AWS_METADATA_URL, GCP_METADATA_URL, GCP_NOTICE_S
+from moshray.autoscaler.watch.config import SOURCES, WatcherConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source", choices=SOURCES, default="auto",
+                        help="where notices come from (default auto: the metadata service "
+                             "named in AWS_EC2_METADATA_SERVICE_ENDPOINT / GCE_METADATA_HOST, "
+                             "else the cloud the DMI vendor strings name, else a short probe "
+                             f"of {LINK_LOCAL_URL}; none, with a warning, if nothing answers); "
+                             "aws or gcp name the cloud, simulated and none are for tests")
+    parser.add_argument("--metadata-url", default=None,
+                        help=f"metadata server base URL (default {AWS_METADATA_URL} for aws, "
+                             f"{GCP_METADATA_URL} for gcp; for auto, where a detected cloud's "
+                             f"service is and where the probe looks, default {LINK_LOCAL_URL})")
+    parser.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    parser.add_argument("--node-id", default=None, help="Ray node id to watch (default: this node)")
+    parser.add_argument("--pool", default="", help="capacity pool of this node, for metrics")
+    parser.add_argument("--poll-s", type=float, default=1.0, help="seconds per poll (default 1)")
+    parser.add_argument("--gcp-notice-s", type=float, default=GCP_NOTICE_S,
+                        help="seconds GCP gives between the notice and the stop (default 30)")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="stop watching after this long (default: until the node is noticed "
+                             "and its deadline has passed)")
+    parser.add_argument("--coordinator-name", default=placement.COORDINATOR_NAME,
+                        help="name of the training job's Coordinator actor "
+                             f"(default {placement.COORDINATOR_NAME})")
+    parser.add_argument("--json", action="store_true", help="print each outcome as a JSON line")
+
+
+def _finite(x):
+    """JSON has no infinity: a missing deadline becomes null."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def _outcome_json(outcome: DrainOutcome) -> str:
+    doc = asdict(outcome)
+    doc["notice_to_draining_s"] = outcome.notice_to_draining_s
+    return json.dumps(_finite(doc), allow_nan=False)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = WatcherConfig(source=args.source, metadata_url=args.metadata_url, pool=args.pool,
+                               poll_s=args.poll_s, gcp_notice_s=args.gcp_notice_s,
+                               coordinator_name=args.coordinator_name)
+        if args.node_id is not None:
+            check_node_id(args.node_id)
+        if args.max_seconds is not None and not args.max_seconds > 0:
+            raise ValueError(f"--max-seconds must be positive, got {args.max_seconds}")
+    except ValueError as e:
+        print(f"moshray watch: {e}", file=sys.stderr)
+        return 2
+    from moshray import __version__
+
+    ray.init(address=args.address, namespace=placement.NAMESPACE, log_to_driver=False)
+    node_id = args.node_id or ray.get_runtime_context().get_node_id()
+    print(f"moshray watch: moshray {__version__}", file=sys.stderr, flush=True)
+    opened = _open(node_id, config)
+    end = math.inf if args.max_seconds is None else time.monotonic() + args.max_seconds
+    seen = 0
+    try:
+        while time.monotonic() < end:
+            try:
+                outcome = ray.get(opened.actor.wait_outcome.remote(
+                    min(config.poll_s * 5, 10.0), seen))
+            except ray.exceptions.RayActorError as exc:
+                if opened.created:
+                    print(f"moshray watch: the watcher of node {node_id} died ({exc!r:.200})",
+                          file=sys.stderr, flush=True)
+                    return 1
+                # The watcher we found was removed by its owner (its job ended): the node
+                # must not go unwatched, so start its own (or use whichever took the name).
+                opened, seen = _open(node_id, config), 0
+                continue
+            if outcome is None:
+                continue
+            seen += 1
+            if args.json:
+                print(_outcome_json(outcome), flush=True)
+            else:
+                drain = ("accepted" if outcome.ray.accepted
+                         else "FAILED: " + outcome.ray.message)
+                print(f"{outcome.notice.action} notice: {len(outcome.peers)} peers draining, "
+                      f"Ray drain {drain}, {outcome.notice_to_draining_s:.3f} s after the "
+                      f"notice", flush=True)
+            # Stay until the deadline so in-flight hand-offs (owned by the watcher) finish.
+            left = outcome.notice.seconds_left(time.time())
+            time.sleep(min(left, max(0.0, end - time.monotonic())))
+            return 0
+    finally:
+        if opened.created:  # one found on the node is its owner's to stop
+            try:
+                ray.get(opened.actor.stop.remote(), timeout=config.poll_s + 10)
+            except ray.exceptions.RayError:
+                pass  # the node (and its watcher) may already be gone
+    return 0
+
+
+def _open(node_id: str, config: WatcherConfig, budget_s: float = 30.0) -> OpenedWatcher:
+    """The node's watcher, running (``open_watcher``: started here, or found and used), with
+    one stderr line naming its source and who started it. A found watcher that dies before
+    it answers (its owner removed it; Ray frees the name shortly after) is looked for again
+    for up to ``budget_s`` seconds; then, or if the one started here dies, the actor error
+    is raised."""
+    end = time.monotonic() + budget_s
+    while True:
+        opened = open_watcher(node_id, config)
+        try:
+            ray.get(opened.actor.ready.remote(), timeout=120)
+            source = ray.get(opened.actor.status.remote(), timeout=60)["source"]
+        except ray.exceptions.RayActorError:
+            if opened.created or time.monotonic() > end:
+                raise
+            time.sleep(0.5)
+            continue
+        whose = ("its own watcher" if opened.created else
+                 "the watcher another driver (a job) started there, its source; this command "
+                 "starts the node's own when that driver removes it")
+        print(f"watching node {node_id} ({source}) with {whose}", file=sys.stderr, flush=True)
+        return opened

@@ -1,0 +1,1 @@
+"""moshray.cluster.collective."""

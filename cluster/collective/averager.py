@@ -1,0 +1,281 @@
+"""The Moshpit averager a peer embeds: d group rounds over a ``RoundPlan``.
+
+An ``Averager`` lives inside an async Ray actor (``AveragingPeer`` here, the replica actor
+in training). The actor forwards two transport methods to it (``RayTransport`` sends a
+small payload's bytes as extra arguments, ``inline.py``)::
+
+    async def receive_contribution(self, c, *chunks):
+        self.averager.deliver_contribution(inline.join(c, chunks))
+    async def receive_result(self, r, *chunks):
+        self.averager.deliver_result(inline.join(r, chunks))
+
+and a training loop calls ``await averager.all_reduce(tensors, weight, plan, timeout)``.
+
+Contract of ``all_reduce``:
+- returns ``(averaged, report)`` where ``averaged`` has the same shapes, dtypes and
+  devices as ``tensors`` (torch tensors or numpy arrays);
+- with no failures every participant gets the exact weighted average (float32 rounding,
+  plus the documented codec error when compression is on);
+- each round waits at most ``timeout`` seconds (contributions for the first 60% of it,
+  results until its end), plus at most 25% more to finish fetching a result that came in
+  time or to re-reduce the part of a dead owner locally; every fetch is bounded by those
+  deadlines, and a dead member is noticed by probing (see ``allreduce``) rather than by a
+  deadline; it never raises because another peer failed, and never waits forever;
+- with no failures, every participant ends with bitwise identical values, also after a
+  multi-round grid (see ``allreduce``: canonical member order);
+- bad contributions (shape, dtype, stale epoch, non-finite, bad weight) are rejected,
+  logged and counted in ``rejection_counts`` and in the report.
+Only one ``all_reduce`` runs at a time per averager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from moshray.cluster.collective.round import Deadlines, GroupRound
+from moshray.cluster.collective.shares import ThroughputMeter
+from moshray.cluster.collective.mailbox import GroupMailbox, RoundKey
+from moshray.cluster.messages import (
+    AllReduceReport, Contribution, CopyRequest, PartResult, Probe, Rejection, RejectReason,
+    RoundPlan,
+)
+from moshray.cluster.collective.transport import RayTransport, Transport
+
+log = logging.getLogger(__name__)
+
+CONTRIBUTION_FRACTION = 0.6
+FINAL_FRACTION = 1.25  # fetching a result in time, or re-reducing a dead owner's part
+
+
+def flatten(tensors: Sequence[Any]) -> np.ndarray:
+    """Concatenate tensors (torch or numpy) into one float32 vector on the CPU.
+
+    A single float32 numpy array comes back as a flat view (no copy; the averager never
+    writes to it, so a read-only buffer such as an object-store argument is fine)."""
+    if len(tensors) == 1 and isinstance(tensors[0], np.ndarray) and tensors[0].dtype == np.float32:
+        return tensors[0].reshape(-1)
+    parts = []
+    for t in tensors:
+        if hasattr(t, "detach"):  # torch.Tensor; the object store needs CPU memory
+            t = t.detach().to("cpu", dtype=_torch().float32).numpy()
+        parts.append(np.asarray(t, dtype=np.float32).reshape(-1))
+    if not parts:
+        return np.zeros(0, dtype=np.float32)
+    return np.concatenate(parts)
+
+
+def unflatten(flat: np.ndarray, like: Sequence[Any], owned: bool = False) -> list[Any]:
+    """Split ``flat`` back into tensors shaped, typed and placed like ``like``.
+
+    ``owned``: ``flat`` is a fresh, writable buffer nobody else holds, so the outputs may be
+    views of it (no copy when dtype and device already match)."""
+    out, offset = [], 0
+    for t in like:
+        n = int(np.prod(t.shape)) if len(t.shape) else 1
+        chunk = flat[offset : offset + n].reshape(t.shape)
+        offset += n
+        if hasattr(t, "detach"):
+            chunk = chunk if owned else np.array(chunk)
+            out.append(_torch().from_numpy(chunk).to(device=t.device, dtype=t.dtype))
+        else:
+            out.append(chunk.astype(t.dtype, copy=not owned))
+    return out
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+class Averager:
+    """One peer's side of Moshpit All-Reduce (see module docstring).
+
+    ``transport`` moves messages and bytes (``transport.Transport``; default: Ray actor
+    calls and the object store, ``RayTransport``). ``clock`` is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        peer_id: str,
+        clock: Callable[[], float] = time.monotonic,
+        transport: Transport | None = None,
+    ):
+        self.peer_id = peer_id
+        self.clock = clock
+        self.transport = transport or RayTransport()
+        self._boxes: dict[RoundKey, GroupMailbox] = {}
+        self._floor_epoch = -1  # contributions below this epoch are stale
+        self._done: collections.deque[RoundKey] = collections.deque(maxlen=256)
+        # contributions held back from members that own no part, sent on a CopyRequest;
+        # kept for this epoch and the one before (a survivor may still be re-reducing)
+        self._held: dict[RoundKey, dict[str, Callable[[], object]]] = {}
+        # CopyRequests that came before we held anything for that peer (we were slower):
+        # answered the moment we hold it
+        self._asked: dict[RoundKey, set[str]] = {}
+        self.rejection_counts: collections.Counter[str] = collections.Counter()
+        self._pending_rejections: list[Rejection] = []
+        self._lock = asyncio.Lock()
+        # This peer's smoothed throughput (bytes/s), for its share of parts: the host sends
+        # ``meter.value`` with its heartbeat (see capacity.py)
+        self.meter = ThroughputMeter()
+
+    # -- transport entry points ----------------------------------------------------------
+
+    def _box(self, key: RoundKey) -> GroupMailbox:
+        box = self._boxes.get(key)
+        if box is None:
+            box = self._boxes[key] = GroupMailbox(key, fetch=self.transport.fetch)
+        return box
+
+    def deliver_contribution(self, c: Contribution | Probe | CopyRequest) -> None:
+        if isinstance(c, Probe):
+            return  # a member checking that we are alive: answering is the whole reply
+        if isinstance(c, CopyRequest):  # send what we held back, or once we hold it
+            key = (c.epoch, c.round_index, c.group_index)
+            send = self._held.get(key, {}).get(c.requester)
+            if send is not None:
+                asyncio.ensure_future(_delivered(send(), c.requester))
+            elif c.epoch >= self._floor_epoch - 1:
+                self._asked.setdefault(key, set()).add(c.requester)
+            return
+        key = (c.epoch, c.round_index, c.group_index)
+        if c.epoch < self._floor_epoch:
+            self._record(Rejection(c.sender, -1, RejectReason.STALE_EPOCH,
+                                   f"epoch {c.epoch} < current {self._floor_epoch}"))
+            return
+        if key in self._done or (key in self._boxes and self._boxes[key].reduced):
+            self._record(Rejection(c.sender, -1, RejectReason.LATE, f"round {key} already reduced"))
+            return
+        box = self._box(key)
+        box.contributions.setdefault(c.sender, c)
+        if box.own_part is not None:  # streaming: start moving our part's bytes now
+            box.fetch_part(c.sender, box.own_part)
+        box.notify()
+
+    def deliver_result(self, r: PartResult) -> None:
+        key = (r.epoch, r.round_index, r.group_index)
+        if r.epoch < self._floor_epoch or key in self._done:
+            return  # a result nobody waits for any more
+        box = self._box(key)
+        box.results.setdefault(r.part, r)
+        box.fetch_result(r.part)
+        box.notify()
+
+    def _record(self, rejection: Rejection) -> None:
+        self.rejection_counts[rejection.reason.value] += 1
+        self._pending_rejections.append(rejection)
+        log.warning("rejected contribution from %s: %s (%s)", rejection.sender,
+                    rejection.reason.value, rejection.detail)
+
+    # -- the API a training loop calls ----------------------------------------------------
+
+    async def all_reduce(
+        self, tensors: Sequence[Any], weight: float, plan: RoundPlan, timeout: float
+    ) -> tuple[list[Any], AllReduceReport]:
+        """Average ``tensors`` with the plan's participants, weighted by ``weight``."""
+        async with self._lock:
+            return await self._all_reduce(tensors, weight, plan, timeout)
+
+    async def _all_reduce(self, tensors, weight, plan: RoundPlan, timeout: float):
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        started = self.clock()
+        self._advance_floor(plan.epoch)
+        flat = flatten(tensors)
+        given = flat
+        handles = dict(plan.handles)
+
+        def send(peer: str, method: str, message: object):
+            return self.transport.send(handles[peer], method, message)
+
+        rejections: list[Rejection] = []
+        contributors: set[str] = set()
+        partial: set[str] = set()
+        failed: list[str] = []
+        sent = received = 0
+        phases: collections.Counter[str] = collections.Counter()
+        for r, schedule in enumerate(plan.grid.rounds):
+            found = schedule.group_of(self.peer_id)
+            if found is None:
+                continue
+            g, group = found
+            key = (plan.epoch, r, g)
+            box = self._box(key)
+            t0 = self.clock()
+            deadlines = Deadlines(t0 + CONTRIBUTION_FRACTION * timeout, t0 + timeout,
+                                  t0 + FINAL_FRACTION * timeout)
+            runner = GroupRound(self.peer_id, plan, r, g, group, box, send, self.transport,
+                                self.clock, hold=functools.partial(self._hold, key))
+            outcome = await runner.run(flat, weight, deadlines)
+            self._finish(key)
+            flat, weight = outcome.values, outcome.weight
+            rejections += outcome.rejections
+            for rej in outcome.rejections:
+                self.rejection_counts[rej.reason.value] += 1
+            contributors |= set(outcome.contributors)
+            partial |= set(outcome.partial_contributors)
+            failed += outcome.failed_owners
+            sent += outcome.bytes_sent
+            received += outcome.bytes_received
+            phases.update(outcome.phases)
+            self.meter.update(outcome.throughput)
+        rejections += self._pending_rejections
+        self._pending_rejections = []
+        report = AllReduceReport(
+            epoch=plan.epoch,
+            peer=self.peer_id,
+            contributors=tuple(sorted(contributors - partial)),
+            partial_contributors=tuple(sorted(partial)),
+            rejections=tuple(rejections),
+            failed_owners=tuple(failed),
+            bytes_sent=sent,
+            bytes_received=received,
+            seconds=self.clock() - started,
+            total_weight=float(weight),
+            phases=tuple(sorted(phases.items())),
+        )
+        return unflatten(flat, tensors, owned=flat is not given), report
+
+    def _hold(self, key: RoundKey, peer: str, send: Callable[[], object]) -> None:
+        """Keep ``send`` (a contribution held back from ``peer``) for its CopyRequest; if
+        that came already, send now."""
+        if peer in self._asked.get(key, ()):
+            asyncio.ensure_future(_delivered(send(), peer))
+        self._held.setdefault(key, {})[peer] = send
+
+    def _finish(self, key: RoundKey) -> None:
+        box = self._boxes.pop(key, None)
+        self._done.append(key)
+        if box is not None:
+            for task in list(box.fetches.values()) + list(box.result_fetches.values()):
+                task.cancel()
+
+    def _advance_floor(self, epoch: int) -> None:
+        """Forget rounds of older epochs; what they still held was never used (stale)."""
+        self._floor_epoch = max(self._floor_epoch, epoch)
+        for kept in (self._held, self._asked):
+            for key in [k for k in kept if k[0] < self._floor_epoch - 1]:
+                del kept[key]
+        for key in [k for k in self._boxes if k[0] < self._floor_epoch]:
+            box = self._boxes.pop(key)
+            for sender in box.contributions:
+                self._record(Rejection(sender, -1, RejectReason.STALE_EPOCH,
+                                       f"epoch {key[0]} < current {self._floor_epoch}"))
+
+
+async def _delivered(call, peer: str) -> None:
+    """Await a fire-and-forget call (so its failure is not left unobserved); a requester
+    that died meanwhile needs nothing."""
+    try:
+        await call
+    except Exception as exc:  # noqa: BLE001 - any failure: the peer is gone or going
+        log.info("held-back contribution for %s not delivered: %s", peer, type(exc).__name__)

@@ -1,0 +1,171 @@
+"""Splitting a flat tensor into parts and reducing parts: pure numpy, no Ray.
+
+Inside a group of m members, a flat float32 vector of ``numel`` values is split into m
+contiguous parts; member j owns part j and computes its weighted average. Part sizes are
+proportional to each member's share, so a peer with less CPU or bandwidth reduces less
+(DeDLOC's load balancing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from moshray.cluster.messages import RejectReason, RoundPlan
+
+
+def part_sizes(numel: int, shares: Sequence[float]) -> tuple[int, ...]:
+    """Sizes of the parts, proportional to ``shares``, summing to ``numel``.
+
+    Uses the largest-remainder method so the result is deterministic and exact. Shares
+    that are zero, negative or non-finite count as zero; if none is positive the split is
+    even. Raises ValueError for an empty ``shares`` or a negative ``numel``.
+    """
+    if not shares:
+        raise ValueError("need at least one share")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    clean = [s if np.isfinite(s) and s > 0 else 0.0 for s in shares]
+    top = max(clean)
+    clean = [s / top for s in clean] if top > 0 else clean  # no overflow for huge shares
+    total = sum(clean)
+    if total <= 0:
+        clean, total = [1.0] * len(shares), float(len(shares))
+    exact = [numel * s / total for s in clean]
+    sizes = [int(x) for x in exact]
+    leftover = numel - sum(sizes)
+    # Hand the remaining elements to the largest fractional parts (ties: lowest index).
+    order = sorted(range(len(exact)), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in order[:leftover]:
+        sizes[i] += 1
+    return tuple(sizes)
+
+
+# Fewest values worth a part of its own: below this, one more owner costs more in messages
+# (a put, a call and a fetch per member, each way) than it saves in bytes per owner.
+MIN_PART = 1 << 18
+
+
+def owner_shares(numel: int, shares: Sequence[float], min_part: int = MIN_PART,
+                 rotate: int = 0) -> list[float]:
+    """``shares`` with parts for at most ``max(1, numel // min_part)`` owners; the others
+    get zero (they contribute and receive but own nothing). The owners are taken in turn:
+    the members with a positive share, in index order starting at ``rotate`` modulo their
+    count (callers pass the plan's epoch). Taking turns spreads the reducing work over the
+    group across steps, and it keeps every member's contributions checked by others: a
+    single owner checks only its own contribution, so a fixed owner sending NaN would be
+    rejected by nobody else (cluster/coordinator/quarantine.py counts only others' rejections).
+    Shares that are zero, negative or non-finite count as zero; if none is positive every
+    member counts as 1. Deterministic, so every peer of a group derives the same sizes from
+    the same plan and tensor length."""
+    clean = [float(s) if np.isfinite(s) and s > 0 else 0.0 for s in shares]
+    if not any(clean):
+        clean = [1.0] * len(clean)
+    owners = max(1, numel // max(1, min_part))
+    positive = [i for i, s in enumerate(clean) if s > 0]
+    if owners >= len(positive):
+        return clean
+    start = rotate % len(positive)
+    keep = {positive[(start + k) % len(positive)] for k in range(owners)}
+    return [s if i in keep else 0.0 for i, s in enumerate(clean)]
+
+
+def group_part_sizes(plan: RoundPlan, members: Sequence[str], numel: int) -> tuple[int, ...]:
+    """Each member's part of a ``numel``-value tensor in a group round of ``plan``: sized by
+    the members' shares, with the plan's ``min_part`` and the owners taking turns by epoch
+    (``owner_shares``). Every peer of the group derives the same sizes."""
+    shares = owner_shares(numel, [plan.share_of(m) for m in members], plan.min_part,
+                          rotate=plan.epoch)
+    return part_sizes(numel, shares)
+
+
+def part_slices(sizes: Sequence[int]) -> tuple[slice, ...]:
+    """Contiguous slices for parts of the given sizes."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(slice(start, start + size))
+        start += size
+    return tuple(out)
+
+
+def check_contribution(
+    values: np.ndarray, expected_numel: int, expected_dtype: np.dtype, weight: float
+) -> tuple[RejectReason, str] | None:
+    """Why a decoded part must be rejected, or None if it is acceptable.
+
+    Checks, in order: the weight (finite, >= 0), the dtype of the wire values, the
+    length against the receiver's own layout, and finiteness of every value.
+    """
+    if not np.isfinite(weight) or weight < 0:
+        return RejectReason.BAD_WEIGHT, f"weight {weight!r}"
+    if values.dtype != expected_dtype:
+        return RejectReason.DTYPE_MISMATCH, f"got {values.dtype}, expected {expected_dtype}"
+    if values.ndim != 1 or values.shape[0] != expected_numel:
+        return RejectReason.SHAPE_MISMATCH, f"got shape {values.shape}, expected ({expected_numel},)"
+    if not np.isfinite(values).all():
+        return RejectReason.NON_FINITE, "NaN or inf in values"
+    return None
+
+
+class WeightedMean:
+    """Streaming weighted mean of equally long float32 vectors.
+
+    ``add`` may be called in any order as contributions arrive; ``result`` returns
+    ``sum(w * x) / sum(w)`` (or the plain mean when every weight is zero) and the total
+    weight. Every operation is one correctly rounded float32 step (``fl(w * x)``, then
+    ``fl(acc + that)``, then ``fl(acc / sum(w))``), so equal inputs added in equal order
+    give equal bits on any machine.
+
+    The all-reduce splits ``add`` in two: ``term`` (the scaled contribution, computed in a
+    worker thread as soon as the bytes arrive, in place in a buffer it owns) and
+    ``add_term`` (one float32 add, when the contribution's turn in member order comes).
+    """
+
+    def __init__(self, numel: int):
+        self.numel = numel
+        self._acc: np.ndarray | None = None  # sum of w * x (adopts the first term's buffer)
+        self._plain: np.ndarray | None = None  # sum of values, only while weights are 0
+        self.total_weight = 0.0
+        self.count = 0
+
+    @staticmethod
+    def term(values: np.ndarray, weight: float, owned: bool = False) -> np.ndarray:
+        """What ``values`` adds to the mean: ``float32(weight) * values`` in float32 (the
+        values as float32 for a zero weight). ``owned``: ``values`` is a float32 buffer
+        nobody else holds, scaled in place (no allocation)."""
+        if owned and values.dtype == np.float32 and values.flags.writeable:
+            if weight > 0:
+                np.multiply(values, np.float32(weight), out=values)
+            return values
+        if weight > 0:
+            return np.multiply(values, np.float32(weight), dtype=np.float32)
+        return values.astype(np.float32)
+
+    def add_term(self, term: np.ndarray, weight: float) -> None:
+        """Add a ``term(values, weight)``; the mean takes over its buffer."""
+        if weight > 0:
+            if self.total_weight == 0:
+                self._acc = term
+            else:
+                np.add(self._acc, term, out=self._acc)
+            self.total_weight += float(weight)
+        elif self.total_weight == 0:
+            # Only needed if every weight stays zero: then the result is the plain mean.
+            if self._plain is None:
+                self._plain = term
+            else:
+                np.add(self._plain, term, out=self._plain)
+        self.count += 1
+
+    def add(self, values: np.ndarray, weight: float) -> None:
+        self.add_term(self.term(values, weight), weight)
+
+    def result(self) -> tuple[np.ndarray, float]:
+        """The mean, computed in place: the mean is used up (call once)."""
+        if self.count == 0:
+            raise ValueError("no contribution to average")
+        if self.total_weight > 0:
+            return np.divide(self._acc, np.float32(self.total_weight), out=self._acc), \
+                self.total_weight
+        return np.divide(self._plain, np.float32(self.count), out=self._plain), 0.0

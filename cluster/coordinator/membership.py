@@ -1,0 +1,143 @@
+"""Who takes part in the next round: pure membership logic behind the Coordinator.
+
+Peers register, heartbeat, leave, or are marked draining (a preemption notice for their
+node). A peer not heard from for ``peer_ttl_s`` is considered dead. ``plan`` turns the live,
+non-draining peers into a ``RoundPlan`` for the next epoch. Time is injected (``now``
+arguments) so all of this is testable with plain data.
+
+Shares (DeDLOC load balancing): a heartbeat may carry the peer's measured throughput
+(``capacity.ThroughputMeter``); the newest value per peer is kept, and a plan's share of a
+peer is its declared ``PeerInfo.capacity`` times ``capacity.relative_shares`` of the
+chosen peers' measurements (1.0 without one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moshray.cluster.collective.shares import relative_shares
+from moshray.cluster.collective.grid import DEFAULT_MAX_GROUP, plan_grid
+from moshray.cluster.messages import PeerInfo, RoundPlan
+
+
+@dataclass(frozen=True)
+class MembershipConfig:
+    max_group: int = DEFAULT_MAX_GROUP
+    peer_ttl_s: float = 30.0
+    compression: str = "none"
+    seed: int = 0
+    min_part: int = 1  # see RoundPlan.min_part (partition.MIN_PART: small tensors, one owner)
+
+    def __post_init__(self) -> None:
+        if self.max_group < 2:
+            raise ValueError(f"max_group must be >= 2, got {self.max_group}")
+        if not self.peer_ttl_s > 0:  # also rejects NaN
+            raise ValueError(f"peer_ttl_s must be positive, got {self.peer_ttl_s}")
+        if self.min_part < 1:
+            raise ValueError(f"min_part must be >= 1, got {self.min_part}")
+
+
+@dataclass
+class _Member:
+    info: PeerInfo
+    last_seen: float
+    draining_deadline: float | None = None
+    throughput: float | None = None  # newest measured bytes/s (see capacity.py)
+
+
+@dataclass
+class Membership:
+    config: MembershipConfig = field(default_factory=MembershipConfig)
+    epoch: int = 0
+    _members: dict[str, _Member] = field(default_factory=dict)
+    # node id -> the draining deadline of the latest notice or drain for it: peers that
+    # register there later (a replica still starting when the notice came) drain too
+    _draining_nodes: dict[str, float] = field(default_factory=dict)
+
+    def register(self, info: PeerInfo, now: float) -> None:
+        """Add or refresh a peer (re-registering clears nothing but its liveness). A peer
+        on a node already marked draining (``mark_draining``) is draining from the start:
+        it never enters a plan, however late it registers before the node goes."""
+        old = self._members.get(info.peer_id)
+        draining = old.draining_deadline if old else None
+        if draining is None and info.node_id:
+            draining = self._draining_nodes.get(info.node_id)
+        self._members[info.peer_id] = _Member(
+            info, now, draining, old.throughput if old else None
+        )
+
+    def heartbeat(self, peer_id: str, now: float, throughput: float | None = None) -> bool:
+        """Refresh a peer (and its measured ``throughput``, if given); False if it is
+        unknown (it should register again)."""
+        member = self._members.get(peer_id)
+        if member is None:
+            return False
+        member.last_seen = now
+        if throughput is not None:
+            member.throughput = float(throughput)
+        return True
+
+    def leave(self, peer_id: str) -> bool:
+        return self._members.pop(peer_id, None) is not None
+
+    def mark_draining(self, node_id: str, deadline: float) -> tuple[str, ...]:
+        """Mark every peer on ``node_id`` draining, and those that register there later;
+        returns the affected peer ids (of those registered now)."""
+        if node_id:
+            self._draining_nodes[node_id] = deadline
+        hit = []
+        for peer_id, member in self._members.items():
+            if member.info.node_id == node_id:
+                member.draining_deadline = deadline
+                hit.append(peer_id)
+        return tuple(sorted(hit))
+
+    def expire(self, now: float) -> tuple[str, ...]:
+        """Drop peers silent for longer than the TTL; returns who was dropped."""
+        gone = [p for p, m in self._members.items() if now - m.last_seen > self.config.peer_ttl_s]
+        for p in gone:
+            del self._members[p]
+        return tuple(sorted(gone))
+
+    def live(self, now: float) -> tuple[PeerInfo, ...]:
+        """Peers that may take part in the next round (alive and not draining)."""
+        return tuple(
+            m.info
+            for _, m in sorted(self._members.items())
+            if now - m.last_seen <= self.config.peer_ttl_s and m.draining_deadline is None
+        )
+
+    def present(self, now: float) -> tuple[PeerInfo, ...]:
+        """Peers heard from within the TTL, draining ones included (they are still up until
+        their deadline, e.g. to hand their state to a joiner)."""
+        return tuple(m.info for _, m in sorted(self._members.items())
+                     if now - m.last_seen <= self.config.peer_ttl_s)
+
+    def is_member(self, peer_id: str) -> bool:
+        """Registered and not yet left or expired (draining or not)."""
+        return peer_id in self._members
+
+    def draining(self) -> tuple[str, ...]:
+        return tuple(sorted(p for p, m in self._members.items() if m.draining_deadline is not None))
+
+    def plan(self, now: float, peers: tuple[str, ...] | None = None) -> RoundPlan | None:
+        """The plan of the next epoch over the live peers (or the given subset of them).
+
+        Returns None when no live peer is left. Increments the epoch.
+        """
+        live = {p.peer_id: p for p in self.live(now)}
+        chosen = [live[p] for p in (peers if peers is not None else live) if p in live]
+        if not chosen:
+            return None
+        self.epoch += 1
+        ids = [p.peer_id for p in chosen]
+        grid = plan_grid(ids, self.config.max_group, epoch=self.epoch, seed=self.config.seed)
+        measured = relative_shares({p: self._members[p].throughput for p in ids})
+        return RoundPlan(
+            epoch=self.epoch,
+            grid=grid,
+            shares=tuple((p.peer_id, p.capacity * measured[p.peer_id]) for p in chosen),
+            handles=tuple((p.peer_id, p.handle) for p in chosen),
+            compression=self.config.compression,
+            min_part=self.config.min_part,
+        )

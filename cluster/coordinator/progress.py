@@ -1,0 +1,397 @@
+"""DeDLOC-style collaborative steps: pure bookkeeping behind the Coordinator.
+
+Replicas report, after each micro-batch, the last global step they applied (``epoch``),
+the samples accumulated since, the mean loss of those samples and a digest of their
+parameters. When the samples reported by ready peers at the current epoch reach
+``target_batch_size``, the tracker asks ``Membership`` for the plan of the next epoch over
+*every* ready, live, non-draining peer at the current epoch, each contributing what it has
+(zero samples allowed). A ready peer still finishing the previous step gets a short grace
+(``grace_s``) to report at the current epoch before the plan is made without it. The plan
+goes to each participant as soon as it exists (the Coordinator pushes it; see
+``take_new_plan``) and in the reply to its next report. Peers that hold another digest than
+the majority at the same epoch, or that fell behind the last plan without being in it, are
+told to resync from a donor. After a notice or a lost peer the Coordinator plans the next
+step as soon as no step is in flight (``plan_now`` with ``empty_ok``). Time is injected.
+
+Committed steps are never rolled back while a replica that holds them may still be up. The
+tracker remembers, per peer, the newest epoch it was seen holding (``_held``: reports,
+rejoins, readiness), also after the peer expired or was quarantined. An older state is
+accepted (``mark_ready``) only when no member holds a newer one, nobody was seen holding
+one for ``hold_s`` (a slow peer whose heartbeats were late rejoins within that), no
+participant of the in-flight plan is still a member, and the rebuild window after a
+Coordinator restart (``rebuild_until``: replicas are still rejoining) is over. Falling
+back over steps nobody was ever seen applying is an *abandoned* plan, not a rollback.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from moshray.cluster.coordinator.membership import Membership
+from moshray.cluster.messages import RoundPlan
+from moshray.cluster.coordinator.quarantine import Quarantine
+from moshray.cluster.coordinator.step_samples import StepSamples
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProgressReport:
+    """Replica -> Coordinator, after every micro-batch (also a heartbeat)."""
+
+    peer_id: str
+    epoch: int  # last global step applied
+    samples: int  # accumulated since that step
+    loss: float | None = None  # mean loss over those samples
+    checksum: str | None = None  # parameters after ``epoch``
+    rejected: int = 0  # own contributions rejected so far (non-finite etc.)
+    # Others' contributions this peer rejected since its last report: (sender, reason,
+    # epoch) or (sender, reason, epoch, the length the sender's tensor had: -1 unknown).
+    saw_rejections: tuple[tuple, ...] = ()
+    numel: int = 0  # the length of this peer's averaged tensor (its model's layout; 0: unknown)
+    # (epoch, samples): what this peer put into the step ``epoch`` it just applied, once
+    # (see step_samples.py); None otherwise
+    contributed: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class ProgressReply:
+    plan: RoundPlan | None  # plan of epoch + 1 when this peer takes part in it
+    stop: bool = False
+    resync: bool = False  # reload state from a donor before going on
+    global_epoch: int = 0
+    unknown: bool = False  # the Coordinator does not know this peer (it restarted): rejoin
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One committed global step, as the console, metrics and plots see it."""
+
+    epoch: int
+    at_s: float
+    samples: int
+    loss: float | None
+    peers: int
+
+
+@dataclass
+class StepTiming:
+    """When one global step was planned, who took part, and when it was first seen applied.
+
+    ``committed_at`` is the time of the first report at ``epoch`` from one of its
+    participants (a replica reports the last step its optimizer applied), None until then.
+    Benchmarks read it (``CoordinatorCore.step_timings``) to time recovery: a hard kill ->
+    the next step committed without the dead peer, a joiner -> its first step.
+    """
+
+    epoch: int
+    planned_at: float
+    participants: tuple[str, ...]
+    committed_at: float | None = None
+
+
+@dataclass
+class ProgressTracker:
+    membership: Membership
+    target_batch_size: int
+    ready: set[str] = field(default_factory=set)
+    reports: dict[str, ProgressReport] = field(default_factory=dict)
+    plan: RoundPlan | None = None  # the latest published plan (of the current epoch)
+    history: list[StepRecord] = field(default_factory=list)
+    stop: bool = False
+    timings: dict[int, StepTiming] = field(default_factory=dict)  # epoch -> its timing
+    rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (from, to) epochs
+    grace_s: float = 2.0  # how long a full batch waits for ready peers finishing a step
+    join_grace_s: float = 2.0  # ... and for a joiner copying a donor's state (from its ask)
+    hold_s: float = 60.0  # a newer state seen this recently blocks a fallback (2 x TTL)
+    rebuild_until: float | None = None  # after a restart: no fallback before this time
+    abandoned: list[tuple[int, int]] = field(default_factory=list)  # plans nobody applied
+    quarantine: Quarantine = field(default_factory=Quarantine)
+    step_samples: StepSamples = field(default_factory=StepSamples)
+    _loss: dict[int, tuple[float, int]] = field(default_factory=dict)
+    _full_since: float | None = None  # when the current epoch's batch became full
+    _unpushed: RoundPlan | None = None  # made since the last take_new_plan
+    _held: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer -> (epoch, seen)
+    _top_held: int = 0  # the newest epoch any peer was ever seen holding (committed)
+    _joining: dict[str, float] = field(default_factory=dict)  # peer -> first donor request
+
+    def take_new_plan(self) -> RoundPlan | None:
+        """The plan made since the last call (for the Coordinator to push), else None."""
+        plan, self._unpushed = self._unpushed, None
+        return plan
+
+    @property
+    def epoch(self) -> int:
+        return self.membership.epoch
+
+    def mark_ready(self, peer_id: str, state_epoch: int, now: float = 0.0) -> bool:
+        """A registered peer holding the state of ``state_epoch`` may take part from the
+        next plan (it is counted at that epoch at once, so a plan made before its first
+        report includes it). False (copy again) for a non-member, a state from the future,
+        or an older state while a newer one may still be held (see ``_may_fall_back``)."""
+        if not self.membership.is_member(peer_id) or (
+                state_epoch != self.epoch and not self._fall_back(state_epoch, now)):
+            return False
+        if self._rebuilding(now) and not any(
+                e == state_epoch for p, (e, _) in self._held.items() if p != peer_id):
+            return False  # a fresh Coordinator's epoch 0 is no state: wait for the holders'
+        # rejoins (or the window's end), else a copy of nothing would restart the count
+        self._make_ready(peer_id, state_epoch, now)
+        return True
+
+    def _make_ready(self, peer_id: str, state_epoch: int, now: float) -> None:
+        self.ready.add(peer_id)
+        self._joining.pop(peer_id, None)
+        self.hold(peer_id, state_epoch, now)
+        if self.reports.get(peer_id) is None or self.reports[peer_id].epoch != state_epoch:
+            self.reports[peer_id] = ProgressReport(peer_id, state_epoch, 0)
+
+    def hold(self, peer_id: str, epoch: int, now: float) -> None:
+        """``peer_id`` was seen holding the state of ``epoch`` at ``now``."""
+        self._held[peer_id] = (epoch, now)
+        self._top_held = max(self._top_held, epoch)
+
+    @property
+    def top_held(self) -> int:
+        """The newest epoch any peer was seen holding (committed), in this life or, through
+        ``note_committed``, an earlier one."""
+        return self._top_held
+
+    def note_committed(self, epoch: int) -> None:
+        """``epoch`` was committed before this Coordinator's restart (the driver remembers
+        it across restarts): a fallback below it is a rollback, even when every holder died
+        before rejoining."""
+        self._top_held = max(self._top_held, epoch)
+
+    def resume_at(self, epoch: int, now: float) -> bool:
+        """Count steps from a checkpoint's ``epoch`` (a fresh swarm); refused (False) during
+        the rebuild window. Below a step known committed it is a rollback (counted)."""
+        if self._rebuilding(now):
+            return False
+        if self._top_held > epoch:
+            self.rollbacks.append((self._top_held, epoch))
+            log.warning("rollback from epoch %d to the checkpoint's %d: no holder of the "
+                        "newer steps is left", self._top_held, epoch)
+        self._top_held = epoch
+        self.membership.epoch = epoch
+        self.plan = None
+        return True
+
+    def _fall_back(self, state_epoch: int, now: float) -> bool:
+        """Move the epoch back to ``state_epoch`` if nothing newer can still be held; a
+        rollback (counted) if a newer step was ever seen applied, else the newer plans
+        are abandoned. False (and nothing changes) otherwise."""
+        if state_epoch > self.epoch or not self._may_fall_back(state_epoch, now):
+            return False
+        if self._top_held > state_epoch:
+            self.rollbacks.append((self.epoch, state_epoch))
+            log.warning("rollback from epoch %d to %d: no holder of the newer steps is left",
+                        self.epoch, state_epoch)
+        else:
+            self.abandoned.append((self.epoch, state_epoch))
+        self._top_held = state_epoch
+        self.membership.epoch = state_epoch
+        self.plan = None
+        return True
+
+    def _may_fall_back(self, state_epoch: int, now: float) -> bool:
+        """No replica that may still be up holds (or is taking) a step after
+        ``state_epoch``: not during the rebuild window, not while a member or a peer seen
+        within ``hold_s`` holds a newer epoch, not while a member takes the latest plan."""
+        if self._rebuilding(now):
+            return False
+        for p, (e, seen) in self._held.items():
+            if e > state_epoch and (self.membership.is_member(p) or now - seen <= self.hold_s):
+                return False
+        plan = self.plan
+        return not (plan is not None and plan.epoch > state_epoch
+                    and any(self.membership.is_member(p) for p in plan.participants))
+
+    def _next_plan(self, peer_id: str, epoch: int) -> RoundPlan | None:
+        """The latest plan if ``peer_id`` takes part in it and holds the epoch before it."""
+        plan = self.plan
+        if plan is not None and plan.epoch == epoch + 1 and peer_id in plan.participants:
+            return plan
+        return None
+
+    def _rebuilding(self, now: float) -> bool:
+        return self.rebuild_until is not None and now < self.rebuild_until
+
+    def holds_current(self, peer_id: str) -> bool:
+        """``peer_id`` was last seen holding the current epoch (a donor that gives a state
+        ``mark_ready`` accepts)."""
+        return self._held.get(peer_id, (-1, 0.0))[0] == self.epoch
+
+    def note_joining(self, peer_id: str, now: float) -> None:
+        """``peer_id`` asked for a donor: full batches wait up to ``join_grace_s`` from its
+        first ask for it to be ready (else a fast swarm outruns every copy it makes)."""
+        self._joining.setdefault(peer_id, now)
+
+    def forget(self, peer_id: str, gone: bool = False) -> None:
+        """``peer_id`` expired (it may still be up: what it held is kept for ``hold_s``)
+        or, with ``gone``, left for good."""
+        self.ready.discard(peer_id)
+        self.reports.pop(peer_id, None)
+        self._joining.pop(peer_id, None)
+        if gone:
+            self._held.pop(peer_id, None)
+
+    def rejoin(self, peer_id: str, state_epoch: int, now: float = 0.0,
+               syncing: bool = False) -> bool:
+        """A registered peer that held the state of ``state_epoch`` before the Coordinator
+        lost its memory (a restart). The newest committed step held by a live peer wins: a
+        newer epoch is adopted; a peer at the current epoch is ready at once (counted at
+        that epoch); one behind it is not (it resyncs from a donor). A ``syncing`` peer
+        (it was told to reload) counts as a holder and may set the epoch, but is not ready
+        (it finishes its copy and calls ``mark_ready``)."""
+        self.hold(peer_id, state_epoch, now)
+        if state_epoch > self.epoch:
+            self.membership.epoch = state_epoch
+            self.plan = None
+        if state_epoch == self.epoch and not syncing:
+            self._make_ready(peer_id, state_epoch, now)
+            return True
+        return False
+
+    def report(self, r: ProgressReport, now: float) -> ProgressReply:
+        if not self.membership.heartbeat(r.peer_id, now):
+            return ProgressReply(None, global_epoch=self.epoch, unknown=True)
+        self.hold(r.peer_id, r.epoch, now)
+        if r.epoch > self.epoch and r.peer_id in self.ready:
+            # A step planned before a Coordinator restart completed among its peers.
+            self.membership.epoch = r.epoch
+            self.plan = None
+        self.reports[r.peer_id] = r
+        made = [self.quarantine.note(r.peer_id, *seen[:3], now, *seen[3:])
+                for seen in r.saw_rejections]
+        settled = self.quarantine.settle(self.epoch, now, self._layout())
+        for q in [q for q in made if q is not None] + settled:
+            self.ready.discard(q.peer_id)  # in no further plan; resyncs before it rejoins
+            log.warning("quarantined %s: its contributions were rejected (%s) by others "
+                        "%d times within %.0f s", q.peer_id, q.reason,
+                        self.quarantine.threshold, self.quarantine.window_s)
+        timing = self.timings.get(r.epoch)
+        if timing is not None and timing.committed_at is None and r.peer_id in timing.participants:
+            timing.committed_at = now
+        if r.contributed is not None:
+            self.step_samples.correct(self.history, r.peer_id, *r.contributed)
+        nxt = self._next_plan(r.peer_id, r.epoch)  # the published plan it takes next
+        if self.stop:
+            # Finish a published step first, so no participant waits for a stopped peer.
+            if r.peer_id in self.ready and nxt is not None:
+                return ProgressReply(nxt, global_epoch=self.epoch)
+            # A staying peer that fell behind (it missed a step, or was still joining)
+            # copies the final state first, so every replica ends with the same parameters.
+            behind = r.peer_id not in self.ready or r.epoch < self.epoch
+            if behind and r.peer_id not in self.membership.draining() and \
+                    any(p != r.peer_id for p in self.ready):
+                self.ready.discard(r.peer_id)
+                return ProgressReply(None, resync=True, global_epoch=self.epoch)
+            return ProgressReply(None, stop=True, global_epoch=self.epoch)
+        if r.peer_id in self.membership.draining():
+            # Leaving (its node got a notice): finish a published step it is in, so nobody
+            # waits for it, then stop training. It stays up as a donor until its deadline.
+            if r.peer_id in self.ready and nxt is not None:
+                return ProgressReply(nxt, global_epoch=self.epoch)
+            return ProgressReply(None, stop=True, global_epoch=self.epoch)
+        if r.peer_id not in self.ready:
+            return ProgressReply(None, resync=True, global_epoch=self.epoch)
+        if r.epoch < self.epoch and nxt is None:
+            self.ready.discard(r.peer_id)  # it missed a step: must reload
+            return ProgressReply(None, resync=True, global_epoch=self.epoch)
+        if self._disagrees(r):
+            self.ready.discard(r.peer_id)
+            return ProgressReply(None, resync=True, global_epoch=self.epoch)
+        if r.epoch == self.epoch:
+            self._record_loss(r)
+            self._maybe_plan(now)
+            nxt = self._next_plan(r.peer_id, r.epoch)
+        if nxt is not None:
+            return ProgressReply(nxt, global_epoch=self.epoch)
+        return ProgressReply(None, global_epoch=self.epoch)
+
+    def _layout(self) -> int | None:
+        """The swarm's tensor length: the most common among ready peers' reports (a tie goes
+        to the smallest peer id's); None if nobody reported one."""
+        sizes: dict[int, list[str]] = {}
+        for p, x in self.reports.items():
+            if x.numel > 0 and p in self.ready:
+                sizes.setdefault(x.numel, []).append(p)
+        if not sizes:
+            return None
+        return min(sizes, key=lambda n: (-len(sizes[n]), min(sizes[n])))
+
+    def _disagrees(self, r: ProgressReport) -> bool:
+        """``r``'s digest loses to another held by ready peers at the same epoch: the
+        digest with most holders wins; a tie goes to the digest held by the smallest peer
+        id (deterministic, so a 1-vs-1 split resolves: exactly one side resyncs)."""
+        if r.checksum is None:
+            return False
+        holders: dict[str, list[str]] = {}
+        for p, x in self.reports.items():
+            if x.epoch == r.epoch and x.checksum is not None and p in self.ready:
+                holders.setdefault(x.checksum, []).append(p)
+        if len(holders) < 2:
+            return False
+        winner = min(holders, key=lambda c: (-len(holders[c]), min(holders[c])))
+        return winner != r.checksum
+
+    def _record_loss(self, r: ProgressReport) -> None:
+        if r.loss is not None and r.samples > 0:
+            total, n = self._loss.get(r.epoch, (0.0, 0))
+            self._loss[r.epoch] = (total + r.loss * r.samples, n + r.samples)
+
+    def _maybe_plan(self, now: float) -> None:
+        live = {p.peer_id for p in self.membership.live(now)}
+        eligible = sorted(p for p in self.ready if p in live)
+        if not eligible:
+            return
+        current = [self.reports[p] for p in eligible
+                   if p in self.reports and self.reports[p].epoch == self.epoch]
+        samples = sum(r.samples for r in current)
+        if samples < self.target_batch_size:
+            self._full_since = None
+            return
+        if self._full_since is None:
+            self._full_since = now
+        if self._finishing(eligible) and now - self._full_since < self.grace_s:
+            return  # a ready peer is still applying the last step: give it a moment
+        if any(now - t < self.join_grace_s for t in self._joining.values()):
+            return  # a joiner is copying the current state: let it in first
+        self.plan_now(now, current)
+
+    def _finishing(self, eligible: list[str]) -> bool:
+        """Some of ``eligible`` take part in the latest plan and still report the epoch
+        before it (they are applying that step)."""
+        return any(p in self.reports and self._next_plan(p, self.reports[p].epoch) is not None
+                   for p in eligible)
+
+    def plan_now(self, now: float, current: list[ProgressReport] | None = None,
+                 empty_ok: bool = False) -> bool:
+        """Publish the next epoch's plan over the ready live peers at the current epoch
+        (``current``: their reports; default all of them), whatever their samples. Used when
+        the batch is full, and at once after a notice or a lost peer (the swarm re-plans
+        without the node). False if no peer is there to step with, or no sample unless
+        ``empty_ok``: a replica takes a plan at its next micro-batch, so it steps with at
+        least that one even when it had reported none (right after the step before)."""
+        if current is None:
+            live = {p.peer_id for p in self.membership.live(now)}
+            current = [self.reports[p] for p in sorted(self.ready)
+                       if p in live and p in self.reports and self.reports[p].epoch == self.epoch]
+        samples = sum(r.samples for r in current)
+        if not current or (samples <= 0 and not empty_ok):
+            return False
+        at_epoch = tuple(r.peer_id for r in current)
+        total, n = self._loss.pop(self.epoch, (0.0, 0))
+        plan = self.membership.plan(now, at_epoch)
+        if plan is None:
+            return False
+        self.plan = plan
+        self._unpushed = plan
+        self._full_since = None
+        self.history.append(StepRecord(plan.epoch, now, samples, total / n if n else None,
+                                       len(at_epoch)))
+        self.step_samples.planned(plan.epoch, {r.peer_id: r.samples for r in current})
+        self.timings[plan.epoch] = StepTiming(plan.epoch, now, tuple(plan.participants))
+        return True

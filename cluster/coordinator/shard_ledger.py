@@ -1,0 +1,55 @@
+"""Which data shards have been handed out: the job's data position, one counter.
+
+A job's data is a sequence of shards (``moshray.actors.replica.data_sources``); data epoch ``e``
+is shards ``e * num_shards ... (e + 1) * num_shards - 1`` of one endless numbering, in an
+order shuffled per epoch. Replicas ask the Coordinator for the next shard when they need
+one, so the work follows the live replicas as they come and go: a fast replica takes more
+shards, a joiner takes the next free one, a dead replica's shard is not handed out again
+(skipped, never repeated).
+
+The position is ``next``: every shard below it was handed out. It travels with the model
+state (donor copies, checkpoints), so a restarted Coordinator or a resumed run continues
+the numbering instead of replaying it: ``raise_floor`` only ever moves ``next`` forward.
+Pure: no Ray, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ShardLedger:
+    """The counter behind ``Coordinator.grant_shards`` (see module docstring)."""
+
+    next: int = 0
+    granted: dict[str, int] = field(default_factory=dict)  # peer -> shards handed to it
+
+    def raise_floor(self, floor: int) -> int:
+        """Never hand out a shard below ``floor`` (a position some replica's state holds,
+        or a checkpoint's); returns the new position."""
+        self.next = max(self.next, int(floor))
+        return self.next
+
+    def grant(self, peer_id: str, count: int = 1, floor: int = 0) -> tuple[int, ...]:
+        """The next ``count`` shard numbers for ``peer_id`` (after ``raise_floor(floor)``);
+        each number is handed out once. ``count`` < 1 grants nothing."""
+        self.raise_floor(floor)
+        ids = tuple(range(self.next, self.next + max(0, int(count))))
+        self.next += len(ids)
+        self.granted[peer_id] = self.granted.get(peer_id, 0) + len(ids)
+        return ids
+
+
+def shard_of(number: int, num_shards: int, seed: int) -> tuple[int, int]:
+    """``(shard, epoch_seed)`` for shard ``number`` of the endless numbering: the data
+    epoch's shuffled order (seeded by ``seed`` and the epoch) picks the shard, and the seed
+    the shard is opened with changes with the epoch (so a source reshuffles inside it)."""
+    import random
+
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+    epoch, index = divmod(int(number), num_shards)
+    order = list(range(num_shards))
+    random.Random(f"{seed}/{epoch}").shuffle(order)
+    return order[index], seed + epoch

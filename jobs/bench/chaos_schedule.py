@@ -1,0 +1,87 @@
+"""Seeded chaos schedules: random preemptions with notice, hard kills and replacements.
+
+Pure: ``chaos_events`` draws a schedule from a seed and ``write_trace`` writes it in the
+per-node trace format (``timestamp_ms,add|remove|kill,node``) that the training job's
+``--trace`` replays, so chaos goes through the same path as a real spot trace. The same
+seed always gives the same schedule.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from moshray.autoscaler.traces import TraceNodeEvent
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """What to draw: over ``duration_s`` seconds, ``losses`` node losses on ``nodes``
+    initial nodes, each a hard kill with probability ``kill_fraction`` (else a preemption
+    with notice), and a replacement node ``replace_after_s`` later. At least ``min_live``
+    nodes stay up at any time; losses are at least ``min_gap_s`` apart."""
+
+    seed: int = 0
+    nodes: int = 3
+    duration_s: float = 60.0
+    losses: int = 4
+    kill_fraction: float = 0.5
+    replace_after_s: float = 4.0
+    min_live: int = 2
+    min_gap_s: float = 5.0
+    quiet_start_s: float = 8.0  # first loss not before this (the swarm forms first)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.min_live < 1 or self.min_live > self.nodes:
+            raise ValueError(f"need 1 <= min_live <= nodes, got min_live={self.min_live}, "
+                             f"nodes={self.nodes}")
+        if not 0.0 <= self.kill_fraction <= 1.0:
+            raise ValueError(f"kill_fraction must be in [0, 1], got {self.kill_fraction}")
+        if self.losses < 0 or self.duration_s <= 0 or self.min_gap_s < 0:
+            raise ValueError("losses must be >= 0, duration_s > 0 and min_gap_s >= 0")
+
+
+def chaos_events(config: ChaosConfig) -> tuple[TraceNodeEvent, ...]:
+    """The schedule, in time order: the initial adds at 0, then losses and replacements.
+
+    Losses are placed at random times between ``quiet_start_s`` and the end (at least
+    ``min_gap_s`` apart); a loss is skipped when it would leave fewer than ``min_live``
+    nodes. Every lost node is replaced ``replace_after_s`` later by a new node name.
+    """
+    rng = random.Random(config.seed)
+    events = [TraceNodeEvent(0.0, "add", f"node{i}") for i in range(config.nodes)]
+    live = [f"node{i}" for i in range(config.nodes)]
+    pending: list[tuple[float, str]] = []  # (time, name) of replacements to add
+    fresh = config.nodes
+    t = config.quiet_start_s
+    end = config.duration_s - config.replace_after_s
+    for _ in range(config.losses):
+        t += config.min_gap_s + rng.uniform(0.0, config.min_gap_s)
+        if t >= end:
+            break
+        for at, name in sorted(p for p in pending if p[0] <= t):
+            events.append(TraceNodeEvent(at, "add", name))
+            live.append(name)
+            pending.remove((at, name))
+        if len(live) - 1 < config.min_live:
+            continue
+        victim = rng.choice(live)
+        live.remove(victim)
+        kind = "kill" if rng.random() < config.kill_fraction else "remove"
+        events.append(TraceNodeEvent(round(t, 3), kind, victim))
+        pending.append((round(t + config.replace_after_s, 3), f"node{fresh}"))
+        fresh += 1
+    for at, name in sorted(pending):
+        if at <= config.duration_s:
+            events.append(TraceNodeEvent(at, "add", name))
+    return tuple(sorted(events, key=lambda e: e.at_s))
+
+
+def write_trace(events: tuple[TraceNodeEvent, ...], path: str | Path) -> Path:
+    """Write ``events`` as a per-node trace file (milliseconds); returns the path."""
+    path = Path(path)
+    lines = ["timestamp_ms,action,node_id"]
+    lines += [f"{int(round(e.at_s * 1000))},{e.kind},{e.node}" for e in events]
+    path.write_text("\n".join(lines) + "\n")
+    return path

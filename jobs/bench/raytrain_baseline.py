@@ -1,0 +1,375 @@
+"""The Ray Train baseline: the same model and data trained the way users run it today.
+
+``ray.train.torch.TorchTrainer`` with DDP (gloo on CPU over loopback, NCCL on GPUs), an elastic
+``ScalingConfig(num_workers=(1, max_workers))`` (Ray Train V2 supports elastic ranges in the
+installed Ray: ``ray/train/v2/api/config.py`` and ``.../scaling_policy/elastic.py``), one worker
+per spot node (each worker asks for the node's CPUs and the ``spot`` resource),
+``FailureConfig(max_failures=-1)`` (retry forever) and a checkpoint every ``checkpoint_every``
+steps through ``ray.train.report(checkpoint=...)`` to a local ``storage_path``.
+
+The model, data and hyper-parameters come from the same :class:`~moshray.jobs.config.TrainConfig`
+moshray trains with: ``build_model(ModelConfig, seed)``, ``ByteBatches`` shard ``rank`` of
+``cluster.max_nodes``, AdamW(lr, weight_decay), gradient clipping, and the same global batch:
+each step accumulates ``ceil(target_batch_size / (world * batch_size))`` micro-batches per worker
+(the learning rate follows the same ``training.lr_scaling`` rule as moshray's steps, for the
+group's step size).
+
+What happens on a preemption is deliberately nothing special: the node disappears, a DDP
+collective fails or the worker actor dies, Ray Train's controller tears the whole worker group
+down and restarts it on the nodes that are left, from the latest checkpoint (the steps after it
+are lost). New nodes are used when the elastic policy next resizes the group (another restart).
+
+Per-step progress goes to a named, detached ``StepRecorder`` actor on the head node (rank 0
+records ``(unix time, step, samples, loss, world)`` after every step, each new worker group
+records its start and the step it resumed from), so a caller can rebuild cumulative samples
+over time, the work lost to rollbacks and the stall time, even if this driver is killed.
+
+Run as a driver against a running cluster (``ray job submit -- python -m
+moshray.jobs.bench.raytrain_baseline ...`` or ``--address``); ``moshray bench goodput`` starts it in
+a subprocess. Stdout: one ``{"event": "started", "t0": <unix>}`` line right before
+``TorchTrainer.fit()``, and at the end one JSON summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from moshray.cluster.placement import NAMESPACE, SPOT_RESOURCE, on_head
+from moshray.jobs.config import TrainConfig, config_from_args, exit_on_config_error
+
+STATE_FILE = "state.pt"
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    """One Ray Train baseline run.
+
+    ``train`` is a ``TrainConfig.to_dict()``; ``deadline_unix`` is the wall time (``time.time()``)
+    at which workers stop after their current step. ``cpus_per_worker`` should equal a spot node's
+    CPUs so that exactly one worker lands on each node. ``elastic=False`` uses a fixed
+    ``num_workers=max_workers`` (Ray versions without elastic ranges). ``steady_seconds``, if
+    set, also stops the workers that many seconds after their group's first step (a
+    failure-free measurement whose window should not depend on the group's start-up).
+    """
+
+    train: dict
+    files: tuple[str, ...]
+    max_workers: int
+    deadline_unix: float
+    storage_path: str
+    recorder: str
+    checkpoint_every: int = 20
+    cpus_per_worker: float = 2.0
+    use_gpu: bool = False
+    elastic: bool = True
+    resize_interval_s: float = 10.0
+    name: str = "raytrain-baseline"
+    steady_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {self.max_workers}")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if not self.files:
+            raise ValueError("files must name at least one data file")
+        if self.steady_seconds is not None and not self.steady_seconds > 0:
+            raise ValueError(f"steady_seconds must be > 0, got {self.steady_seconds}")
+
+
+# --------------------------------------------------------------------------- recorder
+
+
+def _recorder_class():
+    import ray
+
+    @ray.remote
+    class StepRecorder:
+        """Collects the baseline's per-step records; cheap calls, no I/O."""
+
+        def __init__(self) -> None:
+            self.steps: list[tuple] = []  # (unix_s, step, samples, loss, world)
+            self.groups: list[tuple] = []  # (unix_s, world, resumed_from_step)
+
+        def record_step(self, unix_s: float, step: int, samples: int, loss: float | None,
+                        world: int) -> None:
+            self.steps.append((unix_s, step, samples, loss, world))
+
+        def record_group(self, unix_s: float, world: int, resumed_from: int) -> None:
+            self.groups.append((unix_s, world, resumed_from))
+
+        def dump(self) -> dict:
+            return {"steps": list(self.steps), "groups": list(self.groups)}
+
+    return StepRecorder
+
+
+def create_recorder(name: str):
+    """Create the named detached recorder on the head node (namespace ``moshray``)."""
+    return _recorder_class().options(name=name, namespace=NAMESPACE, lifetime="detached",
+                                     **on_head()).remote()
+
+
+def read_recorder(name: str, timeout_s: float = 30.0) -> dict:
+    """``{"steps": [...], "groups": [...]}`` from the named recorder (needs ``ray.init``)."""
+    import ray
+
+    handle = ray.get_actor(name, namespace=NAMESPACE)
+    return ray.get(handle.dump.remote(), timeout=timeout_s)
+
+
+# --------------------------------------------------------------------------- worker loop
+
+
+def _save_state(model, optimizer, step: int, directory: str) -> None:
+    import torch
+
+    module = getattr(model, "module", model)  # unwrap DDP
+    torch.save({"model": {k: v.detach().cpu() for k, v in module.state_dict().items()},
+                "optimizer": optimizer.state_dict(), "step": step},
+               os.path.join(directory, STATE_FILE))
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    """One Ray Train worker: DDP over the group, the moshray model and data.
+
+    Resumes from ``ray.train.get_checkpoint()`` when the group was restarted. Stops after the
+    step during which any rank saw the deadline pass, or ``steady_seconds`` pass since the
+    group's first step (agreed through the per-step all-reduce, so no rank is left waiting in
+    a collective), then reports a final checkpoint.
+    """
+    import ray
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from moshray.jobs.examples.lm.corpus import ByteBatches
+    from moshray.jobs.examples.lm.model import build_model
+    from moshray.actors.replica.strategies import lr_scale
+
+    cfg = BaselineConfig(**loop_config)
+    tc = TrainConfig.from_dict(cfg.train)
+    t = tc.training
+    torch.set_num_threads(1)  # as a moshray replica does
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    recorder = ray.get_actor(cfg.recorder, namespace=NAMESPACE)
+
+    model = build_model(tc.model.to_model_config(), seed=t.seed).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    step = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            state = torch.load(os.path.join(directory, STATE_FILE), map_location=device,
+                               weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+    if rank == 0:
+        ray.get(recorder.record_group.remote(time.time(), world, step), timeout=60)
+    pending: list = []  # record_step refs, awaited at checkpoints and at the end
+    model = ray.train.torch.prepare_model(model, move_to_device=False)  # DDP when world > 1
+    # A restarted group draws fresh batches (seed moves with the step it resumed from).
+    data = ByteBatches(list(cfg.files), rank % cfg.max_workers, cfg.max_workers,
+                       tc.model.seq_len, t.batch_size, t.seed + step)
+    accum = max(1, math.ceil(t.target_batch_size / (world * t.batch_size)))
+    # moshray's rate rule (``training.lr_scaling``): ``lr`` is for a step of the target
+    # batch; this group's steps are world * accum * batch_size (after a checkpoint's load,
+    # which brings back the rate of the group before).
+    rate = t.lr * lr_scale(world * accum * t.batch_size, t.target_batch_size, t.lr_scaling)
+    for group in optimizer.param_groups:
+        group["lr"] = rate
+    distributed = world > 1 and dist.is_available() and dist.is_initialized()
+    steady_deadline = math.inf  # set after this group's first step when steady_seconds is
+
+    while True:
+        loss_sum, n = 0.0, 0
+        for i in range(accum):
+            x, y = data.next_batch()
+            x, y = x.to(device), y.to(device)  # (batch, seq_len)
+            sync = contextlib.nullcontext()
+            if i < accum - 1 and hasattr(model, "no_sync"):
+                sync = model.no_sync()  # all-reduce only on the last micro-batch
+            with sync:
+                logits = model(x)  # (batch, seq_len, vocab): through DDP's forward
+                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+                (loss / accum).backward()  # DDP averages over ranks: mean over the step
+            loss_sum += float(loss.detach()) * x.shape[0]
+            n += x.shape[0]
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        now = time.time()
+        if cfg.steady_seconds is not None and steady_deadline == math.inf:
+            steady_deadline = now + cfg.steady_seconds
+        past = now >= cfg.deadline_unix or now >= steady_deadline
+        # (3,): loss * samples, samples, ranks past the deadline; summed over the group
+        totals = torch.tensor([loss_sum, float(n), float(past)], dtype=torch.float64)
+        if distributed:
+            dist.all_reduce(totals)
+        samples = int(totals[1].item())
+        stop = totals[2].item() > 0
+        if rank == 0:
+            pending.append(recorder.record_step.remote(time.time(), step, samples,
+                                                       totals[0].item() / max(samples, 1),
+                                                       world))
+        if stop or step % cfg.checkpoint_every == 0:
+            if pending:  # a worker's queued calls die with it: flush before going on
+                ray.get(pending, timeout=60)
+                pending.clear()
+            metrics = {"step": step, "loss": totals[0].item() / max(samples, 1)}
+            if rank == 0:
+                with tempfile.TemporaryDirectory() as directory:
+                    _save_state(model, optimizer, step, directory)
+                    ray.train.report(metrics,
+                                     checkpoint=ray.train.Checkpoint.from_directory(directory))
+            else:
+                ray.train.report(metrics, checkpoint=None)
+        if stop:
+            return
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run_baseline(cfg: BaselineConfig):
+    """Run ``TorchTrainer.fit()`` in this (connected) driver; returns the ``Result``.
+
+    Raises whatever ``fit`` raises (``ray.train.TrainingFailedError`` only if the failure
+    policy gives up, which ``max_failures=-1`` never does).
+    """
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    scaling = ScalingConfig(
+        num_workers=(1, cfg.max_workers) if cfg.elastic else cfg.max_workers,
+        use_gpu=cfg.use_gpu,
+        resources_per_worker={"CPU": cfg.cpus_per_worker, SPOT_RESOURCE: 1,
+                              **({"GPU": 1} if cfg.use_gpu else {})},
+        **({"elastic_resize_monitor_interval_s": cfg.resize_interval_s} if cfg.elastic else {}),
+    )
+    run_config = RunConfig(
+        name=cfg.name,
+        storage_path=cfg.storage_path,
+        failure_config=FailureConfig(max_failures=-1),
+        checkpoint_config=CheckpointConfig(num_to_keep=2),
+        worker_runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo",
+                                         "OMP_NUM_THREADS": "1"}},
+    )
+    trainer = TorchTrainer(train_loop_per_worker, train_loop_config=asdict(cfg),
+                           scaling_config=scaling, run_config=run_config)
+    return trainer.fit()
+
+
+def gpus_in_cluster() -> bool:
+    """True if the connected cluster has any GPU (``use_gpu`` auto)."""
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from moshray.jobs.config import add_config_arguments
+
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
+                        help="Ray cluster address (default: RAY_ADDRESS)")
+    parser.add_argument("--duration", type=float, required=True,
+                        help="wall seconds of training after fit() starts")
+    parser.add_argument("--max-workers", type=int, default=None,
+                        help="elastic upper bound (default: cluster.max_nodes)")
+    parser.add_argument("--checkpoint-every", type=int, default=20, help="steps")
+    parser.add_argument("--storage-path", default=None,
+                        help="Ray Train storage (default: <run_dir>/raytrain)")
+    parser.add_argument("--cpus-per-worker", type=float, default=2.0,
+                        help="CPUs each worker reserves (a spot node's CPUs: one worker/node)")
+    parser.add_argument("--resize-interval", type=float, default=10.0,
+                        help="ScalingConfig.elastic_resize_monitor_interval_s")
+    parser.add_argument("--fixed", action="store_true",
+                        help="fixed num_workers=max_workers instead of the elastic range")
+    parser.add_argument("--recorder", default=None, help="name of the StepRecorder actor")
+    parser.add_argument("--steady-seconds", type=float, default=None,
+                        help="also stop this many seconds after the worker group's first step")
+    add_config_arguments(parser)
+
+
+@exit_on_config_error
+def main(args: argparse.Namespace) -> int:
+    import ray
+
+    from moshray.jobs.examples.lm.corpus import resolve_data
+    from moshray.jobs.local.cluster import pin_loopback
+
+    config: TrainConfig = config_from_args(args)
+    if not args.address:
+        print("raytrain_baseline: no cluster: pass --address or set RAY_ADDRESS",
+              file=sys.stderr)
+        return 2
+    if not args.duration > 0:
+        print(f"raytrain_baseline: --duration must be > 0, got {args.duration}", file=sys.stderr)
+        return 2
+    if args.steady_seconds is not None and not args.steady_seconds > 0:
+        print(f"raytrain_baseline: --steady-seconds must be > 0, got {args.steady_seconds}",
+              file=sys.stderr)
+        return 2
+    pin_loopback()
+    files = resolve_data(list(config.data.paths) or None,
+                         os.path.expanduser(config.data.cache_dir))
+    ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False,
+             runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
+    recorder = args.recorder or f"raytrain-recorder-{uuid.uuid4().hex[:8]}"
+    try:
+        ray.get_actor(recorder, namespace=NAMESPACE)
+    except ValueError:
+        create_recorder(recorder)
+    t0 = time.time()
+    cfg = BaselineConfig(
+        train=config.to_dict(), files=tuple(files),
+        max_workers=args.max_workers or config.cluster.max_nodes,
+        deadline_unix=t0 + args.duration,
+        storage_path=os.path.abspath(args.storage_path or os.path.join(config.run_dir,
+                                                                       "raytrain")),
+        recorder=recorder, checkpoint_every=args.checkpoint_every,
+        cpus_per_worker=args.cpus_per_worker, use_gpu=gpus_in_cluster(),
+        elastic=not args.fixed, resize_interval_s=args.resize_interval,
+        name=f"raytrain-baseline-{uuid.uuid4().hex[:8]}", steady_seconds=args.steady_seconds)
+    print(json.dumps({"event": "started", "t0": t0, "recorder": recorder}), flush=True)
+    error = None
+    checkpoint_path = None
+    try:
+        result = run_baseline(cfg)
+        if result.checkpoint is not None:
+            checkpoint_path = os.path.join(result.checkpoint.path, STATE_FILE)
+    except Exception as exc:  # noqa: BLE001 - reported in the summary; the records stand
+        error = f"{type(exc).__name__}: {exc}"
+    records = read_recorder(recorder)
+    summary: dict[str, Any] = {
+        "event": "finished", "t0": t0, "wall_s": time.time() - t0, "error": error,
+        "checkpoint": checkpoint_path, "steps": len(records["steps"]),
+        "restarts": max(len(records["groups"]) - 1, 0), "records": records,
+    }
+    print(json.dumps(summary), flush=True)
+    ray.shutdown()
+    return 0 if error is None else 1
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m moshray.jobs.bench.raytrain_baseline",
+                                      description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

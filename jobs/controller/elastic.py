@@ -1,0 +1,414 @@
+"""The elastic controller: the training job's driver, the same on every Ray cluster.
+
+Each tick it *observes* (Ray's node table and drain state, the Coordinator's membership, the
+replicas' run refs) into plain data, lets ``reconcile.decide`` compute the actions, and
+*acts*: starts replicas pinned to their nodes (with a GPU where the node has them), stops
+the ones to drop, records every replica's state transitions (``replica_states.py``), starts
+a notice watcher on each worker node that joins (or uses the one the node already has),
+asks Ray's autoscaler for capacity (``ray.autoscaler.sdk.request_resources``), and reports
+nodes, losses, joins and replica states as metrics. At the end of the job the driver calls
+``release_capacity`` (the request withdrawn) and ``stop_watchers`` (only the watchers this
+controller started: a node's own ``moshray watch`` keeps watching for the next job). It
+never asks whether the cluster is local: nodes come from outside (Ray's autoscaler and the
+cloud, or the embedded cluster playing the cloud).
+
+Failure behaviour: a failed call to Ray or the Coordinator during a tick is logged and the
+tick is skipped (the next one observes again); with fewer than ``cluster.min_nodes`` nodes
+and nothing training it prints one line and waits at most ``cluster.wait_for_nodes_s``,
+then raises ``NoCapacityError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+
+import ray
+
+from moshray.actors.errors import find_user_error
+from moshray.cluster import metrics
+
+from moshray.jobs.controller.observations import Memory, Observation, ReplicaView, RunOutcome, node_view
+from moshray.jobs.controller.reconcile import (
+    Decision,
+    NodeFailure,
+    NodeJoined,
+    NodeLost,
+    Policy,
+    RequestCapacity,
+    SetState,
+    StartReplica,
+    StopReplica,
+    decide,
+)
+from moshray.jobs.controller.replica_launch import ReplicaSpec, launch_replica
+from moshray.jobs.controller.replica_states import ReplicaRecord, ReplicaState
+
+log = logging.getLogger("moshray.controller")
+RPC_TIMEOUT_S = 30.0
+
+
+class NoCapacityError(RuntimeError):
+    """No worker node came within ``cluster.wait_for_nodes_s``."""
+
+
+def capacity_requested() -> tuple[dict, ...]:
+    """The bundles standing in Ray's autoscaler from ``request_resources`` (any driver's; one
+    dict per bundle), read back where Ray keeps them: the GCS's cluster resource constraint
+    under autoscaler v2, the internal KV key the v1 monitor reads otherwise. Needs a
+    connected driver; raises what Ray raises if the GCS does not answer."""
+    import json
+
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+    if is_autoscaler_v2():
+        from ray.autoscaler.v2.sdk import get_cluster_resource_state
+        from ray.experimental.internal_kv import internal_kv_get_gcs_client
+
+        cluster = get_cluster_resource_state(internal_kv_get_gcs_client())
+        return tuple(dict(r.request.resources_bundle)
+                     for c in cluster.cluster_resource_constraints
+                     for r in c.resource_requests for _ in range(r.count))
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+    return tuple(json.loads(raw)) if raw else ()
+
+
+class ElasticController:
+    """Keeps replicas on the worker nodes Ray has; see the module docstring.
+
+    ``spec`` is what every replica shares; ``experts`` (optional) is the ExpertSupervisor,
+    registered with each node's watcher for the hand-off on a notice. ``clock`` is injected.
+    """
+
+    def __init__(self, config, spec: ReplicaSpec, experts=None, out=sys.stdout,
+                 clock: Callable[[], float] = time.monotonic):
+        c = config.cluster
+        self.config, self.spec, self.experts, self.out = config, spec, experts, out
+        self.coordinator = spec.coordinator
+        self.policy = Policy(c.min_nodes, c.max_nodes, c.replicas_per_node)
+        self.clock = clock
+        self.t0 = clock()
+        self.records: dict[str, ReplicaRecord] = {}
+        self.runs: dict[str, tuple[object, object]] = {}  # id -> (handle, run)
+        self.outcomes: dict[str, RunOutcome] = {}
+        self.known_nodes: dict[str, float] = {}
+        self.failures: dict[str, tuple[int, float]] = {}
+        self.requested: int | None = None
+        self._asked = False  # a capacity request of this job may stand in Ray's autoscaler
+        self.watchers: dict[str, object] = {}
+        self.own_watchers: set[str] = set()  # nodes whose watcher this controller started
+        self.hosts: set[str] = set()  # every machine (node address) seen alive
+        self.lost_at: list[float] = []  # seconds since start of each node lost
+        self.joined_at: list[float] = []
+        self.hard_losses = 0
+        self.waiting_since: float | None = None
+        self._waiting_shown: tuple | None = None
+        self._reported: tuple | None = None
+        self.price_book = None  # autoscaler/clouds/prices.py PriceBook, made by the first _report
+        self._cost_shown: tuple | None = None
+        self._count = 0
+        self._ticks = 0
+
+    # -- observe -----------------------------------------------------------------------------
+
+    def _outcome(self, replica_id: str, run_ref) -> RunOutcome:
+        if replica_id in self.outcomes:
+            return self.outcomes[replica_id]
+        ready, _ = ray.wait([run_ref], timeout=0)
+        if not ready:
+            return RunOutcome.RUNNING
+        try:
+            ray.get(run_ref, timeout=RPC_TIMEOUT_S)
+            outcome = RunOutcome.FINISHED
+        except ray.exceptions.RayTaskError as exc:
+            user_error = find_user_error(exc)
+            if user_error is not None:  # the same code fails on every node: stop the job
+                raise user_error from None
+            cause = (str(exc).strip().splitlines() or [""])[-1]
+            log.warning("replica %s failed: %s", replica_id, cause[:300])
+            outcome = RunOutcome.RAISED
+        except ray.exceptions.RayError as exc:
+            log.warning("replica %s lost: %s", replica_id, type(exc).__name__)
+            outcome = RunOutcome.DIED
+        self.outcomes[replica_id] = outcome
+        return outcome
+
+    def observe(self) -> Observation:
+        from moshray.autoscaler.watch.drain import draining_nodes
+
+        try:
+            draining = frozenset(draining_nodes())
+        except Exception as exc:  # noqa: BLE001 - drain state is an aid, the table decides
+            log.info("drain state not read: %r", exc)
+            draining = frozenset()
+        nodes = tuple(node_view(row, draining) for row in ray.nodes())
+        view = ray.get(self.coordinator.peer_view.remote(), timeout=RPC_TIMEOUT_S)
+        members, ready = set(view["members"]), set(view["ready"])
+        draining_peers = set(view["draining"])
+        replicas = tuple(
+            ReplicaView(rid, self._outcome(rid, run), rid in members, rid in ready,
+                        rid in draining_peers)
+            for rid, (_, run) in self.runs.items())
+        return Observation(self.clock() - self.t0, nodes, replicas,
+                           frozenset(view["noticed_nodes"]))
+
+    def memory(self) -> Memory:
+        return Memory(
+            replicas=tuple((r.replica_id, r.node_id, r.state.value, r.num_gpus)
+                           for r in self.records.values() if not r.state.terminal),
+            known_nodes=tuple(self.known_nodes.items()), failures=dict(self.failures),
+            requested_nodes=self.requested,
+            started_at_s={r.replica_id: r.started_at_s for r in self.records.values()})
+
+    # -- act ---------------------------------------------------------------------------------
+
+    def act(self, decision: Decision, obs: Observation) -> None:
+        for action in decision.actions:
+            try:
+                self._apply(action, obs)
+            except Exception as exc:  # noqa: BLE001 - one action's failure never stops the loop
+                log.warning("controller action %r failed: %r", action, exc)
+        self._report(obs)
+
+    def _apply(self, action, obs: Observation) -> None:
+        if isinstance(action, StartReplica):
+            self._start(action, obs)
+        elif isinstance(action, SetState):
+            record = self.records[action.replica_id]
+            record.to(action.state, obs.now_s, action.reason)
+            if action.state is ReplicaState.GONE:
+                self.coordinator.leave.remote(action.replica_id)
+                self.runs.pop(action.replica_id, None)
+        elif isinstance(action, StopReplica):
+            handle = self.runs.get(action.replica_id, (None,))[0]
+            log.info("stopping replica %s: %s", action.replica_id, action.reason)
+            self.coordinator.leave.remote(action.replica_id)
+            if handle is not None:
+                ray.kill(handle, no_restart=True)
+        elif isinstance(action, NodeJoined):
+            self._joined(action.node_id, obs)
+        elif isinstance(action, NodeLost):
+            self._lost(action, obs)
+        elif isinstance(action, NodeFailure):
+            count, _ = self.failures.get(action.node_id, (0, 0.0))
+            self.failures[action.node_id] = (count + 1, obs.now_s)
+        elif isinstance(action, RequestCapacity):
+            from ray.autoscaler.sdk import request_resources
+
+            from moshray.cluster.placement import SPOT_RESOURCE
+
+            # One bundle per wanted worker node: every worker declares the spot market
+            # resource (1000 units), so no two bundles fit on one node.
+            self._asked = True  # withdrawn at the end (release_capacity), even if this fails
+            request_resources(bundles=[{SPOT_RESOURCE: 1000}] * action.nodes)
+            self.requested = action.nodes
+
+    def _start(self, action: StartReplica, obs: Observation) -> None:
+        self._count += 1
+        node = obs.node(action.node_id)
+        label = node.slot if node is not None and node.slot is not None else action.node_id[:8]
+        replica_id = f"replica-{label}-{self._count}"
+        handle, run = launch_replica(self.spec, replica_id, action.node_id, action.num_gpus)
+        self.runs[replica_id] = (handle, run)
+        self.records[replica_id] = ReplicaRecord(replica_id, action.node_id, action.num_gpus,
+                                                 obs.now_s)
+        log.info("replica %s starting on node %s (%s GPU)", replica_id, action.node_id[:12],
+                 action.num_gpus)
+
+    def _joined(self, node_id: str, obs: Observation) -> None:
+        from moshray.autoscaler.watch.watcher import open_watcher
+        from moshray.autoscaler.watch.config import WatcherConfig
+        from moshray.cluster import placement
+
+        self.known_nodes[node_id] = obs.now_s
+        if self._ticks > 0:  # nodes there at the first look are the start, not joins
+            self.joined_at.append(obs.now_s)
+        node = obs.node(node_id)
+        market = "on_demand" if node is not None and node.market.value == "on-demand" \
+            else "spot"
+        self.coordinator.record.remote((metrics.NodeJoinedEvent(market),))
+        # A node may have its own watcher already (`moshray watch` on an infra/ node, or a
+        # watcher fleet's): it is used, never stopped by this job (see stop_watchers).
+        opened = open_watcher(node_id, WatcherConfig(
+            source=self.config.cluster.notice_source, poll_s=0.25,
+            rpc_timeout_s=RPC_TIMEOUT_S, coordinator_name=placement.COORDINATOR_NAME))
+        watcher = opened.actor
+        self.watchers[node_id] = watcher
+        if opened.created:
+            self.own_watchers.add(node_id)
+        if self.experts is not None:
+            watcher.register.remote(self.experts, "experts")
+
+    def _lost(self, action: NodeLost, obs: Observation) -> None:
+        self.known_nodes.pop(action.node_id, None)
+        self.watchers.pop(action.node_id, None)
+        self.own_watchers.discard(action.node_id)
+        self.lost_at.append(obs.now_s)
+        self.hard_losses += int(not action.with_notice)
+        self.coordinator.record.remote((metrics.NodeLostEvent(action.with_notice),))
+        self.coordinator.note_preemption.remote()
+        log.info("node %s lost (%s notice)", action.node_id[:12],
+                 "with" if action.with_notice else "without")
+
+    def _report(self, obs: Observation) -> None:
+        """Capacity (with each live worker's price) and replica states as metrics events,
+        when they change; a log line when the cost or its sources change.
+
+        Prices come from ``self.price_book`` (made from ``config.metrics`` on first use, or
+        injected): per node from its labels, the cloud's live price, the shipped table or
+        the configured price; it reads the cloud at most once per TTL and never raises for
+        a price (a failure falls back and is logged once)."""
+        from moshray.autoscaler.clouds.prices import NodeKey, PriceBook
+
+        workers = [n for n in obs.nodes if n.alive and n.worker]
+        spot = sum(1 for n in workers if n.market.value == "spot")
+        counts = tuple((s.value, sum(1 for r in self.records.values() if r.state is s))
+                       for s in ReplicaState if not s.terminal)
+        if self.price_book is None:
+            self.price_book = PriceBook.for_config(getattr(self.config, "metrics", None),
+                                                   self.clock)
+        priced = self.price_book.prices([NodeKey(n.cloud, n.market.value, n.instance_type,
+                                                 n.zone) for n in workers])
+        node_prices = tuple(("spot" if n.market.value == "spot" else "on_demand",
+                             p.dollars_per_hour, p.source.value)
+                            for n, p in zip(workers, priced))
+        now = (spot, len(workers) - spot, counts, node_prices)
+        if now != self._reported:
+            self._reported = now
+            self.coordinator.record.remote((
+                metrics.CapacityEvent(spot, len(workers) - spot, node_prices),
+                metrics.ReplicaStatesEvent(counts)))
+        sources = tuple(sorted({(p.source.value, sum(1 for q in priced if q.source is p.source))
+                                for p in priced}))
+        cost = (round(sum(p.dollars_per_hour for p in priced), 4), sources)
+        if workers and cost != self._cost_shown:
+            self._cost_shown = cost
+            log.info("cost: %d worker nodes at $%.4f/h (prices from %s)", len(workers), cost[0],
+                     ", ".join(f"{source}: {n}" for source, n in sources))
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> Decision | None:
+        """One observe -> decide -> act tick; None if the observation failed."""
+        try:
+            obs = self.observe()
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            log.warning("controller: observation failed (%s); next tick", type(exc).__name__)
+            return None
+        self.hosts.update(n.address for n in obs.nodes if n.alive and n.address)
+        decision = decide(obs, self.memory(), self.policy)
+        self.act(decision, obs)
+        self._ticks += 1
+        self._wait_bound(decision, obs)
+        return decision
+
+    def _wait_bound(self, decision: Decision, obs: Observation) -> None:
+        waiting = decision.waiting
+        if waiting is None:
+            self.waiting_since = None
+            self._waiting_shown = None
+            return
+        if self.waiting_since is None:
+            self.waiting_since = obs.now_s
+        shown = (waiting.active, waiting.needed)
+        if shown != self._waiting_shown:
+            self._waiting_shown = shown
+            print(f"waiting for worker nodes: {waiting.active} of at least {waiting.needed} "
+                  f"(asked Ray's autoscaler for {self.policy.max_nodes}; giving up after "
+                  f"{self.config.cluster.wait_for_nodes_s:.0f} s)", file=self.out, flush=True)
+        if obs.now_s - self.waiting_since > self.config.cluster.wait_for_nodes_s:
+            raise NoCapacityError(
+                f"no worker node came within cluster.wait_for_nodes_s="
+                f"{self.config.cluster.wait_for_nodes_s:g} s ({waiting.active} of at least "
+                f"{waiting.needed}); check the autoscaler's logs (ray status) or start nodes "
+                f"with the 'spot' resource")
+
+    def prices(self) -> dict | None:
+        """The cost at the last report that had worker nodes, for the run's summary:
+        ``{"dollars_per_hour": the nodes' total, "sources": {price source: nodes}}``
+        (``autoscaler/clouds/prices.py`` PriceSource: ``provider``, the cloud's live price;
+        ``table``, the shipped table; ``config``, the configured price); None if no worker
+        node was ever priced."""
+        if self._cost_shown is None:
+            return None
+        total, sources = self._cost_shown
+        return {"dollars_per_hour": total, "sources": dict(sources)}
+
+    def live(self) -> list[tuple[str, object, object]]:
+        """``(replica_id, handle, run_ref)`` of every replica not gone."""
+        return [(rid, h, run) for rid, (h, run) in self.runs.items()]
+
+    def leaving(self) -> set[str]:
+        return {r.replica_id for r in self.records.values()
+                if r.state is ReplicaState.LEAVING}
+
+    def states(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.records.values():
+            out[r.state.value] = out.get(r.state.value, 0) + 1
+        return out
+
+    def timelines(self) -> dict[str, list[tuple[str, float]]]:
+        """Per replica: ``(state, seconds since the controller started)`` from its start
+        through each transition (for run reports and benchmarks)."""
+        return {r.replica_id: [(ReplicaState.STARTING.value, round(r.started_at_s, 2))]
+                + [(t.dst.value, round(t.at_s, 2)) for t in r.history]
+                for r in self.records.values()}
+
+    # -- the end of the job: nothing left running, nothing requested ----------------------------
+
+    def stop_watchers(self, timeout_s: float = 10.0) -> None:
+        """Stop and remove the watchers this controller started (their names are free for
+        the next job); a watcher it found on a node (the node's own ``moshray watch``, an
+        earlier or other driver's) keeps running. Bounded by ``timeout_s``; each failure is
+        logged."""
+        own = [(n, w) for n, w in self.watchers.items() if n in self.own_watchers]
+        refs = []
+        for node_id, watcher in own:
+            try:
+                refs.append(watcher.stop.remote())
+            except ray.exceptions.RayError as exc:
+                log.info("watcher of %s not stopped: %r", node_id[:12], exc)
+        if refs:  # let each close its source, then remove it (a stopped one hears nothing)
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for node_id, watcher in own:
+            try:
+                ray.kill(watcher, no_restart=True)
+            except ray.exceptions.RayError as exc:
+                log.info("watcher of %s not removed: %r", node_id[:12], exc)
+            self.watchers.pop(node_id, None)
+        self.own_watchers.clear()
+
+    def release_capacity(self) -> None:
+        """Withdraw this job's request to Ray's autoscaler (``request_resources`` with no
+        bundles replaces it), so Ray keeps no node for a job that ended. Does nothing if this
+        controller never asked; idempotent. A failure is logged, never raised (it runs on
+        every exit path, errors included)."""
+        if not self._asked:
+            return
+        from ray.autoscaler.sdk import request_resources
+
+        try:
+            request_resources(bundles=[])
+        except Exception as exc:  # noqa: BLE001 - on an error path: never hide the first error
+            log.warning("capacity request not withdrawn (%r); Ray's autoscaler may keep up to "
+                        "%s nodes until the next job asks", exc, self.requested)
+            return
+        self._asked = False
+        self.requested = 0
+        log.info("capacity request withdrawn")
+
+    def stop_replicas(self) -> None:
+        """Kill every replica not yet gone, without the graceful stop (the job's error path:
+        nothing is left running). Each failure is logged."""
+        for replica_id, (handle, _) in list(self.runs.items()):
+            try:
+                ray.kill(handle, no_restart=True)
+            except ray.exceptions.RayError as exc:
+                log.info("replica %s not killed: %r", replica_id, exc)
+        self.runs.clear()

@@ -1,0 +1,94 @@
+"""Starting a training replica on a given node: the one way every caller does it.
+
+``launch_replica`` pins the ReplicaActor to its node with Ray's node-affinity scheduling
+(``soft=False``: it runs there or not at all; no shared custom resource decides where) and
+gives it ``num_gpus`` GPUs through Ray, then starts its ``run()``. The elastic controller
+uses it for every replica; ``ReplicaSupervisor`` is a small by-slot wrapper around it for
+tests and benchmarks that drive replicas on the embedded cluster directly.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from moshray.actors.replica.build_check import installed_build
+from moshray.cluster.placement import SLOT_LABEL
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What every replica of a job shares: the config dict, the job (the user's loop and
+    data source, ``actors.replica.Job``), the Coordinator and the optional initial state
+    (a checkpoint, as ``[ObjectRef]``). ``build``: the driver's moshray build, read where the
+    spec is made (``actors/replica/build_check.py``); a replica whose installed build differs refuses
+    to run, which stops the job (None: no check)."""
+
+    config: dict
+    job: Any
+    coordinator: Any
+    init_state_ref: list | None = None
+    build: str | None = field(default_factory=installed_build)
+
+
+def launch_replica(spec: ReplicaSpec, peer_id: str, node_id: str,
+                   num_gpus: float) -> tuple[Any, Any]:
+    """Start ``peer_id`` on ``node_id``; returns ``(handle, run_ref)``. Never blocks: a node
+    that died meanwhile shows up as a failed ``run_ref``."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from moshray.actors.replica.actor import ReplicaActor
+
+    handle = ReplicaActor.options(
+        num_cpus=1, num_gpus=num_gpus, max_concurrency=16,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(peer_id, spec.config, spec.job, spec.coordinator, spec.init_state_ref,
+              build=spec.build)
+    return handle, handle.run.remote()
+
+
+def slot_node_id(slot: int) -> str:
+    """The node id of the embedded cluster's ``slot`` (by its ``moshray-slot`` label)."""
+    import ray
+
+    for n in ray.nodes():
+        if n.get("Alive") and (n.get("Labels") or {}).get(SLOT_LABEL) == str(slot):
+            return n["NodeID"]
+    raise LookupError(f"no live node carries {SLOT_LABEL}={slot}")
+
+
+class ReplicaSupervisor:
+    """One replica per embedded-cluster slot (tests and benchmarks that place replicas
+    themselves; the training job uses the elastic controller instead)."""
+
+    def __init__(self, config, files, coordinator, init_state_ref):
+        import moshray.jobs.examples.lm.example as lm
+        self.spec = ReplicaSpec(config.to_dict(), lm.job(config, files), coordinator,
+                                init_state_ref)
+        self.coordinator = coordinator
+        self.replicas: dict[int, tuple[str, object, object]] = {}  # slot -> (id, handle, run)
+        self.generation = 0
+        self.hard_losses = 0
+        self.lock = threading.Lock()
+
+    def start(self, slot: int, node_id: str | None = None) -> None:
+        node_id = node_id or slot_node_id(slot)
+        with self.lock:
+            self.generation += 1
+            peer_id = f"replica-{slot}-{self.generation}"
+            handle, run = launch_replica(self.spec, peer_id, node_id, 0)
+            self.replicas[slot] = (peer_id, handle, run)
+
+    def lost(self, slot: int, hard: bool = False) -> None:
+        """``slot``'s replica is gone (``hard``: found dead, no notice came before)."""
+        with self.lock:
+            entry = self.replicas.pop(slot, None)
+            self.hard_losses += int(hard and entry is not None)
+        if entry is not None:
+            self.coordinator.leave.remote(entry[0])
+            self.coordinator.note_preemption.remote()
+
+    def handles(self) -> list[tuple[str, object, object]]:
+        with self.lock:
+            return list(self.replicas.values())

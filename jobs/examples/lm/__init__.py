@@ -1,0 +1,1 @@
+"""moshray.jobs.examples.lm.example."""

@@ -23,10 +23,10 @@ Coordinator with a short-TTL client cache, and a blacklist of hosts that just fa
 (``beam_search``, ``gate_scores``, ``masked_gate_weights``, ``load_balancing_loss``,
 ``plan_calls``) is pure torch and tested without either.
 
-This module holds the layer itself and re-exports the public names of the modules it is
-built from, one per role: ``moe_config`` (``MoEConfig``), ``moe_routing`` (the routing math),
-``moe_backends`` (``ExpertBackend`` and its two backends), ``moe_dispatch`` (calls with
-deadlines and masking, the autograd function).
+This module holds the layer itself; the package's other modules hold one role each:
+``config`` (``MoEConfig``), ``routing`` (the routing math), ``backends`` (``ExpertBackend``
+and its two backends), ``dispatch`` (calls with deadlines and masking, the autograd
+function). The package ``moshray.actors.moe`` declares the public names.
 """
 
 from __future__ import annotations
@@ -40,29 +40,11 @@ from torch import nn
 
 from moshray.cluster.coordinator.expert_registry import grid_uids
 
-# Re-exported: the expert names this module has always offered (``moshray.moe.ExpertSpec``).
-from moshray.actors.moe.backends import (  # noqa: F401
-    MAX_KEPT_CALLS,
-    ExpertBackend,
-    LocalExpertBackend,
-    RayExpertBackend,
-)
+from moshray.actors.moe.backends import ExpertBackend
 from moshray.actors.moe.config import MoEConfig
-from moshray.actors.moe.dispatch import (  # noqa: F401
-    CallOutcome,
-    _Dispatch,
-    _RemoteExperts,
-    call_outcomes,
-    gather_with_deadlines,
-)
-from moshray.actors.moe.routing import (  # noqa: F401
-    HostCall,
-    beam_search,
-    gate_scores,
-    load_balancing_loss,
-    masked_gate_weights,
-    plan_calls,
-)
+from moshray.actors.moe.dispatch import _Dispatch, _RemoteExperts
+from moshray.actors.moe.routing import (beam_search, gate_scores, load_balancing_loss,
+                                        masked_gate_weights, plan_calls)
 
 log = logging.getLogger(__name__)
 

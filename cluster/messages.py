@@ -9,7 +9,7 @@ carries its tensor bytes one of two ways (a *payload*):
   when it is ready to reduce them): large parts;
 - ``Inline``: the encoded bytes in the message itself, so the actor call carries them
   straight to the receiver, with no object-store put, transfer or reference to count
-  (small parts: ``round_send.INLINE_MAX_BYTES``); ``InBundle`` names one part of a tuple
+  (small parts: ``round.INLINE_MAX_BYTES``); ``InBundle`` names one part of a tuple
   the sender put once (a small contribution's copies for re-reducing a dead owner's part,
   fetched only then).
 """
@@ -29,7 +29,7 @@ ActorHandle = Any
 class Inline:
     """A payload carried in the message itself (see module docstring)."""
 
-    value: Any  # compression.Encoded
+    value: Any  # codecs.Encoded
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,9 @@ class RejectReason(str, enum.Enum):
     LATE = "late"  # arrived after the part was reduced
     UNKNOWN_SENDER = "unknown_sender"  # sender is not a member of the group
     FETCH_FAILED = "fetch_failed"  # the object could not be fetched (owner died)
+    # above the bounds derived from the step (``partition.ContributionBounds``)
+    VALUE_OUT_OF_BOUNDS = "value_out_of_bounds"  # |value| above the step's value bound
+    WEIGHT_OUT_OF_BOUNDS = "weight_out_of_bounds"  # weight above the step's weight bound
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,7 @@ class RoundPlan:
     grid: GridPlan
     shares: tuple[tuple[str, float], ...]
     handles: tuple[tuple[str, ActorHandle], ...] = field(compare=False, repr=False)
-    compression: str = "none"  # codec every member encodes with (see compression.py)
+    compression: str = "none"  # codec every member encodes with (a codecs.py name)
     # Fewest values a part's owner gets: a group splits a tensor among at most
     # ``numel // min_part`` members (``partition.owner_shares``); 1: every member owns one.
     min_part: int = 1

@@ -239,7 +239,7 @@ def test_node_removed_mid_round(cluster):
 
 def test_bad_contributions_rejected_with_reason(pool):
     # The last user of the pool: the faults below only change what the bad peers send.
-    peers = take(pool, 6)
+    peers = take(pool, 8)
     names = list(peers)
     rng = np.random.default_rng(3)
     arrays = {p: rng.normal(size=12000).astype(np.float32) for p in peers}
@@ -249,7 +249,7 @@ def test_bad_contributions_rejected_with_reason(pool):
     ray.get(list(run(peers, warm, arrays, weights).values()), timeout=60)
     plan = make_plan(peers, epoch=next(_epochs))
     faults = {names[2]: "nan", names[3]: "wrong_shape", names[4]: "wrong_dtype",
-              names[5]: "stale_epoch"}
+              names[5]: "stale_epoch", names[6]: "huge_values", names[7]: "huge_weight"}
     refs = run(peers, plan, arrays, weights, faults=faults, timeout=8.0)
     good = names[:2]
     results = ray.get([refs[p] for p in good], timeout=60)
@@ -264,8 +264,11 @@ def test_bad_contributions_rejected_with_reason(pool):
     assert RejectReason.SHAPE_MISMATCH in reasons[names[3]]
     assert RejectReason.DTYPE_MISMATCH in reasons[names[4]]
     assert RejectReason.STALE_EPOCH in reasons[names[5]]
+    assert RejectReason.VALUE_OUT_OF_BOUNDS in reasons[names[6]]  # 3e38: finite, poisoned
+    assert RejectReason.WEIGHT_OUT_OF_BOUNDS in reasons[names[7]]  # weight 1e30
     counts = ray.get(peers[names[0]].rejection_counts.remote(), timeout=30)
     assert counts["non_finite"] >= 1 and counts["stale_epoch"] >= 1
+    assert counts["value_out_of_bounds"] >= 1 and counts["weight_out_of_bounds"] >= 1
 
 
 def test_an_owner_with_nothing_valid_hands_on_no_junk(cluster):

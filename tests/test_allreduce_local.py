@@ -18,15 +18,18 @@ from moshray.cluster.collective.transport import LocalNetwork
 TIMEOUT = 2.0
 
 
-def swarm(n: int, max_group: int = 16, min_part: int = 1):
-    """``n`` averagers and their plan; ``min_part`` 1: every member owns a part (the
-    product's default gives small tensors fewer owners: see the tests at the end)."""
+def swarm(n: int, max_group: int = 16, min_part: int = 1, compression: str = "none",
+          **averager_options):
+    """``n`` averagers (``Averager(..., **averager_options)``) and their plan; ``min_part``
+    1: every member owns a part (the product's default gives small tensors fewer owners:
+    see the tests at the end)."""
     network = LocalNetwork()
-    membership = Membership(MembershipConfig(max_group=max_group, min_part=min_part))
+    membership = Membership(MembershipConfig(max_group=max_group, min_part=min_part,
+                                             compression=compression))
     averagers = {}
     for i in range(n):
         pid = f"p{i}"
-        averagers[pid] = Averager(pid, transport=network.transport(pid))
+        averagers[pid] = Averager(pid, transport=network.transport(pid), **averager_options)
         network.add(pid, averagers[pid])
         membership.register(PeerInfo(pid, pid), now=0.0)  # handles are peer ids here
     return network, averagers, membership.plan(now=0.0)
@@ -268,12 +271,12 @@ def test_small_parts_travel_inline_large_ones_as_refs_and_both_survive_a_dead_ow
     """Small parts ride in the call (``Inline``, the other members' copies ``InBundle``:
     one put); with the threshold at 0 every part is an object ref. Either way the round
     is exact and bitwise equal, and a dead owner's part is re-reduced from the copies."""
-    import moshray.cluster.collective.round_send as round_send
+    import moshray.cluster.collective.round as group_round
     from moshray.cluster.messages import Contribution, InBundle, Inline, PartResult
     from moshray.cluster.collective.transport import LocalRef
 
     if inline_max is not None:
-        monkeypatch.setattr(round_send, "INLINE_MAX_BYTES", inline_max)
+        monkeypatch.setattr(group_round, "INLINE_MAX_BYTES", inline_max)
     network, averagers, plan = swarm(4)
     payloads: list[tuple[str, object]] = []  # (message kind, payload)
     for pid in averagers:

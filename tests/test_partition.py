@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from moshray.cluster.messages import RejectReason
-from moshray.cluster.collective.partition import WeightedMean, check_contribution, part_sizes, part_slices
+from moshray.cluster.collective.partition import (ContributionBounds, Limits, WeightedMean,
+                                                  check_contribution, part_sizes, part_slices)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -295,3 +296,45 @@ def test_group_part_sizes_follow_the_plans_shares_min_part_and_epoch() -> None:
     assert group_part_sizes(plan, ["a", "b", "c"], 1000) == (0, 1000, 0)  # one owner, in turn
     assert sum(group_part_sizes(plan, ["a", "b", "c"], 6000)) == 6000  # big: everyone
     assert group_part_sizes(plan, ["a", "b", "c"], 6000) == (1000, 3000, 2000)
+
+
+# -- bounds derived from the step (issue 44) ------------------------------------------------
+
+
+def test_check_contribution_rejects_values_and_weights_beyond_the_steps_limits() -> None:
+    limits = Limits(value=100.0, weight=50.0)
+    assert check_contribution(_good(), 5, F32, 50.0, limits) is None
+    x = _good()
+    x[2] = 3e38  # finite, but poisoned
+    reason, detail = check_contribution(x, 5, F32, 1.0, limits)
+    assert reason is RejectReason.VALUE_OUT_OF_BOUNDS and "3e+38" in detail
+    x[2] = -101.0
+    assert check_contribution(x, 5, F32, 1.0, limits)[0] is RejectReason.VALUE_OUT_OF_BOUNDS
+    reason, detail = check_contribution(_good(), 5, F32, 1e30, limits)
+    assert reason is RejectReason.WEIGHT_OUT_OF_BOUNDS and "1e+30" in detail
+    # NaN stays a non-finite rejection, not a bound's
+    x[2] = np.nan
+    assert check_contribution(x, 5, F32, 1.0, limits)[0] is RejectReason.NON_FINITE
+    # unbounded by default: only finiteness
+    assert check_contribution(np.float32([3e38, -3e38]), 2, F32, 1e30) is None
+
+
+def test_bounds_derive_limits_from_the_peers_own_input_and_weight() -> None:
+    bounds = ContributionBounds(value_factor=10.0, value_floor=5.0, max_value=1e4,
+                                weight_factor=2.0, weight_floor=3.0, max_weight=1e3)
+    assert bounds.limits(2.0, 4.0, 5) == Limits(value=20.0, weight=40.0)
+    assert bounds.limits(0.1, 0.0, 5) == Limits(value=5.0, weight=3.0)  # the floors
+    assert bounds.limits(1e9, 1e9, 5) == Limits(value=1e4, weight=1e3)  # the caps
+    # our own input is broken (rejected anyway): nobody else is blamed for it
+    assert bounds.limits(float("nan"), float("inf"), 5) == Limits(value=1e4, weight=3.0)
+    d = ContributionBounds().limits(1.0, 16.0, 4)
+    assert d.value >= 1e6 and d.weight >= 1e6
+    assert d.value < 3e38 and d.weight < 1e30  # the poisoned inputs of issue 44 are out
+
+
+@pytest.mark.parametrize("field", ["value_factor", "value_floor", "max_value",
+                                   "weight_factor", "weight_floor", "max_weight"])
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+def test_bounds_must_be_positive(field: str, bad: float) -> None:
+    with pytest.raises(ValueError, match=f"ContributionBounds.{field} must be a positive"):
+        ContributionBounds(**{field: bad})

@@ -19,12 +19,17 @@ Contract of ``all_reduce``:
 - each round waits at most ``timeout`` seconds (contributions for the first 60% of it,
   results until its end), plus at most 25% more to finish fetching a result that came in
   time or to re-reduce the part of a dead owner locally; every fetch is bounded by those
-  deadlines, and a dead member is noticed by probing (see ``allreduce``) rather than by a
+  deadlines, and a dead member is noticed by probing (see ``round.py``) rather than by a
   deadline; it never raises because another peer failed, and never waits forever;
 - with no failures, every participant ends with bitwise identical values, also after a
-  multi-round grid (see ``allreduce``: canonical member order);
-- bad contributions (shape, dtype, stale epoch, non-finite, bad weight) are rejected,
-  logged and counted in ``rejection_counts`` and in the report.
+  multi-round grid (see ``round.py``: canonical member order);
+- bad contributions (shape, dtype, stale epoch, non-finite, bad weight, a value or weight
+  above the step's bounds: ``partition.ContributionBounds``, derived from this peer's own
+  input and weight) are rejected, logged and counted in ``rejection_counts`` and in the
+  report; every result is checked (finite, within the value bound) before it is used;
+- if a weighted mean still comes out non-finite (only possible with bounds loosened past
+  float32's range), ``all_reduce`` raises ``AveragingError``: the step errored and its
+  values must not be applied (none are returned).
 Only one ``all_reduce`` runs at a time per averager.
 """
 
@@ -40,9 +45,11 @@ from typing import Any
 
 import numpy as np
 
-from moshray.cluster.collective.round import Deadlines, GroupRound
-from moshray.cluster.collective.shares import ThroughputMeter
+from moshray.cluster.collective.codecs import max_abs, warm_up
 from moshray.cluster.collective.mailbox import GroupMailbox, RoundKey
+from moshray.cluster.collective.partition import ContributionBounds
+from moshray.cluster.collective.round import Deadlines, GroupRound, off_loop
+from moshray.cluster.collective.shares import ThroughputMeter
 from moshray.cluster.messages import (
     AllReduceReport, Contribution, CopyRequest, PartResult, Probe, Rejection, RejectReason,
     RoundPlan,
@@ -53,6 +60,18 @@ log = logging.getLogger(__name__)
 
 CONTRIBUTION_FRACTION = 0.6
 FINAL_FRACTION = 1.25  # fetching a result in time, or re-reducing a dead owner's part
+
+
+class AveragingError(RuntimeError):
+    """The step's averaging errored (a non-finite weighted mean): nothing is applied.
+    Pickles cleanly, so it crosses actor calls as itself."""
+
+    def __init__(self, epoch: int, detail: str):
+        self.epoch, self.detail = epoch, detail
+        super().__init__(f"all-reduce of epoch {epoch} errored: {detail}")
+
+    def __reduce__(self):
+        return (type(self), (self.epoch, self.detail))
 
 
 def flatten(tensors: Sequence[Any]) -> np.ndarray:
@@ -101,6 +120,8 @@ class Averager:
 
     ``transport`` moves messages and bytes (``transport.Transport``; default: Ray actor
     calls and the object store, ``RayTransport``). ``clock`` is injectable for tests.
+    ``bounds``: how each step's value and weight limits are derived (the defaults suit
+    gradients and parameters; see ``ContributionBounds``).
     """
 
     def __init__(
@@ -108,10 +129,13 @@ class Averager:
         peer_id: str,
         clock: Callable[[], float] = time.monotonic,
         transport: Transport | None = None,
+        bounds: ContributionBounds = ContributionBounds(),
     ):
         self.peer_id = peer_id
         self.clock = clock
         self.transport = transport or RayTransport()
+        self.bounds = bounds
+        warm_up()  # the codecs' torch import, before any round's deadline runs
         self._boxes: dict[RoundKey, GroupMailbox] = {}
         self._floor_epoch = -1  # contributions below this epoch are stale
         self._done: collections.deque[RoundKey] = collections.deque(maxlen=256)
@@ -125,7 +149,7 @@ class Averager:
         self._pending_rejections: list[Rejection] = []
         self._lock = asyncio.Lock()
         # This peer's smoothed throughput (bytes/s), for its share of parts: the host sends
-        # ``meter.value`` with its heartbeat (see capacity.py)
+        # ``meter.value`` with its heartbeat (see shares.py)
         self.meter = ThroughputMeter()
 
     # -- transport entry points ----------------------------------------------------------
@@ -193,6 +217,9 @@ class Averager:
         flat = flatten(tensors)
         given = flat
         handles = dict(plan.handles)
+        # This step's bounds, from our own input and weight (one pass over the input).
+        limits = self.bounds.limits(await off_loop(flat.nbytes, max_abs, flat), float(weight),
+                                    len(plan.participants))
 
         def send(peer: str, method: str, message: object):
             return self.transport.send(handles[peer], method, message)
@@ -214,13 +241,16 @@ class Averager:
             deadlines = Deadlines(t0 + CONTRIBUTION_FRACTION * timeout, t0 + timeout,
                                   t0 + FINAL_FRACTION * timeout)
             runner = GroupRound(self.peer_id, plan, r, g, group, box, send, self.transport,
-                                self.clock, hold=functools.partial(self._hold, key))
+                                self.clock, hold=functools.partial(self._hold, key),
+                                limits=limits)
             outcome = await runner.run(flat, weight, deadlines)
             self._finish(key)
-            flat, weight = outcome.values, outcome.weight
-            rejections += outcome.rejections
             for rej in outcome.rejections:
                 self.rejection_counts[rej.reason.value] += 1
+            if outcome.errored:
+                raise AveragingError(plan.epoch, f"round {r}: {outcome.errored}")
+            flat, weight = outcome.values, outcome.weight
+            rejections += outcome.rejections
             contributors |= set(outcome.contributors)
             partial |= set(outcome.partial_contributors)
             failed += outcome.failed_owners

@@ -13,6 +13,8 @@ process, so the code path under test is the production one.
 - ``wrong_shape``: its tensor has one extra value.
 - ``stale_epoch``: it runs with an old epoch number.
 - ``wrong_dtype``: it encodes with fp16 while the round uses another codec.
+- ``huge_values``: its tensors hold 3e38, finite but poisoned (issue 44).
+- ``huge_weight``: its weight is 1e30.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ import numpy as np
 
 from moshray.cluster.messages import RoundPlan
 
-FAULTS = ("die", "die_mid_round", "stall", "nan", "wrong_shape", "stale_epoch", "wrong_dtype")
+FAULTS = ("die", "die_mid_round", "stall", "nan", "wrong_shape", "stale_epoch", "wrong_dtype",
+          "huge_values", "huge_weight")
+HUGE_VALUE = 3e38
+HUGE_WEIGHT = 1e30
 STALL_S = 3600.0
 STALE_BY = 1000
 DIE_AFTER_S = 1.0
@@ -45,6 +50,10 @@ async def apply(fault: str | None, arrays: list, weight: float, plan: RoundPlan)
         await asyncio.sleep(STALL_S)
     if fault == "nan":
         arrays = [np.full_like(np.asarray(a, dtype=np.float32), np.nan) for a in arrays]
+    if fault == "huge_values":
+        arrays = [np.full_like(np.asarray(a, dtype=np.float32), HUGE_VALUE) for a in arrays]
+    if fault == "huge_weight":
+        weight = HUGE_WEIGHT
     if fault == "wrong_shape":
         arrays = [np.append(np.asarray(arrays[0], dtype=np.float32), np.float32(0)), *arrays[1:]]
     if fault == "stale_epoch":

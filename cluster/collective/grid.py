@@ -31,7 +31,7 @@ from moshray.cluster.messages import GridPlan, Group, RoundSchedule
 # 16 -> 4x4, 64 -> 8x8), so a peer exchanges parts with O(sqrt N) others per round instead
 # of N-1 and a failure only disturbs its own group of that round. The price is bandwidth:
 # each round moves 2(m-1)/m of the tensor per peer, so 16 peers as 4x4 move 3.0x the tensor
-# against 1.9x in one group of 16. Every peer still ends bitwise identical (see allreduce).
+# against 1.9x in one group of 16. Every peer still ends bitwise identical (see round.py).
 DEFAULT_MAX_GROUP = 8
 
 
@@ -157,7 +157,8 @@ def _spread(row: tuple[int, ...], dims: tuple[int, ...], m0: int) -> int:
     return row[-1] % m0
 
 
-def simulate(plan: GridPlan, values: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
+def simulate(plan: GridPlan, values: dict[str, float],
+             weights: dict[str, float]) -> dict[str, float]:
     """Run the plan's rounds on scalars (reference semantics used by tests and docs).
 
     Each group computes ``sum(w * v) / sum(w)`` over its members; members take the result

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moshray.cluster.collective.codecs import Compression, Encoded
+from moshray.cluster.collective.codecs import Encoded
 from moshray.cluster.messages import Contribution, Inline, PartResult
 
 CHUNK_BYTES = 90 * 1024  # under Ray's 100 KiB default, with room for the pickle framing
@@ -30,7 +30,7 @@ class Chunked:
     """An ``Inline`` payload whose data are call arguments ``first .. first + count - 1``
     (after the message), in order."""
 
-    codec: Compression
+    codec: str  # the codec's registered name
     numel: int
     meta: np.ndarray
     first: int
@@ -53,7 +53,8 @@ def _in(payload, chunks: tuple):
     if not isinstance(payload, Chunked):
         return payload
     if payload.first < 0 or payload.count < 1 or payload.first + payload.count > len(chunks):
-        raise ValueError(f"a payload names chunks {payload.first}..{payload.first + payload.count - 1}"
+        last = payload.first + payload.count - 1
+        raise ValueError(f"a payload names chunks {payload.first}..{last}"
                          f" but the call carried {len(chunks)}")
     parts = chunks[payload.first:payload.first + payload.count]
     data = parts[0].copy() if len(parts) == 1 else np.concatenate(parts)

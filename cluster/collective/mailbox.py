@@ -1,7 +1,8 @@
-"""What has arrived for one group round: contributions, results, deaths (see allreduce.py).
+"""What has arrived for one group round: contributions, results, deaths (see round.py).
 
-Split from ``allreduce`` so the round's logic reads on its own. The mailbox is filled by
-the transport (actor method calls) on the event loop; the round waits on it.
+The inbox of one ``GroupRound``: the ``Averager`` fills it from the transport's calls
+(actor methods) on the event loop, possibly before the round starts; the round reads it and
+waits on it. It never imports the round.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class GroupMailbox:
     fetches: dict[tuple[str, int], asyncio.Task] = field(default_factory=dict)
     result_fetches: dict[int, asyncio.Task] = field(default_factory=dict)
     # (start, end, bytes) of every part fetch that succeeded: this peer's inbound bandwidth
-    # for the throughput it reports (see capacity.py)
+    # for the throughput it reports (see shares.py)
     fetch_log: list[tuple[float, float, int]] = field(default_factory=list)
     fetch: Callable[[object], Awaitable[comp.Encoded]] = field(default=None)  # the transport's
 

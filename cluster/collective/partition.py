@@ -3,15 +3,19 @@
 Inside a group of m members, a flat float32 vector of ``numel`` values is split into m
 contiguous parts; member j owns part j and computes its weighted average. Part sizes are
 proportional to each member's share, so a peer with less CPU or bandwidth reduces less
-(DeDLOC's load balancing).
+(DeDLOC's load balancing). A contribution is accepted only within the step's ``Limits``
+(``ContributionBounds``, ``check_contribution``) and averaged by ``WeightedMean``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from moshray.cluster.collective.codecs import max_abs
 from moshray.cluster.messages import RejectReason, RoundPlan
 
 
@@ -89,22 +93,91 @@ def part_slices(sizes: Sequence[int]) -> tuple[slice, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one step accepts from a contribution: ``|value| <= value`` for every value and
+    ``weight <= weight`` (``ContributionBounds.limits``)."""
+
+    value: float = math.inf
+    weight: float = math.inf
+
+
+UNBOUNDED = Limits()
+
+
+@dataclass(frozen=True)
+class ContributionBounds:
+    """How a peer derives its step's ``Limits`` from what it holds (issue 44: a finite but
+    poisoned value such as 3e38, or a weight such as 1e30, must not reach the mean).
+
+    - values: ``min(max_value, max(value_floor, value_factor * scale))``, ``scale`` being
+      the largest magnitude of this peer's own input to the step (a non-finite scale, i.e.
+      our own input is broken and rejected anyway: ``max_value``, so others are not blamed
+      for it);
+    - weights: ``min(max_weight, max(weight_floor, weight_factor * participants *
+      weight))``, ``weight`` being this peer's own weight for the step (its samples): a
+      group's total after any grid round is at most ``participants`` such weights.
+
+    The defaults leave healthy data six orders of magnitude of room (a gradient element
+    of 1e5 beside ones of 0.1 passes) while ``max_value * max_weight * group size`` stays
+    far below float32's 3.4e38, so an accepted set of contributions cannot overflow the
+    weighted sum. Raises ``ValueError`` for a bound that is not positive (inf allowed)."""
+
+    value_factor: float = 1e6
+    value_floor: float = 1e6
+    max_value: float = 1e20
+    weight_factor: float = 1e3
+    weight_floor: float = 1e6
+    max_weight: float = 1e12
+
+    def __post_init__(self) -> None:
+        for name in ("value_factor", "value_floor", "max_value", "weight_factor",
+                     "weight_floor", "max_weight"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0):  # NaN fails too
+                raise ValueError(f"ContributionBounds.{name} must be a positive number "
+                                 f"(inf allowed), got {v!r}")
+
+    def limits(self, scale: float, weight: float, participants: int) -> Limits:
+        """The step's ``Limits`` for a peer whose own input has largest magnitude ``scale``
+        and weight ``weight``, in a plan of ``participants`` peers (see class docstring)."""
+        if math.isfinite(scale):
+            value = min(self.max_value, max(self.value_floor, self.value_factor * scale))
+        else:
+            value = self.max_value
+        own = weight if math.isfinite(weight) and weight > 0 else 0.0
+        wcap = min(self.max_weight,
+                   max(self.weight_floor, self.weight_factor * max(participants, 1) * own))
+        return Limits(value, wcap)
+
+
 def check_contribution(
-    values: np.ndarray, expected_numel: int, expected_dtype: np.dtype, weight: float
+    values: np.ndarray, expected_numel: int, expected_dtype: np.dtype, weight: float,
+    limits: Limits = UNBOUNDED,
 ) -> tuple[RejectReason, str] | None:
     """Why a decoded part must be rejected, or None if it is acceptable.
 
-    Checks, in order: the weight (finite, >= 0), the dtype of the wire values, the
-    length against the receiver's own layout, and finiteness of every value.
+    Checks, in order: the weight (finite, >= 0, then at most ``limits.weight``), the dtype
+    of the wire values, the length against the receiver's own layout, finiteness of every
+    value, then every magnitude against ``limits.value``. The values are scanned by two
+    reductions (no temporary array).
     """
     if not np.isfinite(weight) or weight < 0:
         return RejectReason.BAD_WEIGHT, f"weight {weight!r}"
+    if weight > limits.weight:
+        return (RejectReason.WEIGHT_OUT_OF_BOUNDS,
+                f"weight {weight:.3g} above the step's bound {limits.weight:.3g}")
     if values.dtype != expected_dtype:
         return RejectReason.DTYPE_MISMATCH, f"got {values.dtype}, expected {expected_dtype}"
     if values.ndim != 1 or values.shape[0] != expected_numel:
-        return RejectReason.SHAPE_MISMATCH, f"got shape {values.shape}, expected ({expected_numel},)"
-    if not np.isfinite(values).all():
+        return (RejectReason.SHAPE_MISMATCH,
+                f"got shape {values.shape}, expected ({expected_numel},)")
+    m = max_abs(values)
+    if not math.isfinite(m):
         return RejectReason.NON_FINITE, "NaN or inf in values"
+    if m > limits.value:
+        return (RejectReason.VALUE_OUT_OF_BOUNDS,
+                f"|value| up to {m:.3g} above the step's bound {limits.value:.3g}")
     return None
 
 

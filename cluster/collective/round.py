@@ -1,11 +1,17 @@
 """One butterfly all-reduce round inside one group, over a ``Transport`` (Ray's object
 store in the product, ``transport.RayTransport``; plain asyncio, no Ray, here).
 
+``GroupRound`` is the whole round, one object: the sending side (a member's contribution
+to the part owners, an owner's result to everyone), the owner's reduction of its part and
+the gathering of the others' results. It reads what the transport delivered from its
+``GroupMailbox`` (``mailbox.py``), which the ``Averager`` fills; nothing else touches its
+counters.
+
 Protocol (group of members M = (m_0..m_{k-1}) plus receivers):
 
 1. Every member splits its flat float32 vector into k parts sized by the members'
    shares and encodes them with the round's codec. Large parts (any over
-   ``round_send.INLINE_MAX_BYTES``): it ``put``s the k-1 parts it does not own and sends one
+   ``INLINE_MAX_BYTES``): it ``put``s the k-1 parts it does not own and sends one
    ``Contribution`` (the tuple of part refs, never the bytes) to every other member. Small
    parts: each member's ``Contribution`` carries its own part ``Inline`` (the actor call
    moves the bytes, no object store) and the others ``InBundle``: one put of all of them,
@@ -15,12 +21,21 @@ Protocol (group of members M = (m_0..m_{k-1}) plus receivers):
    (``hold``) and sent only if that member asks for it (``CopyRequest``) to re-reduce a
    dead owner's part. So a failure-free round moves 2(k-1) messages per owner, not k(k-1).
 2. The owner of part j starts fetching part j of each contribution the moment it lands
-   (streaming: no barrier, all fetches in flight at once), validates it, and adds it to a
-   weighted mean *in the group's member order* (a value waits until the members before it
-   are settled). When all live members have been heard, or the contribution deadline
-   passes, it encodes the mean and sends it to everyone in a ``PartResult`` (inline if
-   small, else as a ref to one put).
-3. Every peer fetches the results and writes them straight into its output vector.
+   (streaming: no barrier, all fetches in flight at once), validates it against the
+   step's ``Limits`` (``partition.check_contribution``: shape, dtype, finiteness, value and
+   weight bounds), and adds it to a weighted mean *in the group's member order* (a value
+   waits until the members before it are settled). When all live members have been heard,
+   or the contribution deadline passes, it checks the mean is finite, encodes it and sends
+   it to everyone in a ``PartResult`` (inline if small, else as a ref to one put).
+3. Every peer fetches the results, writes them straight into its output vector and checks
+   them (finite, within its value bound); a result that fails is re-reduced like a dead
+   owner's.
+
+The numeric work is staged so that the event loop only ever waits: as soon as a
+contribution's bytes arrive, a worker thread validates them and turns them into their term
+of the mean (``WeightedMean.term``: widened from the wire format into a float32 buffer of
+our own, checked, scaled in place); when its turn in member order comes, the term is added
+(one float32 pass). So a slow sender delays only the adds after it.
 
 Bitwise equality: every member's value enters the mean exactly as the others receive it
 (its own part goes through the codec too), in member order, which ``grid.plan_grid`` lays
@@ -33,20 +48,23 @@ other members (a ``Probe`` call every ``PROBE_S``): a call to a dead actor fails
 Ray knows (process exit: about a second; a lost node: its health checks), and the waiter
 stops waiting for that peer then instead of at the deadline. A member that misses the
 contribution deadline drops out of that part's average. If a part's owner is dead or its
-result misses the round deadline (or is malformed), each surviving member re-reduces that
-part itself from the contributions it received (plus its own; first asking the live
-members for the contributions they held back) in member order, so all survivors compute
-the same bytes; receivers keep their local values for such a part.
-Values of a result are trusted as its owner validated every input (no second pass). An owner
-with no valid value at all (its own was NaN or misshapen, none arrived) publishes an empty
-result: it keeps zeros, and the members re-reduce the part as a dead owner's, so junk never
-spreads.
+result misses the round deadline (or is malformed, non-finite or out of bounds), each
+surviving member re-reduces that part itself from the contributions it received (plus its
+own; first asking the live members for the contributions they held back) in member order,
+so all survivors compute the same bytes; receivers keep their local values for such a part.
+An owner with no valid value at all (its own was NaN or misshapen, none arrived) publishes
+an empty result: it keeps zeros, and the members re-reduce the part as a dead owner's, so
+junk never spreads. A weighted mean that comes out non-finite (accepted values that still
+overflow: only with bounds loosened past float32's range) is treated the same way and
+marks the round ``errored``: the ``Averager`` then fails the step instead of returning it.
+The round never raises for another peer's failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,25 +72,43 @@ from dataclasses import dataclass
 import numpy as np
 
 import moshray.cluster.collective.codecs as comp
+from moshray.cluster.collective.mailbox import GroupMailbox
+from moshray.cluster.collective.partition import (UNBOUNDED, Limits, WeightedMean,
+                                                  check_contribution, group_part_sizes,
+                                                  part_slices)
 from moshray.cluster.collective.shares import busy_seconds, round_throughput
-from moshray.cluster.collective.mailbox import GroupMailbox, RoundKey
-from moshray.cluster.messages import (CopyRequest, Group, PartResult, Probe, Rejection, RejectReason,
-                       RoundPlan)
-from moshray.cluster.collective.part_reduce import off_loop, reduce_part
-from moshray.cluster.collective.round_send import contribute, publish
-from moshray.cluster.collective.partition import group_part_sizes, part_slices
 from moshray.cluster.collective.transport import Transport
+from moshray.cluster.messages import (Contribution, CopyRequest, Group, InBundle, Inline,
+                                      PartResult, Probe, Rejection, RejectReason, RoundPlan)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Deadlines", "GroupMailbox", "GroupRound", "RoundKey", "RoundOutcome", "PROBE_S"]
+__all__ = ["Deadlines", "GroupRound", "RoundOutcome", "INLINE_BYTES", "INLINE_MAX_BYTES",
+           "PROBE_S", "off_loop"]
 
 PROBE_S = 0.5  # how often a waiting peer checks that the members it waits on are alive
+# Parts up to this many encoded bytes travel inside the actor calls (``Inline``, as chunks
+# under Ray's inline-argument limit: ``inline.py``): for them the object store's put, pull
+# and reference counting cost several times the bytes' copy.
+INLINE_MAX_BYTES = 1 << 20
+# Numeric work on fewer bytes than this runs on the event loop itself: a hop to a worker
+# thread and back costs more than it (and, on a loaded machine, waits for a core twice).
+INLINE_BYTES = 2 << 20
+F32 = np.dtype(np.float32)
+
+
+async def off_loop(nbytes: int, fn, *args):
+    """``fn(*args)``: in a worker thread when it touches at least ``INLINE_BYTES``, else
+    right here on the loop."""
+    if nbytes < INLINE_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 @dataclass
 class RoundOutcome:
-    """What one peer got out of one group round."""
+    """What one peer got out of one group round. ``errored``: why the round's values must
+    not be applied (a non-finite weighted mean), empty if they may."""
 
     values: np.ndarray
     weight: float
@@ -83,7 +119,8 @@ class RoundOutcome:
     bytes_sent: int
     bytes_received: int
     phases: dict[str, float]  # seconds spent in put / reduce / publish / gather
-    throughput: float | None = None  # bytes/s through fetch + reduction (capacity.py)
+    throughput: float | None = None  # bytes/s through fetch + reduction (shares.py)
+    errored: str = ""
 
 
 @dataclass(frozen=True)
@@ -104,8 +141,10 @@ class GroupRound:
     an awaitable (awaited only to learn that the callee died); ``transport`` puts this
     peer's parts and results and names the errors that mean a peer is gone; ``hold(peer,
     send)`` keeps ``send`` (a contribution's delivery to a member that owns no part) for a
-    ``CopyRequest`` from that peer (None: such contributions are sent at once). The round
-    never raises for another peer's failure; it returns a ``RoundOutcome``.
+    ``CopyRequest`` from that peer (None: such contributions are sent at once); ``limits``:
+    what a contribution or result may hold (``ContributionBounds.limits``; default:
+    unbounded, finiteness only). The round never raises for another peer's failure; it
+    returns a ``RoundOutcome``. One object per round: ``run`` once.
     """
 
     def __init__(
@@ -120,19 +159,22 @@ class GroupRound:
         transport: Transport,
         clock: Callable[[], float] = time.monotonic,
         hold: Callable[[str, Callable[[], object]], None] | None = None,
+        limits: Limits = UNBOUNDED,
     ):
         self.me, self.plan, self.group, self.box = me, plan, group, box
         self.hold = hold
         self.round_index, self.group_index = round_index, group_index
         self.send, self.transport, self.clock = transport_send, transport, clock
-        self.codec = comp.Compression(plan.compression)
+        self.codec = comp.get_codec(plan.compression)
+        self.limits = limits
         self.rejections: list[Rejection] = []
         self.bytes_sent = 0
         self.bytes_received = 0
         self.numel = 0
-        self.cpu_seconds = 0.0  # validating, scaling, adding (see part_reduce): wall time
+        self.cpu_seconds = 0.0  # validating, scaling, adding (see ``_reduce_part``): wall time
         self.cpu_used = 0.0  # the CPU time of that (far less on a contended machine)
         self.reduced_bytes = 0  # float32 bytes of the terms added
+        self.errored = ""  # set when a part's mean came out non-finite
         self._probing: set[str] = set()  # peers with a probe in flight
         self.sizes: tuple[int, ...] | None = None  # each member's part (set by ``_run``)
 
@@ -162,6 +204,15 @@ class GroupRound:
                     done()
 
         asyncio.ensure_future(watch())
+
+    def _timed(self, fn, *args):
+        """``fn(*args)``, adding its wall time and its thread's CPU time to the round's."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            self.cpu_seconds += time.perf_counter() - t0
+            self.cpu_used += time.thread_time() - c0
 
     async def _probe_members(self) -> None:
         """Until cancelled: one probe in flight to each other member we still wait on
@@ -216,7 +267,7 @@ class GroupRound:
 
         if self.me in members and sizes[members.index(self.me)] == 0:
             own = members.index(self.me)
-            await contribute(self, flat, weight, slices, own)
+            await self._contribute(flat, weight, slices, own)
             per_part[own], weights[own] = (), weight
             lap("put")
         elif self.me in members:
@@ -224,15 +275,15 @@ class GroupRound:
             self.box.own_part = own
             for sender in self.box.contributions:  # arrived before our round started
                 self.box.fetch_part(sender, own)
-            await contribute(self, flat, weight, slices, own)
+            await self._contribute(flat, weight, slices, own)
             lap("put")
-            values, total, contributors = await reduce_part(
-                self, own, flat[slices[own]], weight, sizes[own], deadlines.contributions,
+            values, total, contributors = await self._reduce_part(
+                own, flat[slices[own]], weight, sizes[own], deadlines.contributions,
                 deadlines.contributions,
             )
             self.box.reduced = True
             lap("reduce")
-            await publish(self, own, values, total, contributors, out[slices[own]])
+            await self._publish(own, values, total, contributors, out[slices[own]])
             per_part[own], weights[own] = contributors, total
             lap("publish")
 
@@ -249,8 +300,8 @@ class GroupRound:
             failed.append(owner)
             if self.me in members:  # re-reduce from the contributions we hold
                 await self._gather_copies(owner, (self.clock() + deadlines.final) / 2)
-                values, total, contributors = await reduce_part(
-                    self, j, flat[slices[j]], weight, sizes[j], deadlines.contributions,
+                values, total, contributors = await self._reduce_part(
+                    j, flat[slices[j]], weight, sizes[j], deadlines.contributions,
                     deadlines.final, exclude=owner,
                 )
                 out[slices[j]] = values
@@ -284,7 +335,243 @@ class GroupRound:
             bytes_received=self.bytes_received,
             phases=phases,
             throughput=throughput,
+            errored=self.errored,
         )
+
+    # -- sending: our contribution, our part's result -------------------------------------
+
+    async def _contribute(self, flat: np.ndarray, weight: float, slices, own: int) -> None:
+        """Send ``flat``'s parts (``slices``; ``own`` is ours) to the part owners: inline
+        and one lazily made put (``InBundle``) for small parts, refs for large ones. What a
+        member that owns nothing would get is handed to ``hold`` (sent on a
+        ``CopyRequest``). Every call is watched: a failed one marks that peer dead."""
+        members = self.group.members
+
+        def encode_parts() -> list:
+            encs = []
+            for j, s in enumerate(slices):
+                if j == own or s.stop == s.start:  # ours, or a member that owns nothing
+                    encs.append(None)
+                    continue
+                enc = comp.encode(flat[s], self.codec)  # none: a view, put copies it once
+                self.bytes_sent += enc.nbytes
+                encs.append(enc)
+            return encs
+
+        encs = await off_loop(flat.nbytes, encode_parts)
+        if all(enc is None for enc in encs):
+            # Nothing for anyone (the sole owner: its own part stays here): the others
+            # would only keep it for re-reducing a part we own, and that dies with us.
+            # The members still waiting on us probe us (``_probe_members``).
+            return
+        if max(enc.nbytes for enc in encs if enc is not None) <= INLINE_MAX_BYTES:
+            bundle: list = []  # one put of all parts, made when a message first needs it
+
+            def in_bundle(k: int) -> InBundle:  # fetched only if an owner dies
+                if not bundle:
+                    bundle.append(self.transport.put(tuple(encs)))
+                return InBundle(bundle[0], k)
+
+            def payloads(j: int) -> tuple:
+                return tuple(None if enc is None else Inline(enc) if k == j else
+                             in_bundle(k) for k, enc in enumerate(encs))
+        else:
+            refs = await off_loop(flat.nbytes, lambda: tuple(
+                None if enc is None else self.transport.put(enc) for enc in encs))
+
+            def payloads(j: int) -> tuple:
+                return refs
+
+        def message(j: int) -> Contribution:
+            return Contribution(epoch=self.plan.epoch, round_index=self.round_index,
+                                group_index=self.group_index, sender=self.me,
+                                weight=float(weight), numel=flat.size, part_refs=payloads(j))
+
+        for j, peer in enumerate(members):
+            if peer == self.me:
+                continue
+            if self.hold is not None and slices[j].stop == slices[j].start:
+                # owns nothing: sent (and its bundle put) only on request. ``encs`` are
+                # our own arrays or views of the round's input, which nobody writes.
+                self.hold(peer, lambda p=peer, j=j: self.send(p, "receive_contribution",
+                                                              message(j)))
+                continue
+            self.watch_call(peer, self.send(peer, "receive_contribution", message(j)))
+
+    async def _publish(self, part: int, values: np.ndarray, total: float, contributors,
+                       dest: np.ndarray) -> None:
+        """Write our reduced ``part`` into ``dest`` exactly as the others will decode it,
+        and send it to every other peer of the group (inline if small, else as one put)."""
+        enc = await off_loop(values.nbytes, comp.encode, values, self.codec)
+        # Keep exactly what the others will decode, so every peer holds equal values.
+        await off_loop(values.nbytes, comp.decode_into, enc, dest)
+        others = [peer for peer in self.group.everyone if peer != self.me]
+        if not others:
+            return  # a group of one (a single replica): nobody to send the result to
+        ref = Inline(enc) if enc.nbytes <= INLINE_MAX_BYTES else \
+            await off_loop(values.nbytes, self.transport.put, enc)
+        result = PartResult(
+            epoch=self.plan.epoch,
+            round_index=self.round_index,
+            group_index=self.group_index,
+            part=part,
+            owner=self.me,
+            numel=self.numel,
+            total_weight=total,
+            contributors=tuple(contributors),
+            ref=ref,
+        )
+        for peer in others:
+            self.bytes_sent += enc.nbytes
+            self.watch_call(peer, self.send(peer, "receive_result", result))
+
+    # -- reducing a part ------------------------------------------------------------------
+
+    def _own_term(self, local: np.ndarray, size: int, weight: float):
+        """Our own value of a part as the others will see it (through the codec), as a term
+        of the mean; or the reason it is rejected (NaN, wrong shape, bad weight, bounds)."""
+        return self._term(comp.encode(local, self.codec), size, weight)
+
+    def _accept(self, enc: comp.Encoded, size: int, weight: float):
+        """A fetched part as a term of the mean, or a ``(reason, detail)`` rejection."""
+        codec = self.codec
+        if not isinstance(enc, comp.Encoded):
+            return RejectReason.DTYPE_MISMATCH, f"payload of type {type(enc).__name__}"
+        if enc.data.dtype != codec.wire_dtype or enc.codec != codec.name:
+            return (RejectReason.DTYPE_MISMATCH,
+                    f"got {enc.codec}/{enc.data.dtype}, expected {codec.name}/"
+                    f"{codec.wire_dtype}")
+        try:
+            return self._term(enc, size, weight)
+        except (ValueError, TypeError, IndexError) as exc:  # e.g. 8-bit meta of another layout
+            return RejectReason.SHAPE_MISMATCH, f"undecodable payload: {exc}"
+
+    def _term(self, enc: comp.Encoded, size: int, weight: float):
+        data = enc.data
+        if data.ndim != 1 or data.shape[0] != size or enc.numel != size:
+            return check_contribution(data, size, data.dtype, weight, self.limits) or (
+                RejectReason.SHAPE_MISMATCH, f"payload of {enc.numel} values, expected {size}")
+        values = self.codec.decode(enc)
+        # a fresh float32 buffer of ours, unless the codec hands back the wire buffer
+        owned = values is not data and values.flags.writeable
+        problem = check_contribution(values, size, F32, weight, self.limits)
+        if problem is not None:
+            return problem
+        return WeightedMean.term(values, weight, owned=owned)
+
+    async def _reduce_part(
+        self,
+        part: int,
+        local: np.ndarray,
+        weight: float,
+        size: int,
+        arrive_by: float,
+        fetch_by: float,
+        exclude: str | None = None,
+    ) -> tuple[np.ndarray, float, tuple[str, ...]]:
+        """Weighted mean of part ``part`` over our own value and the contributions that
+        arrive before ``arrive_by`` and are fetched before ``fetch_by`` (``exclude``: a dead
+        owner whose part we re-reduce after the contribution deadline: then exactly the
+        contributions that had arrived count, and only their fetches are waited for).
+
+        All fetches run at once; values enter the mean in the group's member order, each
+        as soon as every member before it is settled (added, rejected or known absent), so
+        any peer reducing the same inputs computes bitwise identical results. No valid value
+        at all, or a non-finite mean (then ``errored`` is set): zeros, weight 0, no
+        contributors.
+        """
+        box, clock, timed = self.box, self.clock, self._timed
+        order = [m for m in self.group.members if m != exclude]
+        mean = WeightedMean(size)
+        held: dict[str, tuple[np.ndarray, float]] = {}
+        settled: set[str] = {self.me}
+        preparing: dict[str, asyncio.Future] = {}  # validation + scaling, in worker threads
+
+        nbytes = size * F32.itemsize
+        got = await off_loop(nbytes, timed, self._own_term, local, size, weight)
+        if isinstance(got, tuple):
+            self.reject(self.me, part, *got)
+        else:
+            held[self.me] = (got, weight)
+        fetching: dict[str, asyncio.Task] = {}
+        contributors: list[str] = []
+        added = 0  # members of ``order`` whose turn has passed
+        while True:
+            seen = box.version  # arrivals during the awaits below wake the wait at once
+            closed = clock() >= arrive_by  # no more waiting for absent contributions
+            for sender in order:
+                if sender in settled or sender in fetching or sender in preparing:
+                    continue
+                c = box.contributions.get(sender)
+                if c is None:
+                    if closed or sender in box.dead:
+                        settled.add(sender)
+                elif c.numel != self.numel:
+                    self.reject(sender, part, RejectReason.SHAPE_MISMATCH,
+                                f"tensor of {c.numel} values", c.numel)
+                    settled.add(sender)
+                else:
+                    fetching[sender] = box.fetch_part(sender, part)
+            for sender, task in list(fetching.items()):
+                if not task.done():
+                    continue
+                del fetching[sender]
+                try:
+                    enc = task.result()
+                except Exception as exc:  # noqa: BLE001 - object lost with its owner
+                    self.reject(sender, part, RejectReason.FETCH_FAILED, type(exc).__name__)
+                    settled.add(sender)
+                    continue
+                self.bytes_received += getattr(enc, "nbytes", 0)
+                weight_of = box.contributions[sender].weight
+                future = asyncio.ensure_future(
+                    off_loop(nbytes, timed, self._accept, enc, size, weight_of))
+                future.add_done_callback(lambda _: box.notify())
+                preparing[sender] = future
+            for sender, future in list(preparing.items()):
+                if not future.done():
+                    continue
+                del preparing[sender]
+                settled.add(sender)
+                got = future.result()
+                if isinstance(got, tuple):
+                    self.reject(sender, part, *got)
+                else:
+                    held[sender] = (got, box.contributions[sender].weight)
+            while added < len(order) and order[added] in settled:
+                member = order[added]
+                added += 1
+                if member in held:
+                    await off_loop(nbytes, timed, mean.add_term, *held.pop(member))
+                    contributors.append(member)
+            if added == len(order):
+                break
+            if not await box.wait_changed(seen, fetch_by if closed else arrive_by, clock) \
+                    and closed:
+                break  # fetch deadline: whoever has not been fetched drops out of this part
+        for member in order[added:]:  # past the deadline: what did arrive, in order
+            if member in held:
+                await off_loop(nbytes, timed, mean.add_term, *held.pop(member))
+                contributors.append(member)
+        for future in preparing.values():  # late: their threads finish on their own
+            future.cancel()
+        if mean.count == 0:
+            # Nothing valid, not even our own value (NaN, wrong shape): never hand junk on.
+            # Zeros for ourselves (a NaN gradient must not reach our parameters, nor through
+            # us as a donor everyone's); a published empty result makes the receivers
+            # re-reduce the part from what they hold (see ``_await_result``).
+            return np.zeros(size, dtype=np.float32), 0.0, ()
+        values, total = await off_loop(nbytes, timed, mean.result)
+        self.reduced_bytes += values.nbytes * mean.count
+        if not math.isfinite(await off_loop(nbytes, timed, comp.max_abs, values)):
+            # Accepted values that still overflowed (bounds loosened past float32): the
+            # same as no valid value, and the step must not be applied.
+            self.errored = f"part {part}: the weighted mean is not finite"
+            log.error("epoch %d round %d: %s", self.plan.epoch, self.round_index, self.errored)
+            return np.zeros(size, dtype=np.float32), 0.0, ()
+        return values, total, tuple(sorted(contributors))
+
+    # -- receiving the others' results ----------------------------------------------------
 
     async def _gather_copies(self, dead_owner: str, until: float) -> None:
         """Before re-reducing ``dead_owner``'s part: ask every live member whose
@@ -302,8 +589,9 @@ class GroupRound:
     async def _await_result(
         self, part: int, owner: str, size: int, dest: np.ndarray, deadlines: Deadlines
     ) -> PartResult | None:
-        """Write the owner's result for ``part`` into ``dest``; None (``dest`` untouched)
-        if the owner died, is late or sent junk."""
+        """Write the owner's result for ``part`` into ``dest``; None if the owner died, is
+        late or sent junk (malformed, a total weight or a value that is non-finite or
+        above our bounds: ``dest`` may then hold it, and the caller overwrites it)."""
         while part not in self.box.results:
             if owner in self.box.dead:
                 return None
@@ -320,16 +608,34 @@ class GroupRound:
             log.warning("result of part %d from %s is for a tensor of %d values, not %d; "
                         "re-reducing", part, owner, result.numel, self.numel)
             return None
+        if not 0 <= result.total_weight <= self.limits.weight * len(self.group.members):
+            log.warning("result of part %d from %s has total weight %r (bound %.3g per "
+                        "member); re-reducing", part, owner, result.total_weight,
+                        self.limits.weight)
+            return None
         try:  # a result that came in time may still be fetched until the final deadline
             task = self.box.fetch_result(part)
             enc = await self.box.await_fetch(task, owner, deadlines.final, self.clock)
         except Exception as exc:  # noqa: BLE001 - result lost or too slow: re-reduce
             log.warning("result of part %d from %s could not be fetched: %r", part, owner, exc)
             return None
-        self.bytes_received += enc.nbytes
-        if enc.codec is not self.codec or enc.numel != size or enc.data.shape != (size,):
-            log.warning("result of part %d from %s is malformed (%s, %d values); "
-                        "re-reducing", part, owner, enc.codec.value, enc.numel)
+        self.bytes_received += getattr(enc, "nbytes", 0)
+        if not isinstance(enc, comp.Encoded) or enc.codec != self.codec.name \
+                or enc.numel != size or enc.data.shape != (size,):
+            log.warning("result of part %d from %s is malformed (%s, %s values); "
+                        "re-reducing", part, owner, getattr(enc, "codec", type(enc).__name__),
+                        getattr(enc, "numel", "?"))
             return None
-        await off_loop(dest.nbytes, comp.decode_into, enc, dest)
+        try:
+            await off_loop(dest.nbytes, comp.decode_into, enc, dest)
+        except (ValueError, TypeError, IndexError) as exc:
+            log.warning("result of part %d from %s is undecodable (%s); re-reducing",
+                        part, owner, exc)
+            return None
+        peak = await off_loop(dest.nbytes, comp.max_abs, dest)
+        if not peak <= self.limits.value:  # NaN fails too
+            log.warning("epoch %d round %d: result of part %d from %s holds |value| %.3g "
+                        "(bound %.3g); re-reducing", self.plan.epoch, self.round_index, part,
+                        owner, peak, self.limits.value)
+            return None
         return result

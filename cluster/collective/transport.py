@@ -1,6 +1,6 @@
 """How the collective moves messages and bytes: one narrow interface, two implementations.
 
-The round logic (``allreduce.GroupRound``, ``averager.Averager``) is plain asyncio: it
+The round logic (``round.GroupRound``, ``averager.Averager``) is plain asyncio: it
 calls a ``Transport`` for the four things that cross machines and never imports Ray.
 
 - ``send(handle, method, message)``: a fire-and-forget call of ``method`` on the peer
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import moshray.cluster.collective.inline as inline
+
+
 class Transport(Protocol):
     gone_errors: tuple[type[BaseException], ...]
 

@@ -4,8 +4,8 @@ Receivers report the contributions they rejected (``ProgressReport.saw_rejection
 kinds of reason count against the sender, once per (receiver, epoch); lateness and failed
 fetches never do (they are the network's or a dying node's):
 
-- *faults* (``SENDER_FAULTS``: NaN/inf values, a bad weight) are the sender's alone: each
-  counts at once.
+- *faults* (``SENDER_FAULTS``: NaN/inf values, a bad weight, a value or weight above the
+  step's bounds) are the sender's alone: each counts at once.
 - *disputes* (``DISPUTES``: a wrong length or wire dtype) only say that receiver and sender
   disagree, and a broken peer rejects every good one as surely as they reject it. They
   are settled once their epoch is over (``settle``, called when the swarm's epoch moves
@@ -33,7 +33,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 # Reasons that blame the sender (values of messages.RejectReason).
-SENDER_FAULTS = frozenset({"non_finite", "bad_weight"})
+SENDER_FAULTS = frozenset({"non_finite", "bad_weight", "value_out_of_bounds",
+                           "weight_out_of_bounds"})
 # Reasons that say receiver and sender disagree: settled by votes per epoch.
 DISPUTES = frozenset({"shape_mismatch", "dtype_mismatch"})
 

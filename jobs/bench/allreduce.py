@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from moshray.cluster.collective.codecs import codec_names, max_abs_error_bound
+from moshray.jobs.bench.results import add_results_argument, save_result
 from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig, free_ports, pin_loopback
 
 
@@ -149,9 +151,8 @@ def run(args: argparse.Namespace) -> dict:
         scale = float(np.abs(expected).max())
         max_rel = max(float(np.abs(s - expected).max()) / scale for s in moshray_samples)
         gloo_rel = max(float(np.abs(r[1] - expected).max()) / scale for r in results)
-        # The codec's documented bound (compression.max_abs_error_bound) for two encodings,
-        # the contributions and the result, taken over the sampled values.
-        from moshray.cluster.collective.codecs import max_abs_error_bound
+        # The codec's documented bound (``Codec.error_bound``) for two encodings, the
+        # contributions and the result, taken over the sampled values.
         from moshray.cluster.collective.peer import synthetic
 
         idx = np.arange(0, numel, stride)
@@ -198,14 +199,15 @@ def run(args: argparse.Namespace) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--size-mb", type=float, default=100.0)
-    parser.add_argument("--compression", choices=["none", "fp16", "uint8", "blockwise8"],
-                        default="none")
+    parser.add_argument("--compression", choices=codec_names(), default="none",
+                        help="wire codec (the registered codecs)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="moshray round deadline in seconds")
     parser.add_argument("--kill-one", action="store_true",
                         help="also time a round in which one peer dies mid-round")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    add_results_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -214,6 +216,7 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     summary = run(args)
+    save_result("allreduce", args, summary)
     if args.json:
         print(json.dumps(summary))
     return 0

@@ -1,7 +1,8 @@
 """Names shared by the NodeProviders, the cluster YAMLs, the watcher and the Terraform modules.
 
 One place, so that what Terraform tags, what the IAM policy conditions on, and what the
-providers filter on cannot drift apart (``tests/test_infra_bootstrap.py`` checks the Terraform side).
+providers filter on cannot drift apart (``tests/test_infra_bootstrap.py`` checks the
+Terraform side).
 GCP label keys and values allow only lowercase letters, digits, ``_`` and ``-``; every name
 here is valid as both an AWS tag key and a GCP label key.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 CLUSTER_TAG = "moshray-cluster"
 # Value: "head" or "worker".
 ROLE_TAG = "moshray-role"
-# Value: the pool the instance was launched from (see autoscaler/pools/__init__.py for the encoding).
+# Value: the pool the instance was launched from (autoscaler/pools/records.py encodes it).
 POOL_TAG = "moshray-pool"
 # Value: "spot" or "on-demand".
 MARKET_TAG = "moshray-market"
@@ -25,5 +26,5 @@ GCP_PROVIDER = "moshray.autoscaler.clouds.gcp.provider.GCPSpotNodeProvider"
 # Where the Prometheus exporter listens by default (the Coordinator serves it).
 METRICS_PORT = 9450
 # Where the NodeProviders' own Prometheus endpoint listens, on the head's loopback (they run in
-# Ray's autoscaler process; provider.metrics_port changes it). See provider_metrics.py.
+# Ray's autoscaler process; provider.metrics_port changes it). See providers/metrics.py.
 PROVIDER_METRICS_PORT = 9451

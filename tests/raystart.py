@@ -168,7 +168,7 @@ class RayStartCluster:
         """Start one more spot worker as a separate machine would be: its own working
         directory and HOME, its own instance-metadata service (an IMDSv2 emulator named in
         ``AWS_EC2_METADATA_SERVICE_ENDPOINT``). Returns a ``SpotNode``; waits until it is alive."""
-        from moshray.autoscaler.clouds.metadata_emulator import IMDSv2Server
+        from moshray.autoscaler.clouds.aws.emulator import IMDSv2Server
 
         root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.logdir))
         (root / "home").mkdir()

@@ -109,7 +109,7 @@ def test_detections_say_how_they_were_found():
     assert BASE in none.how
     with pytest.raises(ValueError, match="cloud must be one of aws, gcp, none"):
         Detection("azure", "http://x", "")
-    with pytest.raises(ValueError, match="metadata URL goes with aws or gcp only"):
+    with pytest.raises(ValueError, match="metadata URL goes with a cloud, not with none"):
         Detection("none", "http://x", "")
     with pytest.raises(ValueError, match="budget_s must be positive"):
         DetectConfig(budget_s=0)

@@ -18,7 +18,9 @@ from ray._private.label_utils import parse_node_labels_string
 
 from fake_ec2 import running_fake_ec2
 import moshray.autoscaler.clouds.node_labels as node_labels
-from moshray.autoscaler.clouds.metadata_emulator import GCEMetadataServer, IMDSv2Server
+from moshray.autoscaler.clouds.aws.emulator import IMDSv2Server
+from moshray.autoscaler.clouds.aws.prices import ec2_fetch
+from moshray.autoscaler.clouds.gcp.emulator import GCEMetadataServer
 from moshray.autoscaler.pools import Market, Pool
 from moshray.autoscaler.clouds.prices import (
     NodeKey,
@@ -27,7 +29,6 @@ from moshray.autoscaler.clouds.prices import (
     PriceSource,
     PriceTable,
     choose_price,
-    ec2_fetch,
 )
 from moshray.jobs.controller.observations import Market as NodeMarket
 from moshray.jobs.controller.observations import node_view

@@ -293,9 +293,10 @@ def test_notice_validation_and_make_source():
         PreemptionNotice(NODE, "aws", "explode", 1.0, 0.0, "x")
     with pytest.raises(ValueError, match="cloud"):
         PreemptionNotice(NODE, "azure", "terminate", 1.0, 0.0, "x")
-    assert isinstance(make_source("gcp", NODE, metadata_url="http://127.0.0.1:9"), GCPMetadataSource)
+    assert isinstance(make_source("gcp", NODE, metadata_url="http://127.0.0.1:9"),
+                      GCPMetadataSource)
     assert isinstance(make_source("simulated", NODE), SimulatedSource)
-    with pytest.raises(ValueError, match="aws, gcp, simulated or none"):
+    with pytest.raises(ValueError, match="one of aws, gcp, simulated, none"):
         make_source("azure", NODE)
 
 
@@ -308,7 +309,8 @@ def test_watcher_source_follows_what_the_node_names():
         == ("aws", "http://127.0.0.1:9")
     assert node_metadata_service({"GCE_METADATA_HOST": "127.0.0.1:8"}) == \
         ("gcp", "http://127.0.0.1:8")
-    env = {"AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:9", "MOSHRAY_POOL": "g5.xlarge/us-east-1a/spot"}
+    env = {"AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:9",
+           "MOSHRAY_POOL": "g5.xlarge/us-east-1a/spot"}
     source = WatcherConfig(source="auto").make_source("ab" * 28, env)
     assert source.cloud == "aws" and source.pool == "g5.xlarge/us-east-1a/spot"
     source.close()

@@ -15,9 +15,10 @@ On a node (infra/ray/cluster-*.yaml, infra/*/modules/bootstrap worker scripts)::
     ray start ... --labels="$(python -m moshray.autoscaler.clouds.node_labels aws)"
     python -m moshray.autoscaler.clouds.node_labels --pool "$MOSHRAY_POOL"   # from a known pool key
 
-The command reads the node's metadata service (AWS IMDSv2: ``instance-life-cycle``,
-``instance-type``, ``placement/availability-zone``; GCE: ``scheduling/preemptible``,
-``machine-type``, ``zone``), bounded by ``--timeout-s``. Failure behaviour: if the metadata
+The command reads the node's metadata service with the named cloud's ``read_pool`` (its
+bundle, ``clouds/base.py``; AWS IMDSv2: ``instance-life-cycle``, ``instance-type``,
+``placement/availability-zone``; GCE: ``scheduling/preemptible``, ``machine-type``,
+``zone``), bounded by ``--timeout-s``. Failure behaviour: if the metadata
 cannot be read it prints an empty line (``ray start --labels=""`` adds no label; the node then
 counts as spot at the configured price), says why on stderr in one line and exits 0, so a
 node always joins.
@@ -28,10 +29,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import urllib.request
 from collections.abc import Mapping
 
-from moshray.autoscaler.pools import Market, Pool, decode_pool
+from moshray.autoscaler.clouds.base import Cloud, clouds, get_cloud
+from moshray.autoscaler.pools.records import Pool, decode_pool
 from moshray.cluster.placement import (
     CLOUD_LABEL,
     INSTANCE_TYPE_LABEL,
@@ -39,9 +40,6 @@ from moshray.cluster.placement import (
     MARKET_LABEL,
     ZONE_LABEL,
 )
-
-AWS_METADATA = "http://169.254.169.254"
-GCE_METADATA = "http://metadata.google.internal"
 
 
 def pool_labels(pool: Pool) -> dict[str, str]:
@@ -60,48 +58,15 @@ def labels_arg(labels: Mapping[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
-def _get(url: str, headers: Mapping[str, str], timeout_s: float, method: str = "GET") -> str:
-    request = urllib.request.Request(url, headers=dict(headers), method=method)
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        return response.read().decode().strip()
-
-
-def aws_pool(base: str = AWS_METADATA, timeout_s: float = 5.0) -> Pool:
-    """This EC2 instance's pool from IMDSv2. Raises OSError (unreachable, refused) or
-    ValueError (an answer that names no valid pool)."""
-    token = _get(base + "/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "60"},
-                 timeout_s, method="PUT")
-
-    def get(path: str) -> str:
-        return _get(base + "/latest/meta-data/" + path, {"X-aws-ec2-metadata-token": token},
-                    timeout_s)
-
-    # instance-life-cycle: "spot", "on-demand" (or "scheduled", "capacity-block": not spot)
-    market = Market.SPOT if get("instance-life-cycle") == "spot" else Market.ON_DEMAND
-    return Pool("aws", get("instance-type"), get("placement/availability-zone"), market)
-
-
-def gce_pool(base: str = GCE_METADATA, timeout_s: float = 5.0) -> Pool:
-    """This GCE VM's pool from the metadata server. Raises OSError or ValueError."""
-
-    def get(path: str) -> str:
-        return _get(base + "/computeMetadata/v1/instance/" + path,
-                    {"Metadata-Flavor": "Google"}, timeout_s)
-
-    # TRUE for Spot VMs and (legacy) preemptible VMs, FALSE for standard ones.
-    spot = get("scheduling/preemptible").upper() == "TRUE"
-    machine_type = get("machine-type").rsplit("/", 1)[-1]  # projects/N/machineTypes/<type>
-    zone = get("zone").rsplit("/", 1)[-1]  # projects/N/zones/<zone>
-    return Pool("gcp", machine_type, zone, Market.SPOT if spot else Market.ON_DEMAND)
-
-
-def _metadata_base(cloud: str, endpoint: str | None) -> str:
+def _metadata_base(cloud: Cloud, endpoint: str | None) -> str:
+    """``--endpoint``, else the service the node names as the cloud's SDK finds it (its
+    ``Identity.endpoint_env``), else the cloud's own address."""
     if endpoint:
         return endpoint.rstrip("/")
-    if cloud == "aws":  # as the AWS SDKs find a non-default endpoint
-        return os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", AWS_METADATA).rstrip("/")
-    host = os.environ.get("GCE_METADATA_HOST")  # as Google's libraries do
-    return f"http://{host}" if host else GCE_METADATA
+    named = os.environ.get(cloud.identity.endpoint_env, "").strip() if cloud.identity else ""
+    if named:
+        return named.rstrip("/") if "://" in named else f"http://{named.rstrip('/')}"
+    return cloud.metadata_url.rstrip("/")
 
 
 def main(argv: list[str] | None = None, out=sys.stdout, err=sys.stderr) -> int:
@@ -109,21 +74,22 @@ def main(argv: list[str] | None = None, out=sys.stdout, err=sys.stderr) -> int:
         prog="python -m moshray.autoscaler.clouds.node_labels",
         description="Print this node's Ray labels (market, instance type, zone, cloud) for "
                     "`ray start --labels`.")
-    parser.add_argument("cloud", nargs="?", choices=("aws", "gcp"),
+    names = tuple(c.name for c in clouds() if c.read_pool is not None)
+    parser.add_argument("cloud", nargs="?", choices=names,
                         help="read them from this cloud's metadata service")
-    parser.add_argument("--pool", help="derive them from this pool key (autoscaler/pools/__init__.py)")
+    parser.add_argument("--pool",
+                        help="derive them from this pool key (autoscaler/pools/records.py)")
     parser.add_argument("--endpoint", help="metadata service base URL (default: the cloud's)")
     parser.add_argument("--timeout-s", type=float, default=5.0)
     args = parser.parse_args(argv)
     if (args.cloud is None) == (args.pool is None):
-        parser.error("name a cloud (aws or gcp) or give --pool, not both")
+        parser.error(f"name a cloud ({' or '.join(names)}) or give --pool, not both")
     try:
         if args.pool is not None:
             pool = decode_pool(args.pool)
         else:
-            base = _metadata_base(args.cloud, args.endpoint)
-            read = aws_pool if args.cloud == "aws" else gce_pool
-            pool = read(base, args.timeout_s)
+            cloud = get_cloud(args.cloud)
+            pool = cloud.read_pool(_metadata_base(cloud, args.endpoint), args.timeout_s)
     except (OSError, ValueError) as exc:
         print(f"node_labels: no market/instance-type labels ({type(exc).__name__}: {exc}); "
               "the node counts as spot at the configured price", file=err)

@@ -2,9 +2,10 @@
 
 Per pool (``SpotPrices``, the NodeProviders' ``moshray_provider_spot_price_dollars``): AWS
 publishes spot prices per instance type and availability zone (EC2
-``DescribeSpotPriceHistory``); the AWS provider passes a fetch function that asks for the
-pools' types and zones from *now* on, which EC2 answers with the price in effect now (plus any
-change since). :func:`newest_prices` keeps the newest record per (type, zone). GCP has no
+``DescribeSpotPriceHistory``, ``clouds/aws/prices.py``); the AWS provider passes a fetch
+function that asks for the pools' types and zones from *now* on, which EC2 answers with the
+price in effect now (plus any change since). A fetch returns records in EC2's shape;
+:func:`newest_prices` keeps the newest record per (type, zone). GCP has no
 such API for Spot VMs (prices are in the Cloud Billing catalog, per region and SKU), so the
 GCP provider uses the configured prices only.
 
@@ -19,7 +20,8 @@ last good one and is tried again after the TTL; the error goes back to the calle
 provider collects it). On-demand pools are not priced here (``on_demand.prices`` holds those).
 
 Per node (``PriceBook``, below): the controller prices each live worker from its labels
-(node_labels.py) with :func:`choose_price`: the live EC2 spot price ("provider"), else the
+(node_labels.py) with :func:`choose_price`: the live spot price of its cloud where the
+cloud's bundle reads one (``Cloud.spot_price_fetch``: EC2's, "provider"), else the
 shipped table ``price_table.json`` ("table": GCE prices and AWS on-demand list prices, with
 their date and source pages), else the job's ``metrics.*_price_per_hour`` ("config").
 """
@@ -32,7 +34,6 @@ import importlib.resources
 import json
 import logging
 import math
-import re
 import threading
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -164,8 +165,6 @@ class SpotPrices:
 # the node. ``PriceBook`` holds the cache and the fetches.
 
 PRICE_TABLE = "price_table.json"  # package data of moshray.autoscaler
-LINUX_PRODUCTS = ("Linux/UNIX", "Linux/UNIX (Amazon VPC)")
-_AWS_REGION_RE = re.compile(r"^([a-z]{2}(-[a-z]+)+-\d+)[a-z]$")  # us-east-1a -> us-east-1
 
 
 class PriceSource(str, enum.Enum):
@@ -194,13 +193,13 @@ class NodeKey:
 
     @property
     def region(self) -> str:
-        """us-east-1a -> us-east-1 (AWS), us-central1-a -> us-central1 (GCP); "" if unknown."""
-        if self.cloud == "aws":
-            m = _AWS_REGION_RE.match(self.zone)
-            return m.group(1) if m else ""
-        if self.cloud == "gcp" and "-" in self.zone:
-            return self.zone.rsplit("-", 1)[0]
-        return ""
+        """The zone's region, as the node's cloud names it (``Cloud.region``: us-east-1a ->
+        us-east-1 on AWS, us-central1-a -> us-central1 on GCP); "" if unknown."""
+        from moshray.autoscaler.clouds.base import cloud_names, get_cloud
+
+        if self.cloud not in cloud_names():
+            return ""
+        return get_cloud(self.cloud).region(self.zone)
 
     def pool(self) -> Pool | None:
         """The pool this node came from, or None if its labels do not name a valid one."""
@@ -262,58 +261,12 @@ class PriceTable:
         return cls.from_json(json.loads(text))
 
 
-def ec2_spot_price_history(client: Any, instance_types: Sequence[str],
-                           zones: Sequence[str]) -> list[dict[str, Any]]:
-    """EC2 ``DescribeSpotPriceHistory`` records for these types and zones from now on: the
-    price in effect now per (type, zone, product), plus any change since
-    (:func:`newest_prices` picks the newest). Linux only, as the node images are. Raises what
-    botocore raises."""
-    paginator = client.get_paginator("describe_spot_price_history")
-    pages = paginator.paginate(
-        InstanceTypes=list(instance_types),
-        ProductDescriptions=list(LINUX_PRODUCTS),
-        Filters=[{"Name": "availability-zone", "Values": list(zones)}],
-        StartTime=dt.datetime.now(dt.timezone.utc),
-    )
-    return [record for page in pages for record in page.get("SpotPriceHistory", [])]
-
-
-
-def ec2_fetch(endpoint_url: str | None = None, timeout_s: float = 5.0) -> Fetch:
-    """A :data:`Fetch` reading EC2's spot price history with boto3, one client per region
-    (made on first use; the zones say the region). Short timeouts and one retry: it runs on
-    the controller's tick, at most once per TTL. ``endpoint_url`` None: boto3's own choice
-    (``AWS_ENDPOINT_URL_EC2`` / ``AWS_ENDPOINT_URL``, else the real endpoint)."""
-    clients: dict[str, Any] = {}
-
-    def fetch(instance_types: tuple[str, ...], zones: tuple[str, ...]) -> list[dict[str, Any]]:
-        import boto3
-        import botocore.config
-
-        by_region: dict[str, list[str]] = {}
-        for zone in zones:
-            region = NodeKey("aws", zone=zone).region
-            if region:
-                by_region.setdefault(region, []).append(zone)
-        records: list[dict[str, Any]] = []
-        for region, region_zones in sorted(by_region.items()):
-            if region not in clients:
-                config = botocore.config.Config(
-                    connect_timeout=timeout_s, read_timeout=timeout_s,
-                    retries={"total_max_attempts": 2, "mode": "standard"})
-                clients[region] = boto3.session.Session(region_name=region).client(
-                    "ec2", endpoint_url=endpoint_url, config=config)
-            records += ec2_spot_price_history(clients[region], instance_types, region_zones)
-        return records
-
-    return fetch
-
-
 class PriceBook:
     """Prices of the cluster's nodes for the controller's cost metrics (thread-safe).
 
     ``fallback``: the configured USD per hour per market (``spot`` / ``on-demand``);
-    ``fetches``: per cloud, the live spot price reader (only ``aws`` has one: ``ec2_fetch``);
+    ``fetches``: per cloud, the live spot price reader (``Cloud.spot_price_fetch``; AWS's
+    is ``clouds/aws/prices.ec2_fetch``);
     ``table``: the shipped prices (None: no table). Live prices are fetched at most once per
     ``ttl_s`` on ``clock`` (and at once for a (type, zone) not fetched yet), so pricing every
     tick costs a dict lookup. Failure behaviour: a failed fetch is logged once per error kind
@@ -340,9 +293,10 @@ class PriceBook:
     def for_config(cls, metrics_config: Any, clock: Callable[[], float]) -> PriceBook:
         """The controller's book: the metrics section's prices (``metrics_config``: any object
         with ``spot_price_per_hour`` / ``on_demand_price_per_hour``, None: the defaults of
-        ``cluster.metrics_state.Prices``) as the fallback, EC2's spot
-        price history for AWS nodes, the shipped table (an unreadable table is logged once
-        and left out)."""
+        ``cluster.metrics.state.Prices``) as the fallback, the live spot prices of every
+        registered cloud that reads them (``Cloud.spot_price_fetch``: EC2's spot price
+        history for AWS nodes), the shipped table (an unreadable table is logged once and
+        left out)."""
         try:
             table: PriceTable | None = PriceTable.shipped()
         except (OSError, ValueError) as exc:
@@ -356,7 +310,10 @@ class PriceBook:
                                                default.spot_per_hour),
                     Market.ON_DEMAND.value: getattr(metrics_config, "on_demand_price_per_hour",
                                                     default.on_demand_per_hour)}
-        return cls(fallback, {"aws": ec2_fetch()}, table, clock)
+        from moshray.autoscaler.clouds.base import clouds
+
+        fetches = {c.name: c.spot_price_fetch() for c in clouds() if c.spot_price_fetch}
+        return cls(fallback, fetches, table, clock)
 
     def _once(self, key: str, level: int, message: str, *args: Any) -> None:
         with self._lock:

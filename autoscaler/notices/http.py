@@ -1,4 +1,4 @@
-"""HTTP plumbing shared by the metadata notice sources (``notice_aws.py``, ``notice_gcp.py``).
+"""HTTP plumbing shared by the clouds' metadata notice sources (e.g. ``clouds/aws/notices.py``).
 
 ``MetadataConnection`` is how the sources talk to their server: HTTP/1.1 over one
 connection kept open across polls, as the AWS and GCE SDKs do. It returns any HTTP status

@@ -4,7 +4,7 @@
 ``deliver()`` put a notice in a thread-safe queue that ``poll`` returns (trace replay turns a
 removal into one). ``SilentSource`` is a node with no notice source (``none``, or ``auto``
 that found no cloud): its polls wait and never return a notice. Both follow the
-``NoticeSource`` contract (``notice_message.py``).
+``NoticeSource`` contract (``notices/message.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from moshray.autoscaler.notices.message import REBALANCE, NoticeSource, PreemptionNotice
+from moshray.autoscaler.notices.message import REBALANCE, SIMULATED, NoticeSource, PreemptionNotice
 
 
 class SimulatedSource(NoticeSource):
@@ -27,7 +27,7 @@ class SimulatedSource(NoticeSource):
     the watcher loop polls.
     """
 
-    cloud = "simulated"
+    cloud = SIMULATED
 
     def __init__(self, node_id: str, *, pool: str = "", clock: Callable[[], float] = time.time):
         self.node_id = node_id
@@ -38,7 +38,7 @@ class SimulatedSource(NoticeSource):
         self._lock = threading.Lock()
 
     def describe(self) -> str:
-        return "simulated"
+        return SIMULATED
 
     def trigger(self, notice_s: float, action: str = "terminate") -> PreemptionNotice:
         """Queue a notice due in ``notice_s`` seconds (``action="rebalance"``: no deadline)."""
@@ -46,14 +46,14 @@ class SimulatedSource(NoticeSource):
             raise ValueError(f"notice_s must be >= 0, got {notice_s}")
         now = self.clock()
         deadline = math.inf if action == REBALANCE else now + notice_s
-        notice = PreemptionNotice(self.node_id, "simulated", action, deadline, now,
+        notice = PreemptionNotice(self.node_id, SIMULATED, action, deadline, now,
                                   self.describe(), self.pool)
         self._queue.put(notice)
         return notice
 
     def deliver(self, notice: PreemptionNotice) -> PreemptionNotice:
         """Queue ``notice`` (re-addressed to this node, marked as simulated)."""
-        notice = replace(notice, node_id=self.node_id, cloud="simulated", source=self.describe())
+        notice = replace(notice, node_id=self.node_id, cloud=SIMULATED, source=self.describe())
         self._queue.put(notice)
         return notice
 
@@ -71,7 +71,7 @@ class SimulatedSource(NoticeSource):
 class SilentSource(NoticeSource):
     """A node with no notice source: ``none``, or ``auto`` where detection found no cloud
     (no metadata service named in the environment, no cloud in the DMI vendor strings, no
-    answer from the link-local probe; ``cloud_detect.py`` logs that line). Polls wait out
+    answer from the link-local probe; ``clouds/detect.py`` logs that line). Polls wait out
     their timeout and never return a notice; ``close`` ends a waiting poll at once."""
 
     cloud = "none"

@@ -4,11 +4,12 @@
 ``terminate`` / ``stop`` / ``hibernate``, GCP's ``preempt``, AWS's ``rebalance`` warning),
 the deadline and when it was received, both on the noticed node's wall clock.
 
-``NoticeSource`` is the contract the sources implement (``notice_aws.py``,
-``notice_gcp.py``, ``notice_local.py``): ``poll(timeout_s)`` returns the next *new* notice
-(each is delivered once) or None when nothing new arrived within ``timeout_s``; it never
-raises on transient trouble (it logs it, counts it in ``errors`` and returns None, so the
-watcher loop simply polls again). Also the clouds' metadata addresses and notice lengths.
+``NoticeSource`` is the contract the sources implement (each cloud's, e.g.
+``clouds/aws/notices.py``, ``clouds/gcp/notices.py``; and ``notices/local.py``):
+``poll(timeout_s)`` returns the next *new* notice (each is delivered once) or None when
+nothing new arrived within ``timeout_s``; it never raises on transient trouble (it logs it,
+counts it in ``errors`` and returns None, so the watcher loop simply polls again). A
+notice's ``cloud`` is a registered cloud (``clouds/base.py``) or ``simulated``.
 """
 
 from __future__ import annotations
@@ -17,21 +18,23 @@ import abc
 import math
 from dataclasses import dataclass
 
-AWS_METADATA_URL = "http://169.254.169.254"
-GCP_METADATA_URL = "http://metadata.google.internal"
-
-# Actions a notice may carry. AWS names its three; "preempt" is GCP's (always a stop or
-# delete chosen by the instance's termination action, invisible from inside); "rebalance"
-# is AWS's early warning that the instance is at elevated risk (no deadline).
+# Actions a notice may carry: the watcher's vocabulary. AWS names its three; "preempt" is
+# GCP's (always a stop or delete chosen by the instance's termination action, invisible from
+# inside); "rebalance" is AWS's early warning that the instance is at elevated risk (no
+# deadline). A new cloud maps its signal onto these.
 AWS_ACTIONS = ("terminate", "stop", "hibernate")
 PREEMPT = "preempt"
 REBALANCE = "rebalance"
 ACTIONS = AWS_ACTIONS + (PREEMPT, REBALANCE)
-CLOUDS = ("aws", "gcp", "simulated")
+SIMULATED = "simulated"  # the cloud of a notice that SimulatedSource delivered
 
-AWS_NOTICE_S = 120.0  # AWS: the interruption happens two minutes after the notice
-GCP_NOTICE_S = 30.0  # GCP: ~30 s between the preemption signal and the hard stop
-IMDS_TOKEN_TTL_MAX_S = 21600  # IMDSv2 accepts a token TTL of 1..21600 seconds
+
+def notice_clouds() -> tuple[str, ...]:
+    """The clouds a notice may name: every registered cloud (``autoscaler/clouds``) and
+    ``simulated``. Read from the registry when called (the clouds import this module)."""
+    from moshray.autoscaler.clouds.base import cloud_names
+
+    return (*cloud_names(), SIMULATED)
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,9 @@ class PreemptionNotice:
     pool: str = ""
 
     def __post_init__(self) -> None:
-        if self.cloud not in CLOUDS:
-            raise ValueError(f"cloud must be one of {CLOUDS}, got {self.cloud!r}")
+        if self.cloud not in notice_clouds():
+            raise ValueError(f"cloud must be one of {', '.join(notice_clouds())}, "
+                             f"got {self.cloud!r}")
         if self.action not in ACTIONS:
             raise ValueError(f"action must be one of {ACTIONS}, got {self.action!r}")
         if math.isnan(self.deadline_unix_s) or not math.isfinite(self.received_unix_s):

@@ -1,13 +1,27 @@
-"""Building a node's notice source by name (``make_source``) and ``AutoSource``, the source
-``auto`` picked, which says how its cloud was found."""
+"""Building a node's notice source by name (``make_source``, ``source_names``) and
+``AutoSource``, the source ``auto`` picked, which says how its cloud was found.
+
+A source's name is a registered cloud's (``autoscaler/clouds``: that cloud's bundle builds
+it), ``simulated`` or ``none``; ``auto`` is resolved by the watcher's config, which detects
+the cloud and then asks here. The names are read from the registry when asked, so a cloud
+registered later is accepted without edits here.
+"""
 from __future__ import annotations
 
-from moshray.autoscaler.clouds.aws.notices import AWSMetadataSource
+from moshray.autoscaler.clouds.base import cloud_names, get_cloud
 from moshray.autoscaler.clouds.detect import Detection
-from moshray.autoscaler.clouds.gcp.notices import GCPMetadataSource
 from moshray.autoscaler.notices.local import SilentSource, SimulatedSource
-from moshray.autoscaler.notices.message import (AWS_METADATA_URL, GCP_METADATA_URL, NoticeSource,
-                                                PreemptionNotice)
+from moshray.autoscaler.notices.message import SIMULATED, NoticeSource, PreemptionNotice
+
+AUTO = "auto"
+NONE = "none"
+
+
+def source_names(*, auto: bool = True, simulated: bool = True) -> tuple[str, ...]:
+    """The names a notice source may be given: ``auto`` (if ``auto``), every registered
+    cloud, ``simulated`` (if ``simulated``: local clusters and tests) and ``none``."""
+    return ((AUTO,) if auto else ()) + cloud_names() + ((SIMULATED,) if simulated else ()) \
+        + (NONE,)
 
 
 class AutoSource(NoticeSource):
@@ -53,21 +67,24 @@ class AutoSource(NoticeSource):
 
 def make_source(kind: str, node_id: str, *, metadata_url: str | None = None, pool: str = "",
                 **options) -> NoticeSource:
-    """The source named ``kind`` ("aws", "gcp", "simulated" or "none") for ``node_id``.
+    """The source named ``kind`` (``source_names(auto=False)``: a registered cloud,
+    ``simulated`` or ``none``) for ``node_id``.
 
-    ``metadata_url`` overrides the cloud's link-local metadata address; ``options`` go to
-    the source's constructor (e.g. ``interval_s`` for AWS, ``notice_s`` for GCP). ``auto``
-    is not a kind here: ``WatcherConfig.make_source`` detects the cloud, then calls this.
-    Raises ``ValueError`` for an unknown kind.
+    For a cloud, its bundle's ``notice_source`` builds it, polling ``metadata_url`` (default:
+    the cloud's link-local metadata address); ``options`` go to the source's constructor
+    (e.g. ``interval_s`` for AWS, ``notice_s`` for GCP). ``auto`` is not a kind here:
+    ``WatcherConfig.make_source`` detects the cloud, then calls this. Raises ``ValueError``
+    for an unknown kind (naming the known ones) or a metadata URL given to ``simulated``.
     """
-    if kind == "aws":
-        return AWSMetadataSource(node_id, metadata_url or AWS_METADATA_URL, pool=pool, **options)
-    if kind == "gcp":
-        return GCPMetadataSource(node_id, metadata_url or GCP_METADATA_URL, pool=pool, **options)
-    if kind == "none":
+    if kind == NONE:
         return SilentSource(node_id, pool=pool)
-    if kind == "simulated":
+    if kind == SIMULATED:
         if metadata_url:
             raise ValueError("the simulated source takes no metadata URL")
         return SimulatedSource(node_id, pool=pool, **options)
-    raise ValueError(f"notice source must be aws, gcp, simulated or none, got {kind!r}")
+    if kind not in cloud_names():
+        raise ValueError(f"notice source must be one of "
+                         f"{', '.join(source_names(auto=False))}, got {kind!r}")
+    cloud = get_cloud(kind)
+    return cloud.notice_source(node_id, metadata_url or cloud.metadata_url, pool=pool,
+                               **options)

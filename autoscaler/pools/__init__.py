@@ -1,8 +1,9 @@
 """Where to launch the next spot nodes: pool selection as a pure policy.
 
-A *pool* is one place capacity comes from: a cloud, an instance (machine) type, a zone and a
-market (spot or on-demand). Spot capacity runs out and comes back per pool, so the NodeProviders
-(``aws_provider.py``, ``gcp_provider.py``) do not launch "an instance type": they ask a
+A *pool* is one place capacity comes from: a registered cloud (``autoscaler/clouds``), an
+instance (machine) type, a zone and a market (spot or on-demand). Spot capacity runs out and
+comes back per pool, so the NodeProviders (``clouds/aws/provider.py``,
+``clouds/gcp/provider.py``) do not launch "an instance type": they ask a
 :class:`PoolSelector` for an ordered list of pools, try the first, record what happened as a
 :class:`PoolEvent`, and ask again. The selector reads only the plain data it is given (events
 with timestamps, the current time, the on-demand nodes in use); it calls no cloud and reads no
@@ -28,13 +29,12 @@ The pool *key* (:func:`encode_pool`) is the value of the ``moshray-pool`` tag/la
 (lowercase letters, digits, ``-`` and ``_``, at most 63 characters), and reversible with
 :func:`decode_pool`.
 
-Each role has its own module; this one re-exports their names (imports of
-``moshray.autoscaler.pools`` keep working):
+Each role has its own module; the package's public names are declared here:
 
-* ``pool_records.py``: ``Market``, ``Pool``, ``encode_pool`` / ``decode_pool``,
+* ``records.py``: ``Market``, ``Pool``, ``encode_pool`` / ``decode_pool``,
   ``EventKind``, ``PoolEvent``.
-* ``pool_budget.py``: ``OnDemandBudget``.
-* ``pool_selector.py``: ``SelectorConfig``, ``Observations``, ``PoolStats``, ``SkipReason``,
+* ``budget.py``: ``OnDemandBudget``.
+* ``selector.py``: ``SelectorConfig``, ``Observations``, ``PoolStats``, ``SkipReason``,
   ``Candidate``, ``Skipped``, ``LaunchPlan``, ``RunningNode``, ``PoolSelector``.
 """
 
@@ -42,9 +42,6 @@ from __future__ import annotations
 
 from moshray.autoscaler.pools.budget import OnDemandBudget  # noqa: F401 - re-exported
 from moshray.autoscaler.pools.records import (  # noqa: F401 - re-exported
-    _KEY_SEP,
-    _NAME_RE,
-    CLOUDS,
     LABEL_MAX,
     EventKind,
     Market,

@@ -3,7 +3,7 @@
 A cap in nodes and/or in USD per hour (on-demand prices per instance type), read from the
 provider config's ``on_demand`` section (a missing section turns the fallback off).
 ``headroom(instance_type, in_use)`` says how many more on-demand nodes of a type fit beside
-the ones in use; the selector (``pool_selector.py``) skips an on-demand pool without room.
+the ones in use; the selector (``selector.py``) skips an on-demand pool without room.
 Pure: no cloud, no clock.
 """
 

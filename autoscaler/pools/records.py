@@ -1,12 +1,13 @@
 """A capacity pool and what happens in it: the plain records the pool policy works on.
 
-``Pool`` is one place capacity comes from (a cloud, an instance/machine type, a zone and a
-``Market``: spot or on-demand); ``Pool.from_config`` reads a provider-config entry.
+``Pool`` is one place capacity comes from (a registered cloud, ``autoscaler/clouds``; an
+instance/machine type, a zone and a ``Market``: spot or on-demand); ``Pool.from_config``
+reads a provider-config entry.
 ``encode_pool`` gives its *key*, the value of the ``moshray-pool`` tag/label (valid as an AWS
 tag value and as a GCP label value: lowercase letters, digits, ``-`` and ``_``, at most 63
 characters), and ``decode_pool`` reverses it. ``PoolEvent`` (of an ``EventKind``: launched,
 capacity error, preempted, released) is what a NodeProvider records for the selector
-(``pool_selector.py``). Pure data, validated on construction (ValueError says what to fix).
+(``pools/selector.py``). Pure data, validated on construction (ValueError says what to fix).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-CLOUDS = ("aws", "gcp")
 # Instance/machine types and zones: lowercase names with '.' and '-' inside.
 # (AWS types carry a '.', e.g. "g4dn.xlarge"; GCP types and all zones use '-'.)
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")
@@ -41,8 +41,13 @@ class Pool:
     subnet_id: str | None = None
 
     def __post_init__(self) -> None:
-        if self.cloud not in CLOUDS:
-            raise ValueError(f"pool cloud must be one of {CLOUDS}, got {self.cloud!r}")
+        # The registered clouds (autoscaler/clouds), read when a pool is made: the clouds'
+        # modules import this one, so the registry is not imported with it.
+        from moshray.autoscaler.clouds.base import cloud_names
+
+        if self.cloud not in cloud_names():
+            raise ValueError(f"pool cloud must be one of {', '.join(cloud_names())}, "
+                             f"got {self.cloud!r}")
         for name, value in (("instance_type", self.instance_type), ("zone", self.zone)):
             if not isinstance(value, str) or not _NAME_RE.match(value) or ".." in value:
                 raise ValueError(

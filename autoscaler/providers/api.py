@@ -1,9 +1,10 @@
 """What the spot NodeProviders for Ray's autoscaler share; the clouds differ only in transport.
 
-A subclass (``aws_provider.AWSSpotNodeProvider``, ``gcp_provider.GCPSpotNodeProvider``)
-implements six small hooks that talk to its cloud (list, fetch, launch in one pool, terminate,
-tag, default pool); this base turns them into Ray's ``NodeProvider`` contract and carries out
-the :class:`~moshray.autoscaler.pools.PoolSelector`'s decisions:
+A subclass (``clouds/aws/provider.py``, ``clouds/gcp/provider.py``; each cloud's bundle
+names it, ``clouds/base.py``) implements six small hooks that talk to its cloud (list, fetch,
+launch in one pool, terminate, tag, default pool); this base turns them into Ray's
+``NodeProvider`` contract and carries out the :class:`~moshray.autoscaler.pools.PoolSelector`'s
+decisions:
 
 * ``create_node`` asks the selector for a plan, launches in the first pool, records the
   outcome (launched / capacity error) in the pool history and asks again for what is left,
@@ -17,10 +18,10 @@ the :class:`~moshray.autoscaler.pools.PoolSelector`'s decisions:
   running vanished) while this provider did not terminate it is a ``PREEMPTED`` event of its
   pool, so the selector steers away from that pool.
 * ``post_process`` (the end of each of Ray's autoscaler updates) serves the providers'
-  metrics on the head's loopback (provider_metrics.py: launches, launch failures,
-  terminations and preemptions by pool) and refreshes the spot price gauges (prices.py).
+  metrics on the head's loopback (providers/metrics.py: launches, launch failures,
+  terminations and preemptions by pool) and refreshes the spot price gauges (clouds/prices.py).
 * ``bootstrap_config`` (``ray up``) gives every node type its identity (instance profile /
-  service account) from the provider config (provider_config.py).
+  service account) from the provider config (providers/config.py).
 
 Assumptions written down (as in Ray's autoscaler v2 provider interface): listings are
 eventually consistent, so nodes launched here are served from a local record until the
@@ -30,8 +31,8 @@ except where Ray's contract wants an exception: a ``create_node`` that launched 
 raises ``NodeLaunchException`` (Ray shows it as a failed launch), and a first listing that
 fails raises (there is no earlier listing to fall back on).
 
-Node records and errors are in provider_records.py, pool placement (``create_node``,
-``release_on_demand``) in provider_placement.py; this module re-exports their names.
+Node records and errors are in providers/records.py, pool placement (``create_node``,
+``release_on_demand``) in providers/placement.py; this module re-exports their names.
 """
 
 from __future__ import annotations
@@ -333,5 +334,5 @@ class SpotNodeProviderBase(SpotPlacementMixin, NodeProvider):
     def bootstrap_config(cls, cluster_config: dict[str, Any]) -> dict[str, Any]:
         """What ``ray up`` does to the config before the head is launched (Ray calls it on
         the provider class): every node type gets the head's or the workers' identity from
-        the provider config (provider_config.bootstrap_identity). Pure."""
+        the provider config (providers/config.py bootstrap_identity). Pure."""
         return bootstrap_identity(cls.cloud, cluster_config)

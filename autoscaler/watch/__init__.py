@@ -3,20 +3,20 @@
 Each role has its own module; this one re-exports their public names (imports, the
 ``moshray watch`` command and ``python -m moshray.autoscaler.watch`` keep working):
 
-* ``watcher_config.py``: ``WatcherConfig`` (where notices come from, whom the watcher
+* ``config.py``: ``WatcherConfig`` (where notices come from, whom the watcher
   tells) and the watcher's actor name.
-* ``notice_watcher.py``: the ``NoticeWatcher`` actor, pinned to its node. On a termination
+* ``watcher.py``: the ``NoticeWatcher`` actor, pinned to its node. On a termination
   notice it records ``running -> noticed``, tells the Coordinator (``note_notice``) and asks
   Ray to drain the node (``drain.py``), records ``noticed -> draining`` and hands off
   (``on_notice.remote(notice)`` on every actor registered with it). A rebalance
   recommendation (AWS) only records ``running -> at_risk``. Also ``start_watcher``,
   ``get_watcher``, ``deliver_notice``, ``wait_rebalanced``.
-* ``watcher_fleet.py``: driver side, ``WatcherFleet`` starts one watcher per live spot node
+* ``fleet.py``: driver side, ``WatcherFleet`` starts one watcher per live spot node
   of a running cluster, delivers simulated notices (trace replay: a removal becomes a notice,
   then the node is removed at its deadline), records how each node ended (``gone`` after a
   notice, ``lost`` without one) and summarizes the lifecycles with the Coordinator's
   rebalance times.
-* ``watch_cli.py``: ``moshray watch`` runs the watcher of the node it is started on (a real
+* ``cli.py``: ``moshray watch`` runs the watcher of the node it is started on (a real
   cloud node): ``moshray watch`` (``--source auto``, the default, detects the node's cloud;
   ``--source aws`` / ``gcp`` name it) connects with ``ray.init(address="auto")``, starts the
   watcher actor on this node (or uses the one a job started there until that job removes
@@ -37,10 +37,10 @@ from moshray.autoscaler.watch.watcher import (  # noqa: F401 - re-exported
     start_watcher,
     wait_rebalanced,
 )
-from moshray.autoscaler.watch.cli import add_arguments, main  # noqa: F401 - re-exported: the `moshray watch` command
+# re-exported: the `moshray watch` command
+from moshray.autoscaler.watch.cli import add_arguments, main  # noqa: F401
 from moshray.autoscaler.watch.config import (  # noqa: F401 - re-exported
     POOL_ENV,
-    SOURCES,
     WATCHER_PREFIX,
     WatcherConfig,
     watcher_name,

@@ -1,7 +1,8 @@
 """``moshray watch``: run the spot-notice watcher of the node it is started on.
 
 Contract: ``moshray watch`` (``--source auto``, the default: the node's cloud is detected
-on the node, see ``cloud_detect.py``; or ``--source aws`` / ``gcp`` to name it) connects
+on the node, see ``clouds/detect.py``; or ``--source aws`` / ``gcp`` / another registered
+cloud to name it) connects
 with ``ray.init(address="auto")``, says on stderr the moshray build it runs, starts the
 watcher actor on this node, says which source it listens to (and, for auto, how it was
 found) and stays until the node's deadline has passed (or ``--max-seconds``); exit 2 on a
@@ -29,24 +30,28 @@ import ray
 
 from moshray.cluster import placement
 
+from moshray.autoscaler.clouds.base import clouds
 from moshray.autoscaler.clouds.detect import LINK_LOCAL_URL
+from moshray.autoscaler.clouds.gcp.notices import GCP_NOTICE_S
+from moshray.autoscaler.notices.sources import source_names
+from moshray.autoscaler.watch.config import WatcherConfig
 from moshray.autoscaler.watch.drain import DrainOutcome, check_node_id
 from moshray.autoscaler.watch.watcher import OpenedWatcher, open_watcher
-from moshray.autoscaler.notices.message import AWS_METADATA_URL, GCP_METADATA_URL, GCP_NOTICE_S
-from moshray.autoscaler.watch.config import SOURCES, WatcherConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--source", choices=SOURCES, default="auto",
+    defaults = ", ".join(f"{c.metadata_url} for {c.name}" for c in clouds())
+    named = " / ".join(c.identity.endpoint_env for c in clouds() if c.identity is not None)
+    parser.add_argument("--source", choices=source_names(), default="auto",
                         help="where notices come from (default auto: the metadata service "
-                             "named in AWS_EC2_METADATA_SERVICE_ENDPOINT / GCE_METADATA_HOST, "
+                             f"named in {named}, "
                              "else the cloud the DMI vendor strings name, else a short probe "
                              f"of {LINK_LOCAL_URL}; none, with a warning, if nothing answers); "
-                             "aws or gcp name the cloud, simulated and none are for tests")
+                             "a cloud's name names it, simulated and none are for tests")
     parser.add_argument("--metadata-url", default=None,
-                        help=f"metadata server base URL (default {AWS_METADATA_URL} for aws, "
-                             f"{GCP_METADATA_URL} for gcp; for auto, where a detected cloud's "
-                             f"service is and where the probe looks, default {LINK_LOCAL_URL})")
+                        help=f"metadata server base URL (default {defaults}; for auto, where "
+                             "a detected cloud's service is and where the probe looks, "
+                             f"default {LINK_LOCAL_URL})")
     parser.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     parser.add_argument("--node-id", default=None, help="Ray node id to watch (default: this node)")
     parser.add_argument("--pool", default="", help="capacity pool of this node, for metrics")

@@ -2,8 +2,10 @@
 
 Contract: ``WatcherConfig`` is validated once, at construction (a bad value raises
 ``ValueError``), and resolves the ``NoticeSource`` of a node on that node
-(``make_source``; for ``auto`` that detects the node's cloud, see ``cloud_detect.py``);
-``watcher_name`` names a node's watcher actor. No Ray calls.
+(``make_source``; for ``auto`` that detects the node's cloud, see ``clouds/detect.py``);
+``watcher_name`` names a node's watcher actor. The source names are the registered clouds'
+(``autoscaler/clouds``) plus ``auto``, ``simulated`` and ``none`` (``notices/sources.py``
+``source_names``), read when a config is made. No Ray calls.
 """
 
 from __future__ import annotations
@@ -15,33 +17,35 @@ from dataclasses import dataclass
 from moshray.cluster import placement
 
 import moshray.autoscaler.clouds.detect as cloud_detect
-from moshray.autoscaler.clouds.detect import LINK_LOCAL_URL, DetectConfig
+from moshray.autoscaler.clouds.base import cloud_names, get_cloud
+from moshray.autoscaler.clouds.detect import LINK_LOCAL_URL, DetectConfig, node_metadata_service
+from moshray.autoscaler.clouds.gcp.notices import GCP_NOTICE_S
 from moshray.autoscaler.notices.http import _validate_base_url
-from moshray.autoscaler.clouds.detect import node_metadata_service
-from moshray.autoscaler.notices.message import GCP_NOTICE_S, NoticeSource
-from moshray.autoscaler.notices.sources import AutoSource, make_source
+from moshray.autoscaler.notices.message import SIMULATED, NoticeSource
+from moshray.autoscaler.notices.sources import AutoSource, make_source, source_names
 
 WATCHER_PREFIX = "moshray-watcher-"
 POOL_ENV = "MOSHRAY_POOL"  # a node's pool (instance type, zone, market), set by its setup
-SOURCES = ("auto", "aws", "gcp", "simulated", "none")
 
 
 @dataclass(frozen=True)
 class WatcherConfig:
     """How a watcher listens and whom it tells. Validated once, here.
 
-    ``source``: aws, gcp, simulated, none, or auto: the node's cloud, detected on the node as
-    the clouds' SDKs do (``cloud_detect.py``): the metadata service its environment names
+    ``source``: a registered cloud (aws, gcp, ...), simulated, none, or auto: the node's
+    cloud, detected on the node as the clouds' SDKs do (``clouds/detect.py``): the metadata
+    service its environment names
     (``AWS_EC2_METADATA_SERVICE_ENDPOINT`` / ``GCE_METADATA_HOST``), else its DMI vendor
     strings, else a bounded probe of the link-local metadata service; none (a silent source,
     with a warning) when nothing answers. ``metadata_url`` overrides the cloud's link-local
-    address: for aws / gcp, where that source polls; for auto, where the DMI-detected cloud
-    is polled and where the probe looks (a service the environment names still wins). For
-    aws / gcp without ``metadata_url``, a node that names its own service of that cloud is
+    address: for a cloud, where that source polls; for auto, where the DMI-detected cloud is
+    polled and where the probe looks (a service the environment names still wins). For a
+    cloud without ``metadata_url``, a node that names its own service of that cloud is
     polled there (the embedded cluster's emulators; tests). ``detect`` bounds auto's probe
     and names the DMI directory. ``poll_s`` bounds one poll (and so how fast ``stop`` is
     noticed); ``aws_interval_s`` is the IMDS check period; ``gcp_notice_s`` is the notice
-    GCP gives. ``rpc_timeout_s`` bounds each call to the Coordinator and the GCS.
+    GCP gives (each cloud's bundle picks its options, ``Cloud.notice_options``).
+    ``rpc_timeout_s`` bounds each call to the Coordinator and the GCS.
     """
 
     source: str = "simulated"
@@ -55,9 +59,10 @@ class WatcherConfig:
     detect: DetectConfig = DetectConfig()
 
     def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {self.source!r}")
-        if self.source == "simulated" and self.metadata_url:
+        if self.source not in source_names():
+            raise ValueError(f"source must be one of {', '.join(source_names())}, "
+                             f"got {self.source!r}")
+        if self.source == SIMULATED and self.metadata_url:
             raise ValueError("the simulated source takes no metadata URL")
         if self.metadata_url is not None:
             _validate_base_url(self.metadata_url)
@@ -86,11 +91,7 @@ class WatcherConfig:
             named_kind, named_url = node_metadata_service(environ)
             if kind == named_kind and url is None:
                 url = named_url
-        options = {}
-        if kind == "aws":
-            options["interval_s"] = self.aws_interval_s
-        elif kind == "gcp":
-            options["notice_s"] = self.gcp_notice_s
+        options = dict(get_cloud(kind).notice_options(self)) if kind in cloud_names() else {}
         source = make_source(kind, node_id, metadata_url=url, pool=pool, **options)
         return source if detection is None else AutoSource(source, detection)
 

@@ -36,13 +36,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from moshray.autoscaler.clouds.detect import (
-    AWS_DISABLED_ENV,
-    AWS_ENDPOINT_ENV,
-    GCE_CHECK_OFF_ENV,
-    GCP_HOST_ENV,
-)
-from moshray.autoscaler.clouds.metadata_emulator import IMDSv2Server
+from moshray.autoscaler.clouds.aws.emulator import IMDSv2Server
+from moshray.autoscaler.clouds.aws.identity import AWS_ENDPOINT_ENV
+from moshray.autoscaler.clouds.detect import metadata_env_names, search_off_environ
 from moshray.cluster.placement import SLOT_LABEL, SPOT_RESOURCE
 
 log = logging.getLogger(__name__)
@@ -177,12 +173,11 @@ def allow_cluster_addresses() -> None:
 
 
 HOSTS = ("loopback", "netns")
-HEAD_ENV = {AWS_DISABLED_ENV: "true", GCE_CHECK_OFF_ENV: "true"}
+HEAD_ENV = search_off_environ()  # every registered cloud's SDK opt-out set
 # What a spot node of the separate-hosts mode must not inherit from the driver: a Ray address
 # or token of another cluster, and anything that names or switches off the metadata service
 # (the node finds its own at 169.254.169.254, as on a cloud).
-NODE_ENV_DROP = ("RAY_ADDRESS", "RAY_AUTH_TOKEN", AWS_ENDPOINT_ENV, GCP_HOST_ENV,
-                 AWS_DISABLED_ENV, GCE_CHECK_OFF_ENV)
+NODE_ENV_DROP = ("RAY_ADDRESS", "RAY_AUTH_TOKEN", *metadata_env_names())
 
 
 @dataclass

@@ -7,7 +7,7 @@ token; every ``GET`` sends it in ``X-aws-ec2-metadata-token``.
 when the action happens, about 2 minutes after the notice).
 ``/latest/meta-data/events/recommendations/rebalance`` is 404 until a rebalance
 recommendation, then ``{"noticeTime": "..."}``. The token is refreshed before it expires
-and once more on a 401. Follows the ``NoticeSource`` contract (``notice_message.py``).
+and once more on a 401. Follows the ``NoticeSource`` contract (``notices/message.py``).
 """
 
 from __future__ import annotations
@@ -18,20 +18,25 @@ import math
 import time
 from collections.abc import Callable
 
-from moshray.autoscaler.notices.http import (MetadataConnection, _Response, _TransientError, _parse_utc,
-                          _validate_base_url)
+from moshray.autoscaler.notices.http import (
+    MetadataConnection,
+    _parse_utc,
+    _Response,
+    _TransientError,
+    _validate_base_url,
+)
 from moshray.autoscaler.notices.message import (
     AWS_ACTIONS,
-    AWS_METADATA_URL,
-    AWS_NOTICE_S,
-    IMDS_TOKEN_TTL_MAX_S,
     REBALANCE,
     NoticeSource,
     PreemptionNotice,
 )
 
-# Logged under the public module's name, as before notices.py was split by role.
-log = logging.getLogger(__package__ + ".notices")
+AWS_METADATA_URL = "http://169.254.169.254"
+AWS_NOTICE_S = 120.0  # the interruption happens two minutes after the notice
+IMDS_TOKEN_TTL_MAX_S = 21600  # IMDSv2 accepts a token TTL of 1..21600 seconds
+
+log = logging.getLogger(__name__)
 
 
 class AWSMetadataSource(NoticeSource):
@@ -44,7 +49,7 @@ class AWSMetadataSource(NoticeSource):
     ``poll(0)`` before the next check is due returns None without a request. A termination
     notice is returned before a rebalance recommendation seen in the same check; each
     distinct document is returned once. Every request goes over one kept-alive connection
-    (``notice_http.MetadataConnection``), closed by the first poll after ``close``.
+    (``notices/http.py``, ``MetadataConnection``), closed by the first poll after ``close``.
     """
 
     cloud = "aws"
@@ -100,7 +105,8 @@ class AWSMetadataSource(NoticeSource):
         self._token = resp.body.decode("ascii", "replace").strip()
         self.tokens_fetched += 1
         # Refresh a little before the server drops it (10% of the TTL, at most 60 s early).
-        self._token_expires = time.monotonic() + self.token_ttl_s - min(60.0, 0.1 * self.token_ttl_s)
+        self._token_expires = (time.monotonic() + self.token_ttl_s
+                               - min(60.0, 0.1 * self.token_ttl_s))
         return self._token
 
     def _get(self, path: str) -> _Response:
@@ -112,7 +118,8 @@ class AWSMetadataSource(NoticeSource):
             if resp.status != 401:
                 return resp
             self._token = None  # expired or revoked
-            log.info("IMDSv2 token rejected (401)%s", ", fetching a new one" if attempt == 0 else "")
+            log.info("IMDSv2 token rejected (401)%s",
+                     ", fetching a new one" if attempt == 0 else "")
         raise _TransientError(f"GET {path}: HTTP 401 even with a fresh token")
 
     # documents -----------------------------------------------------------------------------
@@ -143,7 +150,8 @@ class AWSMetadataSource(NoticeSource):
             log.warning("spot instance-action without a readable time (%r): assuming %.0f s",
                         doc.get("time"), AWS_NOTICE_S)
             deadline = now + AWS_NOTICE_S
-        return PreemptionNotice(self.node_id, "aws", action, deadline, now, self.describe(), self.pool)
+        return PreemptionNotice(self.node_id, "aws", action, deadline, now, self.describe(),
+                                self.pool)
 
     def _check(self) -> None:
         now = self.clock()

@@ -21,7 +21,7 @@ Plugged in with::
       spot_price_ttl_s: 300
 
 ``bootstrap_config`` (``ray up``) puts the instance profiles into the node types
-(provider_config.bootstrap_identity). Spot prices come from EC2's spot price history
+(providers/config.py bootstrap_identity). Spot prices come from EC2's spot price history
 (:meth:`AWSSpotNodeProvider.spot_price_history`, prices.py); ``spot_prices`` is only the
 fallback for a (type, zone) the history does not answer.
 
@@ -56,7 +56,8 @@ import botocore.config
 import botocore.exceptions
 
 from moshray.autoscaler.pools import Market, Pool
-from moshray.autoscaler.clouds.prices import Fetch, ec2_spot_price_history
+from moshray.autoscaler.clouds.aws.prices import ec2_spot_price_history
+from moshray.autoscaler.clouds.prices import Fetch
 from moshray.autoscaler.providers.api import (
     NODE_POOLS_KEY,
     LaunchError,
@@ -143,7 +144,7 @@ class AWSSpotNodeProvider(SpotNodeProviderBase):
     def spot_price_history(self, instance_types: tuple[str, ...],
                            zones: tuple[str, ...]) -> list[dict[str, Any]]:
         """EC2's spot price records for these types and zones from now on (the reader the
-        controller's PriceBook uses too: prices.ec2_spot_price_history)."""
+        controller's PriceBook uses too: aws/prices.py ec2_spot_price_history)."""
         return ec2_spot_price_history(self.ec2, instance_types, zones)
 
     def _default_pool(self, node_config: Mapping[str, Any]) -> Pool:

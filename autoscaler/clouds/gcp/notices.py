@@ -5,7 +5,7 @@ rejects requests without it); the body is ``TRUE`` or ``FALSE``. It long-polls w
 ``?wait_for_change=true&timeout_sec=N&last_etag=E``: the server answers at once if the
 value's ETag differs from ``E``, otherwise when it changes or after ``N`` seconds. GCP gives
 about 30 s between the preemption signal and the hard stop, so the deadline is
-``received + notice_s``. Follows the ``NoticeSource`` contract (``notice_message.py``).
+``received + notice_s``. Follows the ``NoticeSource`` contract (``notices/message.py``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,17 @@ import time
 import urllib.parse
 from collections.abc import Callable
 
-from moshray.autoscaler.notices.http import MetadataConnection, _TransientError, _validate_base_url
-from moshray.autoscaler.notices.message import GCP_METADATA_URL, GCP_NOTICE_S, PREEMPT, NoticeSource, PreemptionNotice
+from moshray.autoscaler.notices.http import (
+    MetadataConnection,
+    _TransientError,
+    _validate_base_url,
+)
+from moshray.autoscaler.notices.message import PREEMPT, NoticeSource, PreemptionNotice
 
-# Logged under the public module's name, as before notices.py was split by role.
-log = logging.getLogger(__package__ + ".notices")
+GCP_METADATA_URL = "http://metadata.google.internal"
+GCP_NOTICE_S = 30.0  # about 30 s between the preemption signal and the hard stop
+
+log = logging.getLogger(__name__)
 
 
 class GCPMetadataSource(NoticeSource):
@@ -30,7 +36,7 @@ class GCPMetadataSource(NoticeSource):
     ``wait_for_change=true``, ``last_etag`` and ``timeout_sec`` (whole seconds, at least 1),
     so a change is seen the moment the server flips it. ``TRUE`` becomes one notice with
     ``deadline = received + notice_s``. Every read goes over one kept-alive connection
-    (``notice_http.MetadataConnection``), closed by the first poll after ``close``.
+    (``notices/http.py``, ``MetadataConnection``), closed by the first poll after ``close``.
     """
 
     cloud = "gcp"
@@ -78,7 +84,8 @@ class GCPMetadataSource(NoticeSource):
         if resp.status != 200:
             raise _TransientError(f"GET {self.PATH}: HTTP {resp.status}")
         if resp.headers.get("metadata-flavor") != "Google":
-            raise _TransientError("the answer lacks `Metadata-Flavor: Google`: not a GCE metadata server")
+            raise _TransientError("the answer lacks `Metadata-Flavor: Google`: "
+                                  "not a GCE metadata server")
         self.etag = resp.headers.get("etag") or self.etag
         return resp.body.decode("ascii", "replace").strip().upper()
 

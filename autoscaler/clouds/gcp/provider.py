@@ -22,7 +22,7 @@ Plugged in with::
                                           # (the controller's PriceBook also has price_table.json)
 
 ``bootstrap_config`` (``ray up``) puts the service accounts into the node types
-(provider_config.bootstrap_identity).
+(providers/config.py bootstrap_identity).
 
 ``node_config`` of a node type is a GCE ``Instance`` resource in REST JSON (disks,
 networkInterfaces, guestAccelerators, serviceAccounts, metadata, ...). The pool decides

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
-from moshray.actors.replica.step_manager import StepManager
+from moshray.actors.replica.protocol import Phase
+from moshray.actors.replica.step_manager import StepManager, Tally
 from moshray.cluster.coordinator.progress import ProgressReply
 
 
@@ -32,13 +33,15 @@ def _manager(coordinator: FakeCoordinator, overlap: bool = False) -> StepManager
     manager = StepManager("p0", coordinator, handle=None, node_id="n0", round_timeout_s=5.0)
     manager.state = SimpleNamespace(epoch=0, step_checksum=None, model=torch.nn.Linear(2, 2),
                                     feed=None)
-    manager.strategy = SimpleNamespace(overlap=overlap)
+    manager.strategy = SimpleNamespace(overlap=overlap, numel=lambda model: 6)
+    manager.protocol.to(Phase.SYNCING)  # (``start`` without its Coordinator calls)
+    manager.protocol.to(Phase.TRAINING)
     steps: list[int] = []
 
     async def global_step(plan) -> None:  # the averaging is not under test here
         steps.append(plan.epoch)
         manager.state.epoch = plan.epoch
-        manager.samples, manager.micro, manager.loss_sum = 0, 0, 0.0
+        manager.tally = Tally()
 
     manager.global_step = global_step
     manager.steps = steps

@@ -1,12 +1,29 @@
-"""The collaborative step's learning-rate rule (``strategies.lr_scale``): pure decisions,
-and one optimizer step through ``Collaborative.finish_step``."""
+"""The step strategies (``actors/replica/strategies.py``): the collaborative step's
+learning-rate rule (``lr_scale``, pure) and one optimizer step through
+``Collaborative.finish_step``; the whole state after a step (parameters, buffers, the
+shared optimizer state) equal on two replicas and covered by the digests; the registry."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from moshray.actors.replica.strategies import Collaborative, lr_scale, scaled_lr
+from moshray.actors.replica.state import TrainState, checksum, step_digest
+from moshray.actors.replica.strategies import (
+    STRATEGIES,
+    Collaborative,
+    LocalSGD,
+    OuterNesterov,
+    Strategy,
+    averaged_buffers,
+    lr_scale,
+    make_strategy,
+    register,
+    scaled_lr,
+    strategy_names,
+)
 
 
 @pytest.mark.parametrize("samples,target,rule,expected", [
@@ -45,3 +62,144 @@ def test_a_step_that_averaged_more_samples_moves_further_and_keeps_the_rate():
     scaled = step("sqrt", 128)  # 4x the target: twice the rate
     assert torch.allclose(plain, torch.full((1, 3), 1.0 - 0.1 * 2.0))
     assert torch.allclose(scaled, torch.full((1, 3), 1.0 - 0.2 * 2.0))
+
+
+# -- the whole state: parameters, buffers, optimizer state (issue 44 item 5) ---------------
+
+def _bn_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                               torch.nn.Linear(4, 1))
+
+
+def _micro_batches(model, opt, strategy, shift: float, n: int) -> None:
+    g = torch.Generator().manual_seed(int(shift))
+    for _ in range(n):
+        x = torch.randn(8, 3, generator=g) * (1 + shift) + shift
+        torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+        strategy.after_backward(model, opt, None)
+
+
+def _mean(contributions: list[list[torch.Tensor]], weights: list[float]) -> list:
+    """The weighted mean the collective computes, element by element."""
+    total = sum(weights)
+    return [sum(c[i].float() * w for c, w in zip(contributions, weights)) / total
+            for i in range(len(contributions[0]))]
+
+
+def _two_replicas_step(strategy_of, optimizer_of):
+    models = [_bn_model(), _bn_model()]
+    opts = [optimizer_of(m) for m in models]
+    strategies = [strategy_of(m) for m in models]
+    for i, (m, o, s) in enumerate(zip(models, opts, strategies)):
+        _micro_batches(m, o, s, shift=float(i * 3), n=2 + i)  # different data, counts
+    assert not torch.equal(models[0][1].running_mean, models[1][1].running_mean)
+    contributions = [s.contribution(m, 2 + i, None)
+                     for i, (m, s) in enumerate(zip(models, strategies))]
+    averaged = _mean(contributions, [16.0, 24.0])
+    for m, o, s in zip(models, opts, strategies):
+        s.apply(m, o, [a.clone() for a in averaged], 40.0)
+    return models, opts, strategies
+
+
+@pytest.mark.parametrize("mode", ["collaborative", "local_sgd"])
+def test_a_step_leaves_equal_parameters_buffers_and_shared_optimizer_state(mode):
+    if mode == "collaborative":
+        strategy_of = lambda m: Collaborative(grad_clip=1.0)  # noqa: E731
+    else:
+        strategy_of = lambda m: LocalSGD(1.0, OuterNesterov(m, 0.7, 0.9))  # noqa: E731
+    models, opts, strategies = _two_replicas_step(
+        strategy_of, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2))
+    shared = [s.shared_optimizers(o) for s, o in zip(strategies, opts)]
+    a, b = models
+    assert torch.equal(a[1].running_mean, b[1].running_mean)
+    assert torch.equal(a[1].running_var, b[1].running_var)
+    assert checksum(a, shared[0]) == checksum(b, shared[1])
+    assert step_digest(a, 7, shared[0]) == step_digest(b, 7, shared[1])
+    # The integer counter counts each replica's own forward passes: not compared.
+    assert a[1].num_batches_tracked != b[1].num_batches_tracked
+    # A buffer perturbed on one replica: both digests see it.
+    with torch.no_grad():
+        b[1].running_var[0] += 1e-3
+    assert checksum(a, shared[0]) != checksum(b, shared[1])
+    assert step_digest(a, 7, shared[0]) != step_digest(b, 7, shared[1])
+
+
+def test_the_checksum_covers_the_shared_optimizer_state():
+    models, opts, strategies = _two_replicas_step(
+        lambda m: Collaborative(grad_clip=1.0),
+        lambda m: torch.optim.Adam(m.parameters(), lr=1e-2))
+    (a, b), (oa, ob) = models, opts
+    assert checksum(a, (oa,)) == checksum(b, (ob,))
+    with torch.no_grad():
+        ob.state[next(b.parameters())]["exp_avg_sq"].mul_(1.5)
+    assert checksum(a, (oa,)) != checksum(b, (ob,))
+    assert step_digest(a, 3, (oa,)) != step_digest(b, 3, (ob,))
+    assert checksum(a) == checksum(b)  # (the parameters and buffers alone still agree)
+
+
+def test_a_snapshot_and_the_loops_end_carry_the_buffers_as_of_the_last_step():
+    model = _bn_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    strategy = Collaborative(grad_clip=0.0)
+    state = TrainState(model, opt, None, None, {})
+    state.keep_step_buffers()
+    _micro_batches(model, opt, strategy, 1.0, 2)
+    strategy.apply(model, opt, strategy.contribution(model, 2, None), 16.0)
+    state.commit(1)
+    at_step = [b.clone() for b in averaged_buffers(model)]
+    digest_at_step = state.full_checksum()
+    _micro_batches(model, opt, strategy, 5.0, 3)  # forward passes after the last step
+    assert not torch.equal(averaged_buffers(model)[0], at_step[0])
+    # A joiner gets the step's buffers, so its state is the step's to the last bit.
+    joiner_model = _bn_model()
+    joiner = TrainState(joiner_model, torch.optim.SGD(joiner_model.parameters(), lr=0.1),
+                        None, None, {})
+    joiner.keep_step_buffers()
+    joiner.load(state.snapshot(), from_donor=True)
+    assert joiner.full_checksum() == digest_at_step and joiner.epoch == 1
+    state.restore_step_buffers()  # the loop's end
+    assert all(torch.equal(x, y) for x, y in zip(averaged_buffers(model), at_step))
+    assert state.full_checksum() == digest_at_step
+
+
+def test_a_new_strategy_is_one_registered_class():
+    from typing import get_args
+
+    from moshray.jobs.config import ConfigError, TrainConfig
+    from moshray.jobs.config.sections import Mode
+
+    assert strategy_names()[:2] == ("collaborative", "local_sgd")
+    assert set(get_args(Mode)) == set(strategy_names())  # the config reads the registry
+    with pytest.raises(ConfigError, match="training.mode: must be one of 'collaborative'"):
+        TrainConfig.from_dict({"training": {"mode": "sgd"}})
+
+    class Frozen(Strategy):  # never averages anything it trains
+        name = "frozen-test"
+
+        @classmethod
+        def from_config(cls, training, model, device=None):
+            return cls()
+
+        def after_backward(self, model, optimizer, fault):
+            optimizer.zero_grad()
+
+        def zero_grad_allowed(self):
+            return True
+
+        def contribution(self, model, micro, fault):
+            return []
+
+        def apply(self, model, optimizer, averaged, total_weight):
+            pass
+
+    try:
+        register(Frozen)
+        training = SimpleNamespace(mode="frozen-test")
+        assert isinstance(make_strategy(training, _bn_model()), Frozen)
+        with pytest.raises(ValueError, match="registered twice"):
+            register(type("Other", (Frozen,), {}))
+    finally:
+        STRATEGIES.pop("frozen-test", None)
+    with pytest.raises(ValueError, match="use one of collaborative, local_sgd"):
+        make_strategy(training, _bn_model())

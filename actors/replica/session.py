@@ -13,8 +13,9 @@ The loop is a plain function ``loop(session)`` that the replica runs in a thread
 optimizer, the user's extra state dict, the data position and the RNG states are copied
 from a live replica or the checkpoint) and returns the optimizer wrapper. ``batches()``
 yields the batches of the shards this replica is handed, on its device, until the job
-stops. ``opt.step(loss)`` runs the backward pass and lets the step strategy decide
-whether a global step happens now (it returns True when one did). Bad input raises a
+stops. ``opt.step(loss)`` runs the backward pass and lets the step strategy
+(``strategies.py``: ``training.mode`` names one) decide whether a global step happens now
+(it returns True when one did). Bad input raises a
 ``UserError`` naming what to fix, which stops the job.
 """
 
@@ -119,8 +120,10 @@ class ElasticOptimizer:
 class Session:
     """One replica's view of the job, for the training loop (see module docstring).
 
-    Attributes: ``peer_id``, ``config`` (the ``TrainConfig``), ``device``, ``seed``,
-    ``coordinator`` (handle, for DMoE layers), ``epoch`` (global steps so far)."""
+    Attributes: ``peer_id``, ``config`` (the ``TrainConfig``), ``device`` (the GPU Ray
+    gave this replica, else the CPU; ``prepare`` moves the model there, ``batches`` the
+    data), ``seed``, ``coordinator`` (handle, for DMoE layers), ``epoch`` (global steps so
+    far). ``autocast()``: mixed precision on that device."""
 
     def __init__(self, peer_id: str, config, device: torch.device, manager, source,
                  loop: asyncio.AbstractEventLoop, coordinator):
@@ -160,9 +163,12 @@ class Session:
         coordinator, peer = self.coordinator, self.peer_id
         feed = ShardFeed(self.source, self.seed,
                          lambda floor: coordinator.grant_shards.remote(peer, 1, floor).future())
-        self.state = TrainState(model, optimizer, state, feed, self.config.to_dict())
         self.strategy = make_strategy(self.config.training, model, self.device)
+        self.state = TrainState(model, optimizer, state, feed, self.config.to_dict())
         self.state.strategy_state = self.strategy.outer_state
+        self.state.shared_optimizers = self.strategy.shared_optimizers(optimizer)
+        if not self.strategy.local_updates:  # the model changes only in global steps
+            self.state.keep_step_buffers()
         self.call(self.manager.start(self.state, self.strategy))
         return ElasticOptimizer(self, optimizer)
 
@@ -180,3 +186,17 @@ class Session:
     def record(self, events: tuple) -> None:
         """Metrics events (``moshray.cluster.metrics``) to the Coordinator, fire-and-forget."""
         self._loop.call_soon_threadsafe(self.manager.record, tuple(events))
+
+    def autocast(self, enabled: bool | None = None, dtype: torch.dtype = torch.bfloat16):
+        """``torch.autocast`` on this replica's device: the forward pass in ``dtype``
+        (bf16) where it pays. ``enabled`` None: on for a CUDA device that supports bf16,
+        off on the CPU; True forces it on (CPU autocast on a CPU replica). Use it around the
+        forward pass and the loss, not around ``opt.step``::
+
+            with session.autocast():
+                loss = model.loss(x, y)
+            opt.step(loss)
+        """
+        if enabled is None:
+            enabled = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.autocast(self.device.type, dtype=dtype, enabled=bool(enabled))

@@ -23,30 +23,52 @@ from moshray.actors.errors import UserError
 STATE_VERSION = 2
 
 
-def checksum(model: torch.nn.Module) -> str:
-    """Digest of every parameter's bytes (equal digests = bitwise equal replicas)."""
+def consistent_tensors(model: torch.nn.Module, optimizers=()) -> list[torch.Tensor]:
+    """What replicas that hold the same step hold equal, in a fixed order: the parameters,
+    the floating-point buffers (``strategies.averaged_buffers``: integer ones count each
+    replica's own forward passes) and the state of ``optimizers`` (each parameter's
+    entries by name; a number such as a ``step`` count as a one-element tensor; other
+    values are left out)."""
+    tensors = [p.detach() for p in model.parameters()]
+    tensors += [b.detach() for b in model.buffers() if b.is_floating_point()]
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                entry = optimizer.state.get(p, {})
+                for key in sorted(entry, key=str):
+                    v = entry[key]
+                    if isinstance(v, torch.Tensor):
+                        tensors.append(v.detach())
+                    elif isinstance(v, (int, float)):
+                        tensors.append(torch.tensor(float(v), dtype=torch.float64))
+    return tensors
+
+
+def checksum(model: torch.nn.Module, optimizers=()) -> str:
+    """Digest of the bytes of every ``consistent_tensors`` entry (equal digests = bitwise
+    equal parameters, buffers and optimizer state)."""
     h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().cpu().numpy().tobytes())
+    for t in consistent_tensors(model, optimizers):
+        h.update(t.cpu().contiguous().reshape(-1).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
-DIGEST_ELEMENTS = 1 << 16  # parameters sampled by the per-step digest
+DIGEST_ELEMENTS = 1 << 16  # values sampled by the per-step digest
 
 
-def step_digest(model: torch.nn.Module, epoch: int) -> str:
-    """A cheap per-step digest: about ``DIGEST_ELEMENTS`` parameter values at a stride that
-    rotates with ``epoch``, plus every tensor's sum (a step changes every element, so a
-    replica that diverged differs in the sample and the sums). ``checksum`` is the full one
-    (end of run, on demand)."""
-    params = [p.detach().reshape(-1) for p in model.parameters()]
-    total = sum(p.numel() for p in params)
+def step_digest(model: torch.nn.Module, epoch: int, optimizers=()) -> str:
+    """A cheap per-step digest of ``consistent_tensors``: about ``DIGEST_ELEMENTS`` values
+    at a stride that rotates with ``epoch``, plus every tensor's sum (a step changes every
+    element, so a replica that diverged differs in the sample and the sums). ``checksum``
+    is the full one (end of run, on demand)."""
+    tensors = [t.reshape(-1) for t in consistent_tensors(model, optimizers)]
+    total = sum(t.numel() for t in tensors)
     stride = max(1, total // DIGEST_ELEMENTS)
     h = hashlib.sha256()
-    for p in params:
-        start = epoch % stride if p.numel() > stride else 0
-        h.update(p[start::stride].cpu().numpy().tobytes())
-        h.update(p.sum(dtype=torch.float64).cpu().numpy().tobytes())
+    for t in tensors:
+        start = epoch % stride if t.numel() > stride else 0
+        h.update(t[start::stride].cpu().contiguous().numpy().tobytes())
+        h.update(t.sum(dtype=torch.float64).cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -133,26 +155,73 @@ class TrainState:
     """The user's objects plus the step bookkeeping of one replica (see module docstring).
 
     ``strategy_state`` is the step strategy's own (e.g. the outer optimizer of local SGD):
-    an object with ``state_dict``/``load_state_dict``, or None; ``feed`` the data feed."""
+    an object with ``state_dict``/``load_state_dict``, or None; ``feed`` the data feed;
+    ``shared_optimizers`` the optimizers whose state every replica holds equal after a
+    step (``Strategy.shared_optimizers``): the digests cover their state.
+
+    ``step_buffers`` (after ``keep_step_buffers``, for a strategy whose model changes only
+    in global steps): the floating-point buffers as of the last step. Forward passes move
+    the model's buffers between steps; a snapshot (a joiner's copy, a checkpoint) carries
+    these instead, and ``restore_step_buffers`` puts them back when the loop ends, so a
+    replica hands on and ends with the state every replica of its step holds."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  extra: dict | None, feed, config: dict):
         self.model, self.optimizer, self.feed, self.config = model, optimizer, feed, config
         self.extra = extra if extra is not None else {}
         self.strategy_state = None
+        self.shared_optimizers: tuple = ()
+        self.step_buffers: dict[str, torch.Tensor] | None = None
         self.epoch = 0
         self.lineage = Lineage()
-        self.init_digest = step_digest(model, 0)  # the model as the user's code built it
+        # the model (parameters and buffers) as the user's code built it
+        self.init_digest = step_digest(model, 0)
         self.step_checksum = self.init_digest
 
+    def digest(self, epoch: int) -> str:
+        """The per-step digest of this state (``step_digest``) for step ``epoch``."""
+        return step_digest(self.model, epoch, self.shared_optimizers)
+
+    def full_checksum(self) -> str:
+        """The full digest of this state (``checksum``): parameters, floating-point
+        buffers and the shared optimizers' state."""
+        return checksum(self.model, self.shared_optimizers)
+
+    def keep_step_buffers(self) -> None:
+        """From now on, keep the floating-point buffers as of each step (these, now)."""
+        self.step_buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()
+                             if b.is_floating_point()}
+
+    def restore_step_buffers(self) -> None:
+        """Put the buffers as of the last step back into the model (if kept)."""
+        if self.step_buffers is None:
+            return
+        with torch.no_grad():
+            for name, b in self.model.named_buffers():
+                if name in self.step_buffers:
+                    b.copy_(self.step_buffers[name])
+
+    def commit(self, epoch: int) -> None:
+        """The global step ``epoch`` was applied: its lineage, digest and epoch (and the
+        buffers as of it, if kept)."""
+        self.lineage.apply(epoch)
+        self.step_checksum = self.digest(epoch)
+        self.epoch = epoch
+        if self.step_buffers is not None:
+            self.keep_step_buffers()
+
     def snapshot(self) -> dict:
+        model = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        for name, b in (self.step_buffers or {}).items():
+            if name in model:  # (a non-persistent buffer is not in the state dict)
+                model[name] = b.cpu()
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
             "lineage": self.lineage.as_tuple(),
             "step_checksum": self.step_checksum,
             "init_digest": self.init_digest,
-            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "model": model,
             "optimizer": self.optimizer.state_dict(),
             "strategy": self.strategy_state.state_dict() if self.strategy_state else None,
             "extra": _extra_snapshot(self.extra),
@@ -187,5 +256,7 @@ class TrainState:
         self.lineage = Lineage.from_tuple(state.get("lineage"), self.epoch)
         # Local SGD: a donor hands over its current (moved-on) parameters; the checksum
         # that identifies the step is the donor's, taken right after that step.
-        self.step_checksum = state.get("step_checksum") or checksum(self.model)
+        self.step_checksum = state.get("step_checksum") or self.full_checksum()
+        if self.step_buffers is not None:
+            self.keep_step_buffers()  # (a snapshot carries the buffers as of its step)
         self.optimizer.zero_grad(set_to_none=True)

@@ -5,6 +5,11 @@ Coordinator marks it ready, reports progress without the training loop waiting f
 reply, takes the plans the Coordinator pushes, runs the step strategy's global step,
 commits it (epoch, lineage, digest), rejoins a restarted Coordinator and resyncs when told.
 
+Its phase is an explicit state machine (``protocol.py``: joining, syncing, training,
+stepping, overlapping, resyncing, stopping, closed; illegal edges raise, a timestamped
+history is kept in ``protocol``), and whether a plan is taken is decided in one place,
+``protocol.accept_plan``.
+
 It lives on the replica actor's event loop; the training loop's thread calls
 ``after_micro_batch`` once per micro-batch (through the ``Session``) and waits for it.
 Failures of other peers never raise here (the averager's deadlines bound every round);
@@ -17,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass
 
 import ray
 
@@ -28,54 +33,121 @@ from moshray.cluster.coordinator.progress import ProgressReport
 from moshray.cluster.coordinator.step_profile import PhaseClock
 
 from moshray.actors.replica.metrics_outbox import MetricsOutbox
-from moshray.actors.replica.state import TrainState, step_digest
+from moshray.actors.replica.protocol import (
+    COPYING,
+    LOOP_RUNS,
+    TABLE,
+    Phase,
+    PlanAction,
+    PlanDecision,
+    ReplicaView,
+    accept_plan,
+)
+from moshray.actors.replica.state import TrainState
+from moshray.actors.replica.strategies import Strategy
+from moshray.cluster.state_machine import StateMachine
 
 log = logging.getLogger(__name__)
 
 MAX_OWN_REJECTIONS = 3  # consecutive steps with our contribution rejected -> resync
 SYNC_ATTEMPTS = 600
 SNAPSHOT_WAIT_S = 5.0  # a donor's state waits at most this long for the loop's sync point
+HISTORY = 256  # protocol transitions kept (two per step)
+
+
+@dataclass
+class Tally:
+    """The micro-batches since the last step (or state copy): what a contribution weighs."""
+
+    samples: int = 0
+    micro: int = 0
+    loss_sum: float = 0.0
+
+    def add(self, samples: int, loss: float) -> None:
+        self.samples += samples
+        self.micro += 1
+        self.loss_sum += loss * samples
+
+    @property
+    def mean_loss(self) -> float | None:
+        return self.loss_sum / self.samples if self.samples else None
+
+
+@dataclass(frozen=True)
+class Overlapped:
+    """The payload of the ``overlapping`` phase: the plan, its averaging task and the
+    micro-batches the step's contribution was taken after."""
+
+    plan: RoundPlan
+    task: asyncio.Task
+    tally: Tally
 
 
 class StepManager:
     """See module docstring. ``handle`` is the replica actor's own handle (peers and the
-    Coordinator call it); ``init_state_ref`` an optional ``[ObjectRef]`` of a checkpoint."""
+    Coordinator call it); ``init_state_ref`` an optional ``[ObjectRef]`` of a checkpoint;
+    ``clock`` times the protocol's transitions and the join (monotonic seconds)."""
 
     def __init__(self, peer_id: str, coordinator, handle, node_id: str, round_timeout_s: float,
-                 init_state_ref: list | None = None):
+                 init_state_ref: list | None = None, clock=time.monotonic):
         self.peer_id, self.coordinator, self.handle = peer_id, coordinator, handle
         self.node_id, self.round_timeout_s = node_id, round_timeout_s
+        self._clock = clock
+        self.protocol = StateMachine(TABLE, peer_id, Phase.JOINING, clock, keep=HISTORY)
         self.averager = Averager(peer_id)
         self.state: TrainState | None = None
-        self.strategy: Any = None
-        self.samples, self.micro, self.loss_sum = 0, 0, 0.0
-        self.own_rejections = 0
+        self.strategy: Strategy | None = None
+        self.tally = Tally()
+        self.own_rejections = 0  # steps with this replica's contribution rejected
         self.consecutive_bad = 0
         self.fault: str | None = None
-        self.stopping = False
         self.lock = asyncio.Lock()  # held while the state changes (steps, loads)
-        self.started_at = time.monotonic()  # join time is measured from here
+        self.started_at = clock()  # join time is measured from here
         self.joined = False  # contributed to an averaged step yet?
         self._init_state_ref = init_state_ref
         self._plan: RoundPlan | None = None  # pushed by the Coordinator, not yet taken
+        self._overlapped: Overlapped | None = None  # the payload of ``overlapping``
         # (epoch sent at, rejoin generation sent in, reply)
         self._inflight: list[tuple[int, int, asyncio.Future]] = []
         # others' rejected contributions, for the Coordinator: (sender, reason, epoch, numel)
         self._saw_rejections: list[tuple[str, str, int, int]] = []
+        self._contributed: tuple[int, int] | None = None  # (epoch, samples) to report once
         self._heartbeat: asyncio.Future | None = None
-        self.loop_running = False  # between the loop's prepare() and its end
         self._snapshot_requests: list[asyncio.Future] = []
-        self.syncing = False  # copying a donor's state (not ready)
         self._generation = 0  # rejoins done: an "unknown" from before one is answered
         self._rejoin_lock = asyncio.Lock()
-        # an overlapped step: (plan, the averaging task), applied at a later sync point
-        self._pending: tuple[RoundPlan, asyncio.Task] | None = None
-        self._layout_numel: int | None = None
-        self.phases = PhaseClock(time.monotonic)  # where the time goes (cluster/step_profile)
+        self.phases = PhaseClock(clock)  # where the time goes (coordinator/step_profile.py)
         self._profiled = None  # the last step's StepPhases, sent with its metrics events
-        self._pending_size = (0, 0)  # an overlapped step's (samples, micro-batches)
-        self._contributed: tuple[int, int] | None = None  # (epoch, samples) to report once
         self.outbox = MetricsOutbox(peer_id, coordinator)  # metrics events, in batches
+
+    # -- the protocol's phase --------------------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        return self.protocol.state
+
+    @property
+    def stopping(self) -> bool:
+        """The Coordinator said stop (or the loop ended): ``batches()`` ends."""
+        return self.phase in (Phase.STOPPING, Phase.CLOSED)
+
+    @property
+    def syncing(self) -> bool:
+        """Copying a donor's state (not ready)."""
+        return self.phase in COPYING
+
+    @property
+    def loop_running(self) -> bool:
+        """Between the loop's ``prepare()`` and its end."""
+        return self.phase in LOOP_RUNS
+
+    def _view(self) -> ReplicaView:
+        epoch = self.state.epoch if self.state is not None else 0
+        return ReplicaView(self.phase, epoch, bool(getattr(self.strategy, "overlap", False)))
+
+    def _decide(self, plan: RoundPlan | None) -> PlanDecision | None:
+        """``accept_plan`` for ``plan`` in the current view (None for no plan)."""
+        return None if plan is None else accept_plan(self._view(), plan)
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -85,21 +157,22 @@ class StepManager:
         await self.coordinator.register.remote(self.peer_id, self.handle, self.node_id)
         # Heartbeats first: a Coordinator restarted during the copy learns of this replica
         # from them (``rejoin``), else it would refuse its ``mark_ready``.
+        self.protocol.to(Phase.SYNCING)
         self._heartbeat = asyncio.ensure_future(self._beat())
-        await self.sync()
-        self.loop_running = True
+        await self._sync()
+        self.protocol.to(Phase.TRAINING)
         self.send_report(force=True)
 
-    async def sync(self) -> None:
-        """Copy state from a donor (or the initial checkpoint) and become ready. A
-        ``UserError`` in the loaded state (another model) propagates."""
-        self.syncing = True
-        try:
-            await self._sync()
-        finally:
-            self.syncing = False
+    async def resync(self, reason: str) -> None:
+        """Copy a donor's state again while the loop waits (``training -> resyncing ->
+        training``). A ``UserError`` in the loaded state propagates."""
+        self.protocol.to(Phase.RESYNCING, reason)
+        await self._sync()
+        self.protocol.to(Phase.TRAINING)
 
     async def _sync(self) -> None:
+        """Copy state from a donor (or the initial checkpoint) until the Coordinator marks
+        this replica ready. ``RuntimeError`` after ``SYNC_ATTEMPTS`` tries."""
         for attempt in range(SYNC_ATTEMPTS):
             donor = await self.coordinator.donor.remote(self.peer_id)
             if donor is not None:
@@ -128,7 +201,7 @@ class StepManager:
     async def _load(self, loaded: dict, from_donor: bool) -> None:
         async with self.lock:
             self.state.load(loaded, from_donor)
-            self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+            self.tally = Tally()
 
     async def snapshot(self) -> dict:
         """The state at the training loop's next sync point (inside ``opt.step``, after the
@@ -146,7 +219,7 @@ class StepManager:
             return self.state.snapshot()
 
     async def _serve_snapshots(self) -> None:
-        if not self._snapshot_requests or self._pending is not None:
+        if not self._snapshot_requests or self.phase is Phase.OVERLAPPING:
             return  # (not while an overlapped step is half done: at the next sync point)
         async with self.lock:
             snap = self.state.snapshot()
@@ -156,22 +229,25 @@ class StepManager:
                 future.set_result(snap)
 
     async def loop_ended(self) -> None:
-        """The training loop returned (or raised): serve what waits for a snapshot."""
-        self.loop_running = False
+        """The training loop returned (or raised): apply an overlapped step still in
+        flight, put back the buffers as of the last step (``TrainState.step_buffers``),
+        serve what waits for a snapshot, and close the protocol."""
         if self.state is not None:
-            await self._finish_pending(wait=True)
+            await self._finish_overlapped(wait=True)
+            async with self.lock:
+                self.state.restore_step_buffers()
+        if self.phase is not Phase.CLOSED:
+            self.protocol.to(Phase.CLOSED)
+        if self.state is not None:
             await self._serve_snapshots()
         self.record((), flush=True)
 
     # -- progress --------------------------------------------------------------------------
 
     def receive_plan(self, plan: RoundPlan) -> None:
-        """A plan from the Coordinator (pushed, or in a report's reply): the next step's
-        (``state.epoch + 1``) is taken at the next micro-batch; any other is stale and
-        ignored."""
-        if self.state is None:
-            return
-        if plan.epoch == self.state.epoch + 1 and self._pending is None:
+        """A plan from the Coordinator (pushed, or in a report's reply): held for the next
+        micro-batch if ``accept_plan`` takes it, else ignored."""
+        if self._decide(plan).take:
             self._plan = plan
             self.phases.plan_arrived()
 
@@ -181,31 +257,17 @@ class StepManager:
         if self._inflight and not force:
             return
         s = self.state
-        report = ProgressReport(self.peer_id, s.epoch, self.samples,
-                                self.loss_sum / self.samples if self.samples else None,
-                                s.step_checksum, self.own_rejections,
+        report = ProgressReport(self.peer_id, s.epoch, self.tally.samples,
+                                self.tally.mean_loss, s.step_checksum, self.own_rejections,
                                 tuple(self._saw_rejections), self._numel(), self._contributed)
         self._saw_rejections.clear()
         self._contributed = None
         ref = self.coordinator.report.remote(report)
         self._inflight.append((s.epoch, self._generation, asyncio.ensure_future(_awaited(ref))))
 
-    @property
-    def _overlapped(self) -> bool:
-        return getattr(self.strategy, "overlap", False)
-
-    def _plan_due(self) -> bool:
-        """This micro-batch takes a held plan in a synchronous step, which reports right
-        after: a routine report now is not needed (what it carries stays queued)."""
-        plan = self._plan
-        return (plan is not None and plan.epoch == self.state.epoch + 1
-                and self._pending is None and not self._overlapped)
-
     def _numel(self) -> int:
-        """The length of the tensor this replica averages (its parameters, flattened)."""
-        if self._layout_numel is None:
-            self._layout_numel = sum(p.numel() for p in self.state.model.parameters())
-        return self._layout_numel
+        """The length of the tensor this replica averages (``Strategy.numel``)."""
+        return self.strategy.numel(self.state.model)
 
     def _replies(self) -> str | None:
         """Handle the replies that arrived: ``"stop"``, ``"resync"`` (if still meant for this
@@ -231,7 +293,7 @@ class StepManager:
 
     async def after_micro_batch(self, samples: int, loss: float) -> bool:
         """Count one micro-batch and act on what the Coordinator said; True if a global step
-        was applied. Sets ``stopping`` when the Coordinator says stop. An overlapped step
+        was applied. Enters ``stopping`` when the Coordinator says stop. An overlapped step
         (``strategy.overlap``) is started here and applied at the first sync point after
         its averaging is done, or before anything else changes the state."""
         self.phases.enter()
@@ -241,27 +303,32 @@ class StepManager:
             self.phases.leave()
 
     async def _after_micro_batch(self, samples: int, loss: float) -> bool:
-        self.samples += samples
-        self.micro += 1
-        self.loss_sum += loss * samples
-        applied = await self._finish_pending(wait=False)
+        self.tally.add(samples, loss)
+        applied = await self._finish_overlapped(wait=False)
         await self._serve_snapshots()
-        if applied or not self._plan_due():
+        # A synchronous step reports right after: a routine report now is not needed
+        # (what it carries stays queued).
+        due = self._decide(self._plan)
+        if applied or due is None or due.action is not PlanAction.STEP:
             self.send_report(force=applied)
         verdict = self._replies()
         if verdict is not None:
-            applied = await self._finish_pending(wait=True) or applied
+            applied = await self._finish_overlapped(wait=True) or applied
+        if self.phase is Phase.STOPPING:
+            return applied  # (a loop that goes on after the stop: nothing more to do)
         if verdict == "stop":
-            self.stopping = True
+            self.protocol.to(Phase.STOPPING)
             return False
         if verdict in ("resync", "rejoin"):
-            await (self.sync() if verdict == "resync" else self.rejoin(self._generation))
+            await (self.resync("told to resync") if verdict == "resync"
+                   else self.rejoin(self._generation))
             self.send_report(force=True)
             return False
         plan, self._plan = self._plan, None
-        if plan is None or plan.epoch != self.state.epoch + 1 or self._pending is not None:
+        decision = self._decide(plan)
+        if decision is None or not decision.take:
             return applied
-        if self._overlapped:
+        if decision.action is PlanAction.OVERLAP:
             self._begin_overlapped(plan)
             return applied
         await self.global_step(plan)
@@ -269,56 +336,60 @@ class StepManager:
         return True
 
     def _begin_overlapped(self, plan: RoundPlan) -> None:
-        """Start ``plan``'s averaging on the gradients accumulated so far and let the loop
-        go on (its next micro-batches count toward the step after)."""
+        """Start ``plan``'s averaging on what was accumulated so far and let the loop go on
+        (its next micro-batches count toward the step after)."""
         s = self.state
-        grads = self.strategy.take_gradients(s.model, self.micro)  # before the loop goes on
+        tensors = self.strategy.contribution(s.model, self.tally.micro, self.fault)
         task = asyncio.ensure_future(self.strategy.average(
-            self.averager, grads, plan, self.samples, self.round_timeout_s, self.fault))
-        self._pending = (plan, task)
-        self._pending_size = (self.samples, self.micro)
-        self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+            self.averager, tensors, plan, self.tally.samples, self.round_timeout_s))
+        self.protocol.to(Phase.OVERLAPPING, f"step {plan.epoch}")
+        self._overlapped = Overlapped(plan, task, self.tally)
+        self.tally = Tally()
 
-    async def _finish_pending(self, wait: bool) -> bool:
+    async def _finish_overlapped(self, wait: bool) -> bool:
         """Apply the overlapped step if its averaging is done (``wait``: wait for it; the
         round's deadlines bound that). True if a step was applied."""
-        if self._pending is None or not (wait or self._pending[1].done()):
+        pending = self._overlapped
+        if pending is None or not (wait or pending.task.done()):
             return False
-        plan, task = self._pending
         try:
-            averaged, report = await task
+            averaged, report = await pending.task
         finally:
-            self._pending = None
+            self._overlapped = None
         s = self.state
         self.phases.step_begins()
         async with self.lock:
-            self.strategy.finish_step(s.model, s.optimizer, averaged, report.total_weight)
-            self._commit(plan)
-        self._profiled = self.phases.step_ends(plan.epoch, report.seconds, *self._pending_size,
-                                               overlapped=True, round_phases=report.phases)
-        await self._after_round(plan, report)
+            self.strategy.apply(s.model, s.optimizer, averaged, report.total_weight)
+            self._commit(pending.plan)
+        self.protocol.to(Phase.TRAINING, f"step {pending.plan.epoch} applied")
+        self._profiled = self.phases.step_ends(
+            pending.plan.epoch, report.seconds, pending.tally.samples, pending.tally.micro,
+            overlapped=True, round_phases=report.phases)
+        await self._after_round(pending.plan, report)
         return True
 
     # -- the global step ---------------------------------------------------------------------
 
     async def global_step(self, plan: RoundPlan) -> None:
+        """One synchronous step (``training -> stepping -> training``): average, apply,
+        commit."""
         s = self.state
         self.phases.step_begins()
+        self.protocol.to(Phase.STEPPING, f"step {plan.epoch}")
         async with self.lock:
             report = await self.strategy.global_step(
-                s.model, s.optimizer, self.averager, plan, self.samples, self.micro,
-                self.round_timeout_s, self.fault)
+                s.model, s.optimizer, self.averager, plan, self.tally.samples,
+                self.tally.micro, self.round_timeout_s, self.fault)
             self._commit(plan)
-            self._profiled = self.phases.step_ends(plan.epoch, report.seconds, self.samples,
-                                                   self.micro, round_phases=report.phases)
-            self.samples, self.micro, self.loss_sum = 0, 0, 0.0
+            self._profiled = self.phases.step_ends(plan.epoch, report.seconds,
+                                                   self.tally.samples, self.tally.micro,
+                                                   round_phases=report.phases)
+            self.tally = Tally()
+        self.protocol.to(Phase.TRAINING, f"step {plan.epoch} committed")
         await self._after_round(plan, report)
 
     def _commit(self, plan: RoundPlan) -> None:
-        s = self.state
-        s.lineage.apply(plan.epoch)
-        s.step_checksum = step_digest(s.model, plan.epoch)
-        s.epoch = plan.epoch
+        self.state.commit(plan.epoch)
 
     async def _after_round(self, plan: RoundPlan, report) -> None:
         """Metrics, rejections for the Coordinator, and a resync after too many of our own
@@ -340,10 +411,10 @@ class StepManager:
             self.consecutive_bad = 0
             await self.coordinator.leave.remote(self.peer_id)
             await self.coordinator.register.remote(self.peer_id, self.handle, self.node_id)
-            await self.sync()
+            await self.resync(f"{MAX_OWN_REJECTIONS} own contributions rejected in a row")
 
     def _record(self, report) -> None:
-        """Metrics events for one averaging round (fire-and-forget; cluster/metrics/__init__.py): the
+        """Metrics events for one averaging round (fire-and-forget; ``cluster/metrics``): the
         round itself and, after this replica's first averaged step, its join time. Also
         what this replica put into the step, for its next report (``contributed``)."""
         events: list = [metrics.RoundEvent.from_report(report)]
@@ -354,7 +425,7 @@ class StepManager:
             self._profiled = None
         if not self.joined and self.peer_id in report.contributors:
             self.joined = True
-            events.append(metrics.JoinEvent(max(0.0, time.monotonic() - self.started_at)))
+            events.append(metrics.JoinEvent(max(0.0, self._clock() - self.started_at)))
         self.record(tuple(events))
 
     def record(self, events: tuple, flush: bool = False) -> None:

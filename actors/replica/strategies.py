@@ -1,29 +1,44 @@
-"""The two step strategies: what a micro-batch does locally and what a global step does.
+"""Step strategies: what a micro-batch does locally and what a global step averages and
+applies. A new strategy is one ``Strategy`` subclass with ``@register``; the config's
+``training.mode`` names come from this registry (``strategy_names``).
 
-- ``Collaborative`` (DeDLOC): micro-batches only accumulate gradients; a global step
-  averages every participant's mean gradient (weighted by its samples) and applies one
-  optimizer step, the same on every replica, so the replicas stay bitwise identical.
-- ``LocalSGD`` (Moshpit SGD / DiLoCo): every micro-batch is a local optimizer step; a global
-  step averages the parameters, optionally followed by an outer Nesterov step on the
-  averaged delta (``OuterNesterov``).
+- ``Collaborative`` (``"collaborative"``, DeDLOC): micro-batches only accumulate
+  gradients; a global step averages every participant's mean gradient (weighted by its
+  samples) and applies one optimizer step, the same on every replica, so the replicas stay
+  bitwise identical (parameters, buffers and optimizer state).
+- ``LocalSGD`` (``"local_sgd"``, Moshpit SGD / DiLoCo): every micro-batch is a local
+  optimizer step; a global step averages the parameters, optionally followed by an outer
+  Nesterov step on the averaged delta (``OuterNesterov``). The inner optimizers' state
+  stays each replica's own (as in DiLoCo); the outer optimizer's is shared.
 
-A collaborative step scales the optimizer's learning rates by ``lr_scale`` of the samples it
-really averaged (``training.lr_scaling``), for that step only (``scaled_lr``).
+Both average the model's floating-point buffers (BatchNorm running statistics, ...) in
+every global step, weighted like the rest of the contribution (DDP broadcasts them from
+rank 0 instead; an average is what a swarm without a fixed rank 0 can agree on). Integer
+buffers (BatchNorm's ``num_batches_tracked``) are counters of this replica's own forward
+passes: they are neither averaged (a wire codec such as fp16 cannot carry large integers)
+nor part of the digests. Buffers go through the round's wire codec like the gradients.
 
-Both run their global step on the replica's event loop while the training loop's thread
-waits; ``after_backward`` runs in that thread. A fault injected for tests (``"nan"``,
+A global step runs on the replica's event loop while the training loop's thread waits;
+``after_backward`` runs in that thread. A fault injected for tests (``"nan"``,
 ``"shape"``) corrupts what this replica contributes; its peers reject it.
+
+torch is imported where it is used, so that the config can read ``strategy_names``
+without loading it (every process that runs a step has loaded it already).
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import math
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
-from moshray.cluster.collective.averager import Averager
 from moshray.cluster.messages import RoundPlan
+
+if TYPE_CHECKING:
+    import torch
+
+    from moshray.cluster.collective.averager import Averager
 
 
 LR_SCALE_RANGE = (0.25, 2.0)  # a step far off the target moves at most 2x (1/4x) as far
@@ -44,7 +59,7 @@ def lr_scale(samples: float, target: int, rule: str) -> float:
 
 
 @contextlib.contextmanager
-def scaled_lr(optimizer: torch.optim.Optimizer, factor: float):
+def scaled_lr(optimizer, factor: float):
     """Inside the block, every param group's ``lr`` times ``factor``; restored after (also
     on error), so a user's learning-rate scheduler keeps owning the rates."""
     if factor == 1.0:
@@ -60,36 +75,173 @@ def scaled_lr(optimizer: torch.optim.Optimizer, factor: float):
             group["lr"] = lr
 
 
-def clip(model: torch.nn.Module, max_norm: float) -> None:
+def clip(model, max_norm: float) -> None:
     if max_norm > 0:
+        import torch
+
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
-def corrupt_grads(model: torch.nn.Module, fault: str | None) -> None:
+def corrupt_grads(model, fault: str | None) -> None:
     if fault == "nan":
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.fill_(float("nan"))
 
 
-def _with_fault(tensors: list[torch.Tensor], fault: str | None) -> list[torch.Tensor]:
+def _with_fault(tensors: list, fault: str | None) -> list:
     if fault == "shape":  # one element too many: peers reject it as a shape mismatch
+        import torch
+
         return tensors + [torch.zeros(1)]
     return tensors
 
 
-class Collaborative:
+def averaged_buffers(model) -> list:
+    """The buffers a global step averages: the floating-point ones, in ``model.buffers()``
+    order (the same on every replica of one model)."""
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
+def load_buffers(model, averaged: list) -> None:
+    """Copy ``averaged`` (``averaged_buffers`` order) into the model's buffers, in place."""
+    import torch
+
+    with torch.no_grad():
+        for b, a in zip(averaged_buffers(model), averaged):
+            b.copy_(a.to(device=b.device, dtype=b.dtype))
+
+
+# ------------------------------------------------------------------------ the interface
+
+
+class Strategy(abc.ABC):
+    """One way of taking global steps. Subclasses set ``name`` and ``@register``.
+
+    A global step has three parts, which the replica's step manager calls at the
+    training loop's sync points (the loop's thread waits meanwhile): ``contribution``
+    (what this replica averages, taken out of its model), ``average`` (one round of the
+    collective over the plan, weighted by samples) and ``apply`` (the average into the
+    model, optimizer and buffers). ``global_step`` runs the three in a row; with
+    ``overlap`` the manager runs ``average`` in the background while the loop computes
+    the next micro-batches and calls ``apply`` at a later sync point.
+
+    After ``apply`` every replica of the step holds the same parameters, floating-point
+    buffers and ``shared_optimizers`` state (the per-step digest covers exactly those).
+    Errors: a strategy never raises for a peer's failure (the averager's deadlines bound
+    the round and its report names who was missing)."""
+
+    name: ClassVar[str]
+    can_overlap: ClassVar[bool] = False  # ``training.overlap`` may turn ``overlap`` on
+    default_codec: ClassVar[str] = "none"  # the wire codec ``compression = "auto"`` means
+    # The model moves between global steps (local optimizer steps): the step's digest, not
+    # the current state's, identifies the step a replica holds.
+    local_updates: ClassVar[bool] = False
+    overlap: bool = False  # ``average`` may run while the loop goes on
+    outer_state: Any = None  # state of its own that travels with the model (or None)
+
+    @classmethod
+    @abc.abstractmethod
+    def from_config(cls, training, model, device=None) -> "Strategy":
+        """The strategy for the config's ``training`` section, on ``device``."""
+
+    @abc.abstractmethod
+    def after_backward(self, model, optimizer, fault: str | None) -> None:
+        """The local part of a micro-batch, right after its backward pass (loop thread)."""
+
+    @abc.abstractmethod
+    def zero_grad_allowed(self) -> bool:
+        """Whether the loop's ``opt.zero_grad()`` clears the gradients."""
+
+    @abc.abstractmethod
+    def contribution(self, model, micro: int, fault: str | None) -> list:
+        """The tensors this replica averages for a step after ``micro`` micro-batches;
+        their order and shapes are the same on every replica of the model."""
+
+    @abc.abstractmethod
+    def apply(self, model, optimizer, averaged: list, total_weight: float) -> None:
+        """Put ``averaged`` (``contribution``'s layout; the mean over ``total_weight``
+        samples) into the model, its buffers and the optimizer state."""
+
+    def shared_optimizers(self, optimizer) -> tuple:
+        """The optimizers whose state every replica holds equal after a step."""
+        return (optimizer,)
+
+    def numel(self, model) -> int:
+        """The length of the flattened tensor this replica averages."""
+        return (sum(p.numel() for p in model.parameters())
+                + sum(b.numel() for b in averaged_buffers(model)))
+
+    @staticmethod
+    async def average(averager: "Averager", tensors: list, plan: RoundPlan, samples: int,
+                      timeout_s: float):
+        """``(averaged, report)``: ``tensors`` averaged over ``plan``, weighted by samples."""
+        return await averager.all_reduce(tensors, samples, plan, timeout_s)
+
+    async def global_step(self, model, optimizer, averager: "Averager", plan: RoundPlan,
+                          samples: int, micro: int, timeout_s: float, fault: str | None):
+        """One whole global step; returns the round's report."""
+        averaged, report = await self.average(
+            averager, self.contribution(model, micro, fault), plan, samples, timeout_s)
+        self.apply(model, optimizer, averaged, report.total_weight)
+        return report
+
+
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: make ``cls`` the strategy of ``training.mode = cls.name``. Raises
+    ``ValueError`` for a name already taken by another class."""
+    other = STRATEGIES.get(cls.name)
+    if other is not None and other is not cls:
+        raise ValueError(f"strategy {cls.name!r} is registered twice ({other.__name__}, "
+                         f"{cls.__name__}): give the new one another name")
+    STRATEGIES[cls.name] = cls
+    return cls
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The strategy registered as ``name``; ``ValueError`` naming the choices if none."""
+    cls = STRATEGIES.get(name)
+    if cls is None:
+        raise ValueError(f"training.mode {name!r} names no strategy: use one of "
+                         f"{', '.join(STRATEGIES)}")
+    return cls
+
+
+def strategy_names() -> tuple[str, ...]:
+    """The registered names, in registration order (the config's ``training.mode``)."""
+    return tuple(STRATEGIES)
+
+
+def make_strategy(training, model, device=None) -> Strategy:
+    """The strategy the config's ``training`` section names (``overlap`` resolved for the
+    replica's ``device``: see ``TrainingSection.overlaps``). ``ValueError`` for a mode no
+    strategy is registered under."""
+    return strategy_class(training.mode).from_config(training, model, device)
+
+
+# ------------------------------------------------------------------------ the strategies
+
+
+@register
+class Collaborative(Strategy):
     """DeDLOC steps (see module docstring).
 
-    A global step is ``take_gradients`` (out of the parameters), ``average`` and
-    ``finish_step`` (one optimizer step with the average). With
-    ``overlap`` the replica's step manager runs the averaging in the background while the
-    loop accumulates the next step's gradients on the parameters of the step before (one
-    step of delay, as in hivemind's delayed parameter updates); ``finish_step`` then puts
-    the new accumulation back after the optimizer step. Every replica applies the same
-    average to the same parameters, so they stay bitwise identical either way."""
+    ``contribution`` takes the mean gradient out of the parameters (and the buffers);
+    ``apply`` is one optimizer step with the average. With ``overlap`` the replica's step
+    manager runs the averaging in the background while the loop accumulates the next
+    step's gradients on the parameters of the step before (one step of delay, as in
+    hivemind's delayed parameter updates); ``apply`` then puts the new accumulation back
+    after the optimizer step, and the buffers' average (taken when the step began)
+    replaces what the forward passes in between changed. Every replica applies the same
+    average to the same parameters, so they stay bitwise identical either way (the
+    buffers as of the last step travel and end the loop: ``TrainState.step_buffers``)."""
 
-    outer_state = None
+    name = "collaborative"
+    can_overlap = True
+    default_codec = "fp16"  # gradients within the bound documented in codecs.py
 
     def __init__(self, grad_clip: float, overlap: bool = False, lr_scaling: str = "none",
                  target_batch_size: int = 1):
@@ -97,38 +249,47 @@ class Collaborative:
         self.overlap = overlap
         self.lr_scaling, self.target_batch_size = lr_scaling, target_batch_size
 
+    @classmethod
+    def from_config(cls, training, model, device=None) -> "Collaborative":
+        import torch
+
+        cuda = device is not None and torch.device(device).type == "cuda"
+        return cls(training.grad_clip, training.overlaps(cuda), training.lr_scaling,
+                   training.target_batch_size)
+
     def after_backward(self, model, optimizer, fault: str | None) -> None:
         corrupt_grads(model, fault)
 
-    @staticmethod
-    def zero_grad_allowed() -> bool:
+    def zero_grad_allowed(self) -> bool:
         """Gradients accumulate until the global step: the loop's ``zero_grad`` waits."""
         return False
 
     @staticmethod
-    def take_gradients(model, micro: int) -> list[torch.Tensor]:
+    def take_gradients(model, micro: int) -> list:
         """This replica's mean gradient over ``micro`` micro-batches, taken out of the
         parameters (their ``grad`` is None after), so that the loop may accumulate again.
         Call at a sync point of the loop."""
         params = list(model.parameters())
-        grads = [(p.grad / max(micro, 1)) if p.grad is not None else torch.zeros_like(p)
+        grads = [(p.grad / max(micro, 1)) if p.grad is not None else p.detach().new_zeros(p.shape)
                  for p in params]
         for p in params:
             p.grad = None
         return grads
 
-    @staticmethod
-    async def average(averager: Averager, grads: list[torch.Tensor], plan: RoundPlan,
-                      samples: int, timeout_s: float, fault: str | None):
-        """``(averaged, report)``: ``grads`` averaged over ``plan`` (weighted by samples)."""
-        return await averager.all_reduce(_with_fault(grads, fault), samples, plan, timeout_s)
+    def contribution(self, model, micro: int, fault: str | None) -> list:
+        buffers = [b.detach().clone() for b in averaged_buffers(model)]
+        return _with_fault(self.take_gradients(model, micro) + buffers, fault)
 
-    def finish_step(self, model, optimizer, averaged: list[torch.Tensor],
-                    samples: float = 0.0) -> None:
-        """One optimizer step with ``averaged`` (the mean over ``samples``, the report's
-        ``total_weight``: it scales the rates, see ``lr_scale``); gradients accumulated
-        since ``take_gradients`` are kept for the next step. Call at a sync point of the
-        loop."""
+    def apply(self, model, optimizer, averaged: list, total_weight: float) -> None:
+        n = len(list(model.parameters()))
+        self.finish_step(model, optimizer, averaged[:n], total_weight)
+        load_buffers(model, averaged[n:])
+
+    def finish_step(self, model, optimizer, averaged: list, samples: float = 0.0) -> None:
+        """One optimizer step with ``averaged`` gradients (the mean over ``samples``, the
+        report's ``total_weight``: it scales the rates, see ``lr_scale``); gradients
+        accumulated since ``take_gradients`` are kept for the next step. Call at a sync
+        point of the loop."""
         params = list(model.parameters())
         pending = [p.grad for p in params]
         for p, g in zip(params, averaged):
@@ -140,47 +301,56 @@ class Collaborative:
         for p, g in zip(params, pending):
             p.grad = g
 
-    async def global_step(self, model, optimizer, averager: Averager, plan: RoundPlan,
-                          samples: int, micro: int, timeout_s: float, fault: str | None):
-        grads = self.take_gradients(model, micro)
-        averaged, report = await self.average(averager, grads, plan, samples, timeout_s, fault)
-        self.finish_step(model, optimizer, averaged, report.total_weight)
-        return report
-
 
 class OuterNesterov:
     """DiLoCo's outer step: Nesterov SGD on the averaged delta from the last anchor."""
 
-    def __init__(self, model: torch.nn.Module, lr: float, momentum: float):
+    def __init__(self, model, lr: float, momentum: float):
+        import torch
+
         self.anchor = [p.detach().clone() for p in model.parameters()]
         self.optimizer = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=True)
 
-    @torch.no_grad()
-    def step(self, params: list[torch.Tensor]) -> None:
-        for anchor, p in zip(self.anchor, params):
-            anchor.grad = anchor - p  # outer gradient: the averaged delta
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        for anchor, p in zip(self.anchor, params):
-            p.copy_(anchor)
+    def step(self, params: list) -> None:
+        import torch
+
+        with torch.no_grad():
+            for anchor, p in zip(self.anchor, params):
+                anchor.grad = anchor - p  # outer gradient: the averaged delta
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            for anchor, p in zip(self.anchor, params):
+                p.copy_(anchor)
 
     def state_dict(self) -> dict:
         return {"anchor": [a.detach().cpu() for a in self.anchor],
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        import torch
+
         with torch.no_grad():
             for a, s in zip(self.anchor, state["anchor"]):
                 a.copy_(s)
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-class LocalSGD:
+@register
+class LocalSGD(Strategy):
     """Moshpit SGD / DiLoCo steps (see module docstring)."""
+
+    name = "local_sgd"
+    local_updates = True
 
     def __init__(self, grad_clip: float, outer: OuterNesterov | None = None):
         self.grad_clip = grad_clip
         self.outer_state = outer
+
+    @classmethod
+    def from_config(cls, training, model, device=None) -> "LocalSGD":
+        outer = (OuterNesterov(model, training.outer_lr, training.outer_momentum)
+                 if training.outer_optimizer == "nesterov" else None)
+        return cls(training.grad_clip, outer)
 
     def after_backward(self, model, optimizer, fault: str | None) -> None:
         corrupt_grads(model, fault)
@@ -188,30 +358,24 @@ class LocalSGD:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    @staticmethod
-    def zero_grad_allowed() -> bool:
+    def zero_grad_allowed(self) -> bool:
         return True
 
-    async def global_step(self, model, optimizer, averager: Averager, plan: RoundPlan,
-                          samples: int, micro: int, timeout_s: float, fault: str | None):
+    def shared_optimizers(self, optimizer) -> tuple:
+        """Only the outer optimizer: the inner ones step on each replica's own batches."""
+        return (self.outer_state.optimizer,) if self.outer_state is not None else ()
+
+    def contribution(self, model, micro: int, fault: str | None) -> list:
+        tensors = [p.detach() for p in model.parameters()] + averaged_buffers(model)
+        return _with_fault([t.detach() for t in tensors], fault)
+
+    def apply(self, model, optimizer, averaged: list, total_weight: float) -> None:
+        import torch
+
         params = list(model.parameters())
-        averaged, report = await averager.all_reduce(
-            _with_fault([p.detach() for p in params], fault), samples, plan, timeout_s)
         with torch.no_grad():
             for p, a in zip(params, averaged):
                 p.copy_(a)
             if self.outer_state is not None:
                 self.outer_state.step(params)
-        return report
-
-
-def make_strategy(training, model: torch.nn.Module, device: torch.device | None = None):
-    """The strategy the config's ``training`` section names (``overlap`` resolved for the
-    replica's ``device``: see ``TrainingSection.overlaps``)."""
-    if training.mode == "local_sgd":
-        outer = (OuterNesterov(model, training.outer_lr, training.outer_momentum)
-                 if training.outer_optimizer == "nesterov" else None)
-        return LocalSGD(training.grad_clip, outer)
-    cuda = device is not None and torch.device(device).type == "cuda"
-    return Collaborative(training.grad_clip, training.overlaps(cuda), training.lr_scaling,
-                         training.target_batch_size)
+        load_buffers(model, averaged[len(params):])

@@ -12,7 +12,8 @@
 ``TRANSITIONS`` is the table of allowed edges, each with the reason it exists; anything
 else raises ``IllegalTransition`` naming the node, the edge and the allowed targets.
 Every transition is kept in a timestamped ``history`` (wall-clock unix seconds, passed in
-by the caller, so tests use plain numbers). Derived measurements are properties computed
+by the caller, so tests use plain numbers). The checking and the history are the shared
+helper's (``cluster/state_machine.py``). Derived measurements are properties computed
 from the history: notice -> draining, notice -> rebalanced (first round plan without the
 node, reported by the Coordinator), and whether the node ended with or without notice.
 """
@@ -20,9 +21,10 @@ node, reported by the Coordinator), and whether the node ended with or without n
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from moshray.cluster.state_machine import IllegalTransition, Transition, TransitionTable
 
 
 class NodeState(str, enum.Enum):
@@ -69,20 +71,10 @@ TRANSITIONS: dict[tuple[NodeState, NodeState], str] = {
     (S.RUNNING, S.LOST): "lost without notice",
     (S.AT_RISK, S.LOST): "lost without a termination notice (rebalance only)",
 }
+TABLE = TransitionTable("node", TRANSITIONS)
 
-
-class IllegalTransition(ValueError):
-    """An edge not in ``TRANSITIONS``. Pickles cleanly (one string argument)."""
-
-
-@dataclass(frozen=True)
-class Transition:
-    """One step of a node's life: ``src -> dst`` at ``at_s`` (unix s), with a reason."""
-
-    at_s: float
-    src: NodeState | None  # None for the first state
-    dst: NodeState
-    reason: str
+__all__ = ["IllegalTransition", "LifecycleSummary", "NodeLifecycle", "NodeState", "TABLE",
+           "TERMINAL", "TRANSITIONS", "Transition", "summarize"]
 
 
 @dataclass
@@ -96,14 +88,15 @@ class NodeLifecycle:
     """
 
     node_id: str
-    history: list[Transition] = field(default_factory=list)
+    history: list[Transition[NodeState]] = field(default_factory=list)
     rebalanced_at_s: float | None = None
 
     @classmethod
     def start(cls, node_id: str, at_s: float, state: NodeState = NodeState.REQUESTED,
               reason: str = "") -> "NodeLifecycle":
         if state not in (S.REQUESTED, S.RUNNING):
-            raise IllegalTransition(f"node {node_id}: a life starts requested or running, not {state.value}")
+            raise IllegalTransition(f"node {node_id}: a life starts requested or running, "
+                                    f"not {state.value}")
         life = cls(node_id)
         life.history.append(Transition(at_s, None, state, reason or
                                        ("requested" if state is S.REQUESTED else "found running")))
@@ -115,30 +108,19 @@ class NodeLifecycle:
 
     def allowed(self) -> tuple[NodeState, ...]:
         """States reachable from the current one."""
-        return tuple(dst for (src, dst) in TRANSITIONS if src is self.state)
+        return TABLE.allowed(self.state)
 
     def can(self, dst: NodeState) -> bool:
         return (self.state, NodeState(dst)) in TRANSITIONS
 
-    def to(self, dst: NodeState | str, at_s: float, reason: str = "") -> Transition:
-        """Move to ``dst`` at ``at_s``; raises ``IllegalTransition`` for an edge not in the table.
+    def to(self, dst: NodeState | str, at_s: float, reason: str = "") -> Transition[NodeState]:
+        """Move to ``dst`` at ``at_s``; raises ``IllegalTransition`` for an edge not in the
+        table and ``ValueError`` for a time that is not finite (nothing changes then).
 
         ``at_s`` earlier than the last transition is clamped to it (clocks of different
         processes may disagree by a little; history stays ordered).
         """
-        dst = NodeState(dst)
-        edge = (self.state, dst)
-        if edge not in TRANSITIONS:
-            allowed = ", ".join(s.value for s in self.allowed()) or "none (terminal)"
-            raise IllegalTransition(
-                f"node {self.node_id}: {self.state.value} -> {dst.value} is not allowed "
-                f"(from {self.state.value}: {allowed})")
-        if not math.isfinite(at_s):
-            raise ValueError(f"node {self.node_id}: transition time must be finite, got {at_s}")
-        t = Transition(max(at_s, self.history[-1].at_s), self.state, dst,
-                       reason or TRANSITIONS[edge])
-        self.history.append(t)
-        return t
+        return TABLE.step(self.node_id, self.history, self.state, NodeState(dst), at_s, reason)
 
     def note_rebalanced(self, at_s: float) -> None:
         """The first round plan without this node was published at ``at_s`` (kept once)."""
@@ -169,7 +151,9 @@ class NodeLifecycle:
     @property
     def notice_to_rebalanced_s(self) -> float | None:
         n = self.entered(S.NOTICED)
-        return None if n is None or self.rebalanced_at_s is None else max(0.0, self.rebalanced_at_s - n)
+        if n is None or self.rebalanced_at_s is None:
+            return None
+        return max(0.0, self.rebalanced_at_s - n)
 
     @property
     def notice_to_gone_s(self) -> float | None:

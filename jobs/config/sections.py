@@ -6,7 +6,9 @@ Contract: one frozen dataclass per section (``model``, ``training``, ``data``, `
 configuration: the sections and the top-level keys (``run_dir``, ``json``).
 ``TrainConfig.from_dict(config.to_dict())`` gives an equal config; :func:`valid_keys` lists
 every dotted key. ``_SECTIONS`` and ``_TOP_LEVEL`` name what a file or an override may set
-(``config_load.py``). Pure: no I/O.
+(``jobs/config/load.py``). Every field has a docstring, the string right under it: its line
+in the README's settings table (``moshray config table``, ``jobs/config/table.py``; a field
+without one fails ``tests/test_readme.py``). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from moshray.cluster.collective.codecs import codec_names
+from moshray.actors.replica.strategies import strategy_class, strategy_names
 from moshray.jobs.config.fields import (
     ConfigError,
     _check,
@@ -32,12 +36,17 @@ from moshray.jobs.config.fields import (
 if TYPE_CHECKING:
     from moshray.jobs.examples.lm.model import ModelConfig
 
-Mode = Literal["collaborative", "local_sgd"]
+# The step strategies registered in actors/replica/strategies.py (``@register``), by name.
+Mode = Literal[strategy_names()]  # type: ignore[valid-type]
 OuterOptimizer = Literal["none", "nesterov"]
-Compression = Literal["auto", "none", "fp16", "uint8", "blockwise8"]
+# "auto" or a codec name registered in cluster/collective/codecs.py (checked in _validate
+# against the registry, so a plug-in codec is accepted once its module is imported)
+Compression = str
 Overlap = Literal["auto", "on", "off"]
 LrScaling = Literal["sqrt", "none"]
-NoticeSourceName = Literal["auto", "aws", "gcp", "none"]
+# "auto", a cloud registered in autoscaler/clouds (aws, gcp, ...) or "none" (checked in
+# _validate against the registry, so a plug-in cloud is accepted once its module is imported)
+NoticeSourceName = str
 HostsMode = Literal["loopback", "netns"]
 
 
@@ -51,19 +60,31 @@ class ModelSection(_Section):
     _section = "model"
 
     vocab_size: int = 256
+    """Built-in LM: tokens in the vocabulary (256: bytes)."""
     seq_len: int = 128
+    """Built-in LM: tokens per training window."""
     d_model: int = 256
+    """Built-in LM: width of the residual stream (and of each DMoE expert's input)."""
     n_layers: int = 4
+    """Built-in LM: transformer blocks."""
     n_heads: int = 4
+    """Built-in LM: attention heads per block; must divide d_model."""
     d_ff: int = 1024
+    """Built-in LM: hidden width of a block's feed-forward layer and of each DMoE expert."""
     dropout: float = 0.0
+    """Built-in LM: dropout probability."""
     # Decentralized Mixture-of-Experts: blocks listed here get a DMoE layer served by
     # ExpertActors (grid moe_grid, top moe_k experts); empty = a dense model. ``--moe`` fills
     # it with every other block when it is empty.
     moe_layers: tuple[int, ...] = ()
+    """Blocks with a DMoE layer served by expert actors on the spot nodes; empty: a dense
+    model (``--moe`` fills every other block)."""
     moe_grid: tuple[int, ...] = (4, 4)
+    """DMoE expert grid; its product is the number of experts per layer."""
     moe_k: int = 4
+    """DMoE: experts each token is routed to (beam search over the grid)."""
     moe_aux_weight: float = 0.01
+    """DMoE: weight of the load-balancing loss."""
 
     def _validate(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
@@ -130,35 +151,75 @@ class TrainingSection(_Section):
     a step of ``target_batch_size`` samples; a step that averaged more (replicas keep
     computing while its plan forms) or fewer scales it by ``sqrt(samples / target)``,
     within [1/4, 2] (``sqrt``, the square-root rule for Adam-type optimizers), or not at
-    all (``none``); see ``actors/strategies.lr_scale``.
+    all (``none``); see ``actors/strategies.lr_scale``. ``max_failures``: replicas whose
+    loop raised (anything but a ``UserError``, which stops the job at once) are replaced
+    this many times across the job; one more ends it with that error (the same error from
+    two nodes ends it at once). ``max_checkpoint_failures``: checkpoint saves failing in a
+    row before the job ends (see ``jobs/controller/reconcile.py``, rule 6).
     """
 
     _section = "training"
 
     mode: Mode = "collaborative"
-    target_batch_size: int = 256  # global samples per collaborative step
-    batch_size: int = 16  # per-replica micro-batch
+    """``collaborative`` (DeDLOC): gradients accumulate across replicas until the swarm has
+    target_batch_size samples, then one averaged step; ``local_sgd`` (Moshpit SGD): local
+    steps, parameters averaged every local_steps."""
+    target_batch_size: int = 256
+    """Global samples per collaborative step (a minimum: replicas keep computing while the
+    step's plan forms)."""
+    batch_size: int = 16
+    """Samples per replica micro-batch."""
     lr: float = 3e-4
+    """Learning rate of a step of target_batch_size samples (see lr_scaling)."""
     weight_decay: float = 0.0
+    """Built-in LM: AdamW weight decay."""
     grad_clip: float = 1.0
+    """Gradient-norm clip; 0 disables clipping."""
     local_steps: int = 8
+    """``local_sgd``: local steps between averaging rounds."""
     outer_optimizer: OuterOptimizer = "none"
+    """``local_sgd``: ``nesterov`` applies DiLoCo's outer Nesterov step to each average."""
     outer_lr: float = 0.7
+    """Learning rate of the outer Nesterov step."""
     outer_momentum: float = 0.9
+    """Momentum of the outer Nesterov step."""
     round_timeout_s: float = 10.0
+    """Deadline of one averaging round: a late or dead member drops out of that part's
+    average."""
     max_steps: int | None = None
+    """Stop after this many global steps; none: no bound."""
     max_seconds: float | None = None
+    """Stop after this many seconds; none: no bound."""
     seed: int = 0
+    """Seed of the initial parameters and the data order."""
     compression: Compression = "auto"
+    """Wire codec of the averaging; ``auto``: fp16 gradients in collaborative mode, full
+    precision when local SGD averages parameters (error bounds:
+    ``cluster/collective/codecs.py``)."""
     max_group: int = 8
+    """Largest Moshpit group; a larger swarm averages over a grid of several rounds."""
     step_grace_s: float = 2.0
+    """How long a full batch waits for a replica still applying the previous step before
+    the step is planned without it."""
     overlap: Overlap = "auto"
+    """Collaborative mode: average step k while accumulating step k+1 (one step of delay);
+    ``auto``: on for replicas on a GPU, off on CPUs."""
     min_part: int = 262144  # partition.MIN_PART
+    """Fewest values a part owner of an averaging group gets; 1: every member owns a
+    part."""
     lr_scaling: LrScaling = "sqrt"
+    """Collaborative mode: ``sqrt`` scales lr by sqrt(samples / target_batch_size) for a
+    step that averaged more or fewer samples, within [1/4, 2]; ``none`` keeps lr."""
+    max_failures: int = 3
+    """Replicas whose loop raised that are replaced across the job; one more failure ends
+    it (a ``UserError``, or the same error on two nodes, ends it at once)."""
+    max_checkpoint_failures: int = 3
+    """Checkpoint saves that may fail in a row before the job ends."""
 
     def overlaps(self, cuda: bool) -> bool:
-        """Whether a collaborative replica (on CUDA if ``cuda``) overlaps its averaging."""
-        if self.mode != "collaborative" or self.overlap == "off":
+        """Whether a replica (on CUDA if ``cuda``) overlaps its averaging (only a strategy
+        that can: ``Strategy.can_overlap``)."""
+        if not strategy_class(self.mode).can_overlap or self.overlap == "off":
             return False
         return self.overlap == "on" or cuda
 
@@ -167,16 +228,22 @@ class TrainingSection(_Section):
         """The codec ``compression`` resolves to for this mode."""
         if self.compression != "auto":
             return self.compression
-        return "fp16" if self.mode == "collaborative" else "none"
+        return strategy_class(self.mode).default_codec  # fp16 gradients, full-precision params
 
     def _validate(self) -> None:
         _check(isinstance(self.max_group, int) and self.max_group >= 2, self._path("max_group"),
                "must be an integer >= 2", self.max_group)
         _non_negative(self._path("step_grace_s"), self.step_grace_s)
         _positive_int(self._path("min_part"), self.min_part)
-        _check(not (self.overlap == "on" and self.mode == "local_sgd"), self._path("overlap"),
-               "overlaps collaborative steps only: set training.mode = \"collaborative\" or "
-               "overlap = \"off\"", self.overlap)
+        codecs = codec_names()
+        _check(self.compression == "auto" or self.compression in codecs,
+               self._path("compression"),
+               "must be one of " + ", ".join(repr(c) for c in ("auto", *codecs)),
+               self.compression)
+        overlapping = [n for n in strategy_names() if strategy_class(n).can_overlap]
+        _check(not (self.overlap == "on" and self.mode not in overlapping),
+               self._path("overlap"), f"overlaps {' or '.join(overlapping)} steps only: set "
+               f"training.mode = \"{overlapping[0]}\" or overlap = \"off\"", self.overlap)
         for name in ("target_batch_size", "batch_size", "local_steps"):
             _positive_int(self._path(name), getattr(self, name))
         for name in ("lr", "outer_lr", "round_timeout_s"):
@@ -188,6 +255,9 @@ class TrainingSection(_Section):
             _positive_int(self._path("max_steps"), self.max_steps)
         if self.max_seconds is not None:
             _positive(self._path("max_seconds"), self.max_seconds)
+        _check(isinstance(self.max_failures, int) and self.max_failures >= 0,
+               self._path("max_failures"), "must be an integer >= 0", self.max_failures)
+        _positive_int(self._path("max_checkpoint_failures"), self.max_checkpoint_failures)
         _check(self.seed >= 0, self._path("seed"), "must be a non-negative integer", self.seed)
 
 
@@ -198,7 +268,10 @@ class DataSection(_Section):
     _section = "data"
 
     paths: tuple[str, ...] = ()  # local paths, directories, s3:// or gs:// URIs
+    """Built-in LM's training files: local paths, directories, ``s3://`` or ``gs://`` URIs;
+    empty: a corpus built from the Python standard library's sources."""
     cache_dir: str = "~/.cache/moshray/corpus"  # default-corpus cache (~ expanded by the reader)
+    """Where the built-in corpus is cached."""
 
     def _validate(self) -> None:
         for i, p in enumerate(self.paths):
@@ -227,23 +300,47 @@ class ClusterSection(_Section):
     ``autoscaler/clouds/detect.py``). ``hosts`` is how the local cluster lays out its nodes:
     ``loopback`` (every raylet on 127.0.0.1, no root needed) or ``netns`` (each spot node a
     separate host: a network namespace with its own address and its metadata service at
-    169.254.169.254; needs root; see ``jobs/local/cluster.py``).
+    169.254.169.254; needs root; see ``jobs/local/cluster.py``). ``driver_lease_s``: the
+    replicas and the Coordinator outlive the driver (a resubmitted job with the same config
+    adopts them) for at most this long after its last renewal, then stop by themselves,
+    with a final checkpoint (``jobs/controller/lease.py``).
     """
 
     _section = "cluster"
 
     address: str | None = None
+    """Ray cluster to join; none: ``RAY_ADDRESS`` if set, else the embedded local cluster."""
     local_nodes: int = 2
+    """Embedded cluster: spot nodes when no trace is replayed."""
     local_gpus: int = 0
+    """Embedded cluster: GPUs declared on each node (GPU placement on a CPU machine)."""
     trace: str | None = None
+    """Embedded cluster: spot trace to replay (a file or a shipped trace's name); ``moshray
+    train`` replays the shipped AWS trace unless it is ``off``."""
     time_scale: float = 60.0  # trace seconds per wall second
+    """Trace seconds per wall second."""
     min_nodes: int = 1
+    """Fewest spot nodes to train on; with fewer the job waits (see wait_for_nodes_s)."""
     max_nodes: int = 4
+    """Spot nodes the job asks Ray's autoscaler for and trains on at most."""
     replicas_per_node: int = 0  # 0: one per GPU (GPU node) or one (CPU node)
+    """Replicas on each node; 0: one per GPU on a GPU node, one on a CPU node."""
     wait_for_nodes_s: float = 600.0
+    """How long the job waits for min_nodes before it exits 3."""
     notice_s: float = 120.0  # trace seconds between a spot notice and the node's removal
+    """Trace seconds between a replayed spot notice and the node's removal (AWS: 120, GCP:
+    30)."""
     notice_source: NoticeSourceName = "auto"
+    """How each node's watcher hears spot notices; ``auto``: the metadata service the
+    environment names, else the cloud the DMI vendor strings name, else a short probe."""
     hosts: HostsMode = "loopback"
+    """Embedded cluster: ``loopback`` (every raylet on 127.0.0.1) or ``netns`` (each spot
+    node a network namespace of its own; root)."""
+    driver_lease_s: float = 120.0
+    """Seconds the replicas and the Coordinator outlive a lost driver (a resubmitted job
+    adopts them); then they stop by themselves, with a final checkpoint."""
+    dashboard: bool = False
+    """Embedded cluster: start Ray's dashboard on 127.0.0.1 and print its URL."""
 
     def _validate(self) -> None:
         _non_empty(self._path("address"), self.address)
@@ -258,6 +355,12 @@ class ClusterSection(_Section):
         _positive(self._path("time_scale"), self.time_scale)
         _positive(self._path("wait_for_nodes_s"), self.wait_for_nodes_s)
         _non_negative(self._path("notice_s"), self.notice_s)
+        from moshray.autoscaler.notices.sources import source_names
+
+        sources = source_names(simulated=False)
+        _check(self.notice_source in sources, self._path("notice_source"),
+               "must be one of " + ", ".join(repr(s) for s in sources), self.notice_source)
+        _positive(self._path("driver_lease_s"), self.driver_lease_s)
 
     @property
     def wall_notice_s(self) -> float:
@@ -276,12 +379,34 @@ class CheckpointSection(_Section):
     _section = "checkpoint"
 
     uri: str | None = None
+    """Checkpoint location (local dir, ``s3://``, ``gs://``); none: off on one machine, the
+    cluster's ``MOSHRAY_CHECKPOINT_URI`` on several."""
     every_steps: int = 50
+    """Global steps between checkpoints (and one at the end)."""
     optional: bool = False
+    """On several machines, run without a durable checkpoint location."""
+    run_id: str | None = None
+    """This run's directory under ``uri`` (a resubmitted job resumes from it; another run's
+    checkpoints are never read); none: the name of ``run_dir``."""
+    resume_from: str | None = None
+    """Start from another run's newest checkpoint when this run has none: its run id under
+    ``uri``, or its directory as ``<uri>/<run_id>``."""
 
     def _validate(self) -> None:
+        from moshray.actors.replica.checkpoint import check_run_id
+
         _non_empty(self._path("uri"), self.uri)
         _positive_int(self._path("every_steps"), self.every_steps)
+        for name in ("run_id", "resume_from"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if name == "resume_from":  # a run id, or <uri>/<run_id>
+                value = value.rstrip("/").rsplit("/", 1)[-1]
+            try:
+                check_run_id(value)
+            except ValueError as exc:
+                raise ConfigError(self._path(name), str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -296,8 +421,11 @@ class MetricsSection(_Section):
     _section = "metrics"
 
     port: int = 9450
+    """Port of the Coordinator's Prometheus metrics on the head; 0: a free one."""
     spot_price_per_hour: float = 0.16
+    """US$ per spot node-hour when neither the cloud nor the price table has one."""
     on_demand_price_per_hour: float = 0.526
+    """US$ per on-demand node-hour when neither the cloud nor the price table has one."""
 
     def _validate(self) -> None:
         _check(0 <= self.port <= 65535, self._path("port"), "must be in [0, 65535]", self.port)
@@ -332,7 +460,9 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     run_dir: str = "runs/latest"
+    """Where the run writes ``summary.json`` and ``training.png``."""
     json: bool = False  # machine-readable (JSON lines) output instead of text
+    """Machine-readable output (JSON lines) instead of text."""
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():

@@ -11,14 +11,16 @@
 ``TRANSITIONS`` is the table of allowed edges, each with the reason it exists; anything else
 raises ``IllegalTransition``. Every transition is kept in a timestamped ``history`` (the
 controller's monotonic clock, passed in, so tests use plain numbers). No Ray here: the
-controller (``jobs/controller/elastic.py``) observes, ``jobs/controller/reconcile.py`` decides the transitions,
-and this module only checks and records them.
+controller (``elastic.py``) observes, ``reconcile.py`` decides the transitions, and this
+module only checks and records them, with the shared helper (``cluster/state_machine.py``).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+from moshray.cluster.state_machine import IllegalTransition, Transition, TransitionTable
 
 
 class ReplicaState(str, enum.Enum):
@@ -60,16 +62,10 @@ TRANSITIONS: dict[tuple[ReplicaState, ReplicaState], str] = {
 }
 
 
-class IllegalTransition(ValueError):
-    """An edge not in ``TRANSITIONS``. Pickles cleanly (one string argument)."""
+TABLE = TransitionTable("replica", TRANSITIONS)
 
-
-@dataclass(frozen=True)
-class Transition:
-    src: ReplicaState
-    dst: ReplicaState
-    at_s: float
-    reason: str
+__all__ = ["IllegalTransition", "ReplicaRecord", "ReplicaState", "TABLE", "TRANSITIONS",
+           "Transition", "path_between"]
 
 
 @dataclass
@@ -84,18 +80,12 @@ class ReplicaRecord:
     num_gpus: float
     started_at_s: float
     state: ReplicaState = ReplicaState.STARTING
-    history: list[Transition] = field(default_factory=list)
+    history: list[Transition[ReplicaState]] = field(default_factory=list)  # edges taken
 
-    def to(self, dst: ReplicaState, at_s: float, reason: str = "") -> Transition:
-        """Take the edge ``state -> dst``; raises ``IllegalTransition`` if not allowed."""
-        edge = (self.state, dst)
-        if edge not in TRANSITIONS:
-            allowed = sorted(d.value for (s, d) in TRANSITIONS if s is self.state)
-            raise IllegalTransition(
-                f"replica {self.replica_id}: {self.state.value} -> {dst.value} is not allowed "
-                f"(from {self.state.value}: {', '.join(allowed) or 'nothing, it is terminal'})")
-        step = Transition(self.state, dst, at_s, reason or TRANSITIONS[edge])
-        self.history.append(step)
+    def to(self, dst: ReplicaState, at_s: float, reason: str = "") -> Transition[ReplicaState]:
+        """Take the edge ``state -> dst`` at ``at_s``; raises ``IllegalTransition`` if not
+        allowed (nothing changes then)."""
+        step = TABLE.step(self.replica_id, self.history, self.state, dst, at_s, reason)
         self.state = dst
         return step
 
@@ -104,18 +94,4 @@ def path_between(src: ReplicaState, dst: ReplicaState) -> tuple[ReplicaState, ..
     """The states to pass through from ``src`` to ``dst`` (``dst`` last) along the shortest
     chain of allowed edges; () if ``dst`` is ``src`` or cannot be reached. Observations are
     periodic, so a replica may be seen two edges further on (starting, then training)."""
-    if dst is src:
-        return ()
-    frontier: list[tuple[ReplicaState, ...]] = [(src,)]
-    seen = {src}
-    while frontier:
-        nxt = []
-        for chain in frontier:
-            for (a, b) in TRANSITIONS:
-                if a is chain[-1] and b not in seen:
-                    if b is dst:
-                        return chain[1:] + (b,)
-                    seen.add(b)
-                    nxt.append(chain + (b,))
-        frontier = nxt
-    return ()
+    return TABLE.path(src, dst)

@@ -114,6 +114,8 @@ class GridPlan:
     coords: tuple[tuple[str, tuple[int, ...]], ...]
     extras: tuple[str, ...]
     rounds: tuple[RoundSchedule, ...]
+    # peer -> zone when the plan is zone-aware (``grid.plan_zoned``); empty otherwise
+    zones: tuple[tuple[str, str], ...] = ()
 
     @property
     def max_group_size(self) -> int:
@@ -128,6 +130,7 @@ class PeerInfo:
     handle: ActorHandle = field(compare=False, repr=False)
     node_id: str = ""
     capacity: float = 1.0  # relative reduction throughput; sets the peer's share of parts
+    zone: str = ""  # e.g. the node's ray.io/availability-zone label; "" = unknown
 
 
 @dataclass(frozen=True)

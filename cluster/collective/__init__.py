@@ -3,11 +3,13 @@ in ``transport.RayTransport`` and ``peer.py``).
 
 One module per role:
 
-* ``grid.py``: the Moshpit grid of a plan (pure).
+* ``grid.py``: the Moshpit grid of a plan, zone-aware when peers declare zones (pure).
 * ``partition.py``: part sizes by share, owners taking turns, the step's bounds
   (``ContributionBounds`` -> ``Limits``), validation (``check_contribution``) and the
   weighted mean (pure).
 * ``shares.py``: DeDLOC load balancing, each peer's share from its measured throughput.
+* ``deadline.py``: adaptive round deadlines from observed round times (capped at the
+  configured timeout).
 * ``codecs.py``: the ``Codec`` interface and its registry (``register_codec``,
   ``get_codec``, ``codec_names``); the built-ins none / fp16 / uint8 / blockwise8.
 * ``round.py``: ``GroupRound``, one butterfly round inside one group, reading what

@@ -16,8 +16,10 @@ Contract of ``all_reduce``:
   devices as ``tensors`` (torch tensors or numpy arrays);
 - with no failures every participant gets the exact weighted average (float32 rounding,
   plus the documented codec error when compression is on);
-- each round waits at most ``timeout`` seconds (contributions for the first 60% of it,
-  results until its end), plus at most 25% more to finish fetching a result that came in
+- each round waits at most ``timeout`` seconds, or less once rounds were observed: the
+  adaptive deadline of ``deadline.py`` (from this peer's recent round durations, capped at
+  ``timeout``); contributions for the first 60% of it, results until its end, plus at most
+  25% more to finish fetching a result that came in
   time or to re-reduce the part of a dead owner locally; every fetch is bounded by those
   deadlines, and a dead member is noticed by probing (see ``round.py``) rather than by a
   deadline; it never raises because another peer failed, and never waits forever;
@@ -46,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from moshray.cluster.collective.codecs import max_abs, warm_up
+from moshray.cluster.collective.deadline import DeadlinePolicy, RoundTimes
 from moshray.cluster.collective.mailbox import GroupMailbox, RoundKey
 from moshray.cluster.collective.partition import ContributionBounds
 from moshray.cluster.collective.round import Deadlines, GroupRound, off_loop
@@ -121,7 +124,9 @@ class Averager:
     ``transport`` moves messages and bytes (``transport.Transport``; default: Ray actor
     calls and the object store, ``RayTransport``). ``clock`` is injectable for tests.
     ``bounds``: how each step's value and weight limits are derived (the defaults suit
-    gradients and parameters; see ``ContributionBounds``).
+    gradients and parameters; see ``ContributionBounds``). ``deadline``: how round
+    deadlines adapt to observed round times (``deadline.DeadlinePolicy``; None: every
+    round waits the ``timeout`` passed to ``all_reduce``).
     """
 
     def __init__(
@@ -130,6 +135,7 @@ class Averager:
         clock: Callable[[], float] = time.monotonic,
         transport: Transport | None = None,
         bounds: ContributionBounds = ContributionBounds(),
+        deadline: DeadlinePolicy | None = DeadlinePolicy(),
     ):
         self.peer_id = peer_id
         self.clock = clock
@@ -151,6 +157,7 @@ class Averager:
         # This peer's smoothed throughput (bytes/s), for its share of parts: the host sends
         # ``meter.value`` with its heartbeat (see shares.py)
         self.meter = ThroughputMeter()
+        self.round_times = RoundTimes(deadline)  # durations of recent rounds, per index
 
     # -- transport entry points ----------------------------------------------------------
 
@@ -238,12 +245,14 @@ class Averager:
             key = (plan.epoch, r, g)
             box = self._box(key)
             t0 = self.clock()
-            deadlines = Deadlines(t0 + CONTRIBUTION_FRACTION * timeout, t0 + timeout,
-                                  t0 + FINAL_FRACTION * timeout)
+            limit = self.round_times.timeout(r, timeout)
+            deadlines = Deadlines(t0 + CONTRIBUTION_FRACTION * limit, t0 + limit,
+                                  t0 + FINAL_FRACTION * limit)
             runner = GroupRound(self.peer_id, plan, r, g, group, box, send, self.transport,
                                 self.clock, hold=functools.partial(self._hold, key),
                                 limits=limits)
             outcome = await runner.run(flat, weight, deadlines)
+            self.round_times.record(r, self.clock() - t0)
             self._finish(key)
             for rej in outcome.rejections:
                 self.rejection_counts[rej.reason.value] += 1

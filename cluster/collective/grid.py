@@ -15,7 +15,24 @@ the result). Every peer still ends with the exact average, and no group is large
 
 Between averaging steps the assignment of peers to coordinates is reshuffled with a
 seed derived from the epoch, so that groups mix (Moshpit SGD); the plan is a deterministic
-function of ``(peers, max_group, epoch, seed)``.
+function of ``(peers, max_group, epoch, seed, zones)``.
+
+Zones (``plan_zoned``, used by ``plan_grid`` when ``zones`` name two or more zones and some
+zone holds two or more peers): links inside a zone are fast, links between zones slow and
+billed. The plan then averages in three stages, each a run of ordinary rounds:
+
+1. inside every zone, a Moshpit grid over the zone's peers (the zones' grids run side by
+   side; a zone with fewer rounds skips the last ones): every peer holds its zone's average
+   and the zone's total weight;
+2. one delegate per zone (taking turns by epoch) averages with the other zones' delegates
+   (a Moshpit grid over the delegates): each delegate holds the global average;
+3. inside every zone, the delegate is the one member of a group whose receivers are the
+   zone's other peers: they fetch the global average from it.
+
+So only the delegates' reduced tensors cross zones: ``2 * S`` per pair of zones per step
+(S: the tensor's bytes) against about ``2 * S`` per peer and round when groups ignore zones.
+Failure behaviour is the rounds': if a delegate dies, its zone's peers keep their zone
+average for that step (receivers keep their local values) and the next plan picks another.
 """
 
 from __future__ import annotations
@@ -23,7 +40,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from moshray.cluster.messages import GridPlan, Group, RoundSchedule
 
@@ -90,16 +107,23 @@ def plan_grid(
     max_group: int = DEFAULT_MAX_GROUP,
     epoch: int = 0,
     seed: int = 0,
+    zones: Mapping[str, str] | None = None,
 ) -> GridPlan:
     """Lay ``peers`` out on a Moshpit grid and list the groups of every round.
 
     Contract: for any weights, running the rounds in order (each group computing its
     weighted average and carrying its total weight forward; receivers taking the result
     with weight 0) leaves every peer with the exact weighted average of all peers. Peer ids
-    must be unique. The order of ``peers`` does not matter.
+    must be unique. The order of ``peers`` does not matter. ``zones`` (peer -> zone name; a
+    peer missing or with "" is a zone of its own) makes the plan zone-aware
+    (``plan_zoned``) when it names at least two zones and one of them holds two peers.
     """
     if len(set(peers)) != len(peers):
         raise ValueError("peer ids must be unique")
+    if zones:
+        by_zone = zone_members(peers, zones)
+        if len(by_zone) >= 2 and any(len(m) >= 2 for m in by_zone.values()):
+            return plan_zoned(peers, zones, max_group, epoch, seed)
     order = sorted(peers)
     random.Random(f"{seed}:{epoch}").shuffle(order)
     n = len(order)
@@ -150,6 +174,88 @@ def plan_grid(
         extras=extras,
         rounds=tuple(rounds),
     )
+
+
+def zone_members(peers: Sequence[str], zones: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """Zone -> its peers (sorted); a peer without a zone ("" or missing) is alone in one
+    named after itself."""
+    out: dict[str, list[str]] = {}
+    for p in sorted(peers):
+        out.setdefault(zones.get(p) or f"\0{p}", []).append(p)
+    return {z: tuple(m) for z, m in sorted(out.items())}
+
+
+def plan_zoned(
+    peers: Sequence[str],
+    zones: Mapping[str, str],
+    max_group: int = DEFAULT_MAX_GROUP,
+    epoch: int = 0,
+    seed: int = 0,
+) -> GridPlan:
+    """The three-stage zone-aware plan (module docstring): same contract as ``plan_grid``.
+
+    ``dims`` are the delegates' grid dims; ``coords`` give each peer ``(zone index, index in
+    its zone)``; ``extras`` is empty; ``zones`` records the layout."""
+    if len(set(peers)) != len(peers):
+        raise ValueError("peer ids must be unique")
+    by_zone = zone_members(peers, zones)
+    inner = {z: plan_grid(m, max_group, epoch, seed) for z, m in by_zone.items()}
+    delegates = {}
+    for z, members in by_zone.items():  # taking turns by epoch, in a seeded order
+        # not an extra of the zone's grid: a receiver there holds the zone's average but
+        # (in ``simulate``'s semantics) not the zone's total weight
+        order = [p for p in members if p not in inner[z].extras]
+        random.Random(f"{seed}:{z}").shuffle(order)
+        delegates[z] = order[epoch % len(order)]
+    outer = plan_grid(list(delegates.values()), max_group, epoch, seed)
+
+    rounds: list[RoundSchedule] = []
+    for r in range(max(len(g.rounds) for g in inner.values())):
+        groups = [grp for g in inner.values() if r < len(g.rounds)
+                  for grp in g.rounds[r].groups if len(grp.everyone) > 1]
+        if groups:
+            rounds.append(RoundSchedule(groups=tuple(groups)))
+    rounds += [sched for sched in outer.rounds]
+    fan_out = tuple(Group(members=(delegates[z],),
+                          receivers=tuple(p for p in m if p != delegates[z]))
+                    for z, m in by_zone.items() if len(m) > 1)
+    rounds.append(RoundSchedule(groups=fan_out))
+    coords = [(p, (zi, i)) for zi, m in enumerate(by_zone.values()) for i, p in enumerate(m)]
+    return GridPlan(
+        peers=tuple(sorted(peers)),
+        dims=outer.dims,
+        coords=tuple(sorted(coords)),
+        extras=(),
+        rounds=tuple(rounds),
+        zones=tuple(sorted((p, zones.get(p, "")) for p in peers)),
+    )
+
+
+def cross_zone_bytes(plan: GridPlan, zones: Mapping[str, str], numel: int,
+                     shares: Mapping[str, float] | None = None, itemsize: int = 4) -> int:
+    """Bytes that cross between zones in one step of ``plan`` with no failures: inside
+    every group, each member sends the owner of part j its part j, and each owner sends
+    its result to every other member and receiver (``round.py``); a pair counts when its
+    zones differ (a peer without a zone is in a zone of its own). Parts are sized as
+    ``partition.part_sizes`` sizes them from ``shares`` (default: even). Pure."""
+    from moshray.cluster.collective.partition import part_sizes
+
+    def zone(p: str) -> str:
+        return zones.get(p) or f"\0{p}"
+
+    total = 0
+    for schedule in plan.rounds:
+        for group in schedule.groups:
+            members = group.members
+            sizes = part_sizes(numel, [(shares or {}).get(m, 1.0) for m in members])
+            for j, owner in enumerate(members):
+                for other in members:
+                    if other != owner and zone(other) != zone(owner):
+                        total += sizes[j] * itemsize  # contribution in
+                for other in group.everyone:
+                    if other != owner and zone(other) != zone(owner):
+                        total += sizes[j] * itemsize  # result out
+    return total
 
 
 def _spread(row: tuple[int, ...], dims: tuple[int, ...], m0: int) -> int:

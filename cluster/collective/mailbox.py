@@ -41,7 +41,8 @@ class GroupMailbox:
     version: int = 0  # bumped by every notify: waiters compare it with what they last saw
     fetches: dict[tuple[str, int], asyncio.Task] = field(default_factory=dict)
     result_fetches: dict[int, asyncio.Task] = field(default_factory=dict)
-    # (start, end, bytes) of every part fetch that succeeded: this peer's inbound bandwidth
+    # (start, end, bytes) of every part or result fetch that succeeded (inline ones move
+    # nothing and are not logged): this peer's inbound bandwidth
     # for the throughput it reports (see shares.py)
     fetch_log: list[tuple[float, float, int]] = field(default_factory=list)
     fetch: Callable[[object], Awaitable[comp.Encoded]] = field(default=None)  # the transport's
@@ -91,7 +92,9 @@ class GroupMailbox:
     def fetch_result(self, part: int) -> asyncio.Task:
         task = self.result_fetches.get(part)
         if task is None:
-            task = asyncio.ensure_future(self.resolve(self.results[part].ref))
+            # timed like a contribution's part: a member that owns no part measures its
+            # inbound bandwidth from results alone (shares.py)
+            task = asyncio.ensure_future(self._timed_fetch(self.results[part].ref))
             task.add_done_callback(lambda _: self.notify())
             self.result_fetches[part] = task
         return task

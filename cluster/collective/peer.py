@@ -86,3 +86,8 @@ class AveragingPeer:
 
     def rejection_counts(self) -> dict[str, int]:
         return dict(self.averager.rejection_counts)
+
+    def throughput(self) -> float | None:
+        """This peer's smoothed fetch + reduction throughput (bytes/s; None before a round
+        measured one): what a replica sends with its heartbeat (``shares.py``)."""
+        return self.averager.meter.value

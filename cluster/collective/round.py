@@ -76,7 +76,7 @@ from moshray.cluster.collective.mailbox import GroupMailbox
 from moshray.cluster.collective.partition import (UNBOUNDED, Limits, WeightedMean,
                                                   check_contribution, group_part_sizes,
                                                   part_slices)
-from moshray.cluster.collective.shares import busy_seconds, round_throughput
+from moshray.cluster.collective.shares import busy_seconds, peak_rate, round_throughput
 from moshray.cluster.collective.transport import Transport
 from moshray.cluster.messages import (Contribution, CopyRequest, Group, InBundle, Inline,
                                       PartResult, Probe, Rejection, RejectReason, RoundPlan)
@@ -313,7 +313,8 @@ class GroupRound:
         lap("gather")
         log_ = self.box.fetch_log
         fetched = sum(n for _, _, n in log_)
-        throughput = round_throughput(fetched, busy_seconds((a, b) for a, b, _ in log_),
+        peak = peak_rate(log_)  # our inbound link's rate (shares.py)
+        throughput = round_throughput(fetched, fetched / peak if peak else 0.0,
                                       self.reduced_bytes, self.cpu_seconds)
         phases["cpu"] = self.cpu_seconds  # reduce's numeric steps, wall time in threads
         phases["cpu_used"] = self.cpu_used  # their CPU time

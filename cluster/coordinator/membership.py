@@ -6,8 +6,8 @@ non-draining peers into a ``RoundPlan`` for the next epoch. Time is injected (``
 arguments) so all of this is testable with plain data.
 
 Shares (DeDLOC load balancing): a heartbeat may carry the peer's measured throughput
-(``capacity.ThroughputMeter``); the newest value per peer is kept, and a plan's share of a
-peer is its declared ``PeerInfo.capacity`` times ``capacity.relative_shares`` of the
+(``shares.ThroughputMeter``); the newest value per peer is kept, and a plan's share of a
+peer is its declared ``PeerInfo.capacity`` times ``shares.relative_shares`` of the
 chosen peers' measurements (1.0 without one).
 """
 
@@ -27,6 +27,7 @@ class MembershipConfig:
     compression: str = "none"
     seed: int = 0
     min_part: int = 1  # see RoundPlan.min_part (partition.MIN_PART: small tensors, one owner)
+    zone_aware: bool = True  # see grid.plan_zoned (only peers that declare a zone count)
 
     def __post_init__(self) -> None:
         if self.max_group < 2:
@@ -42,7 +43,7 @@ class _Member:
     info: PeerInfo
     last_seen: float
     draining_deadline: float | None = None
-    throughput: float | None = None  # newest measured bytes/s (see capacity.py)
+    throughput: float | None = None  # newest measured bytes/s (see shares.py)
 
 
 @dataclass
@@ -131,7 +132,10 @@ class Membership:
             return None
         self.epoch += 1
         ids = [p.peer_id for p in chosen]
-        grid = plan_grid(ids, self.config.max_group, epoch=self.epoch, seed=self.config.seed)
+        # peers that declared a zone (PeerInfo.zone) average inside it first (grid.py)
+        zones = {p.peer_id: p.zone for p in chosen if p.zone} if self.config.zone_aware else {}
+        grid = plan_grid(ids, self.config.max_group, epoch=self.epoch, seed=self.config.seed,
+                         zones=zones)
         measured = relative_shares({p: self._members[p].throughput for p in ids})
         return RoundPlan(
             epoch=self.epoch,

@@ -2,9 +2,12 @@
 
 The run (`moshray bench chaos --schedule short`, a subprocess with its own embedded cluster)
 replays a seeded schedule of spot notices, hard kills and replacement nodes while the job
-trains, kills the Coordinator twice and makes one replica send NaN and one a wrong shape. At
-the end: no committed step lost or repeated, no rollback, the expected replica count, the bad
-replicas quarantined, every staying replica bitwise identical.
+trains, kills the Coordinator twice, makes one replica send NaN and one a wrong shape, kills
+one replica's process, makes one user loop raise and (as root) fills the checkpoint disk
+during a save. Every fault is counted from what was
+observed. At the end: every planned fault observed, no committed step lost or repeated, no
+rollback, the expected replica count, the bad replicas quarantined, every staying replica
+bitwise identical.
 """
 
 from __future__ import annotations
@@ -107,8 +110,15 @@ def test_short_chaos_run_loses_nothing_and_quarantines_the_bad_replicas(tmp_path
     assert lines, proc.stderr[-4000:]
     fig = json.loads(lines[-1])
     assert proc.returncode == 0, (fig, proc.stderr.strip().splitlines()[-1:])
+    # disk_full needs root (a small tmpfs for the checkpoints); elsewhere it is ruled out
+    # with that reason, and not planned.
+    full_disk = 0 if "disk_full" in fig["faults_ruled_out"] else 1
     assert fig["faults_by_kind"] == {"notice": 1, "kill": 2, "coordinator": 2, "nan": 1,
-                                     "shape": 1}
+                                     "shape": 1, "replica_kill": 1, "user_error": 1,
+                                     "disk_full": full_disk}
+    assert fig["faults_missed"] == [] and fig["faults_planned"] == fig["faults_by_kind"]
+    assert {"partition", "slow_node", "driver"} <= set(fig["faults_ruled_out"])
+    assert (os.geteuid() == 0) == (full_disk == 1)
     assert fig["lost"] == 0 and fig["repeated"] == 0 and fig["rollbacks"] == 0
     assert fig["replicas_at_end"] == fig["expected_replicas"] == 3
     assert len(fig["bad_replicas"]) == 2
@@ -123,3 +133,88 @@ def test_join_times_run_from_a_replicas_start_to_its_first_training_state():
     timelines = {"r1": [("starting", 1.0), ("syncing", 3.0), ("training", 7.5), ("gone", 9)],
                  "r2": [("starting", 2.0), ("gone", 4.0)]}
     assert join_seconds(timelines) == [6.5]
+
+
+# --------------------------------------------------------------------------- observed counts
+
+
+def test_node_faults_count_only_once_observed():
+    from moshray.jobs.bench.chaos_plan import node_fault_outcome
+
+    alive, noticed = {"a", "b"}, {"c"}
+    assert node_fault_outcome("kill", "a", alive, noticed) is None  # not yet gone
+    assert node_fault_outcome("kill", "x", alive, noticed) == (True, "node gone from Ray")
+    assert node_fault_outcome("notice", "c", alive, noticed)[0] is True  # noticed, then gone
+    assert node_fault_outcome("notice", "d", alive, noticed) is None  # gone, notice unseen
+    assert node_fault_outcome("notice", "d", alive, noticed, final=True) == (
+        False, "the node went but its notice never reached the Coordinator")
+    assert node_fault_outcome("kill", "a", alive, noticed, final=True) == (
+        False, "the node is still alive in Ray")
+
+
+def test_the_ledger_counts_observations_not_attempts():
+    from moshray.jobs.bench.chaos_plan import FaultLedger
+
+    ledger = FaultLedger()
+    seen = ledger.tried("kill", "n1", 1.0)
+    unseen = ledger.tried("coordinator", "pid 7", 2.0)
+    ledger.not_done("notice", "slot 3", 3.0, "slot 3 has no live node")
+    assert [r.kind for _, r in ledger.pending()] == ["kill", "coordinator"]
+    ledger.decide(seen, True, "node gone from Ray")
+    ledger.decide(seen, False, "ignored: already decided")
+    ledger.decide(unseen, False, "not back in a new process within 30 s")
+    counts = ledger.observed()
+    assert counts["kill"] == 1 and counts["coordinator"] == 0 and counts["notice"] == 0
+    assert ledger.missed() == ["coordinator pid 7: not back in a new process within 30 s",
+                               "notice slot 3: slot 3 has no live node"]
+    fig = {"lost": 0, "repeated": 0, "rollbacks": 0, "bad_replicas": [], "quarantined": [],
+           "bad_lost": [], "replicas_at_end": 3, "expected_replicas": 3,
+           "replicas_consistent": True, "steps": 10, "faults_by_kind": counts,
+           "faults_planned": {"kill": 1, "coordinator": 1, "notice": 1},
+           "faults_missed": ledger.missed()}
+    [line] = invariant_failures(fig)
+    assert line == ("planned faults that did not happen: {'coordinator': 1, 'notice': 1} "
+                    "(first: coordinator pid 7: not back in a new process within 30 s)")
+
+
+class _Slots:
+    """The embedded cluster's slot interface (live slots, node ids, add/remove/notice), kept
+    in memory: what LocalCloud drives, without Ray."""
+
+    def __init__(self, live):
+        self.live, self.calls = dict(live), []
+
+    def live_slots(self):
+        return tuple(sorted(self.live))
+
+    def node_id(self, slot):
+        return self.live[slot]
+
+    def add_node(self, slot):
+        self.live[slot] = f"node-{slot}-new"
+        self.calls.append(("add", slot))
+
+    def remove_node(self, slot, hard=False):
+        del self.live[slot]
+        self.calls.append(("kill" if hard else "remove", slot))
+
+    def notice(self, slot, notice_s):
+        self.calls.append(("notice", slot))
+
+
+def test_local_cloud_records_a_dead_slot_as_a_fault_that_did_not_happen(caplog):
+    from moshray.jobs.local.cloud import LocalCloud
+
+    heard = []
+    slots = _Slots({0: "n0", 1: "n1"})
+    cloud = LocalCloud(slots, notice_s=3.0, on_event=heard.append)
+    cloud.kill(1)
+    cloud.notice(1)  # its node is gone: nothing done, and said so
+    cloud.remove(1)
+    cloud.add(2)
+    assert slots.calls == [("kill", 1), ("add", 2)]
+    assert [(e.kind, e.slot, e.node_id, e.done) for e in heard] == [
+        ("kill", 1, "n1", True), ("notice", 1, None, False), ("remove", 1, None, False),
+        ("add", 2, "node-2-new", True)]
+    assert heard[2].reason == "slot 1 has no live node" and cloud.events == heard
+    assert "remove of slot 1 not done: slot 1 has no live node" in caplog.text

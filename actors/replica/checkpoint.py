@@ -1,143 +1,422 @@
-"""Durable, self-checking checkpoints on a local directory or an object store.
+"""Durable checkpoints that load no code, belong to one run and are visible only when whole.
 
-File layout of ``ckpt-{step:09d}.pt``::
+Layout under ``<uri>/<run_id>/`` (one directory per run: two jobs never read each other's
+checkpoints unless one is told to, see ``run_location``)::
 
-    magic    8 bytes   b"MOSHCKPT"
-    version  uint32    FORMAT_VERSION (little endian)
-    digest   32 bytes  sha256 of the payload
-    length   uint64    payload length in bytes
-    payload  length    torch.save(state) bytes
+    ckpt-{step:09d}-{write_id}.part{i:03d}       the payload, in parts of <= part_bytes
+    ckpt-{step:09d}-{write_id}.manifest.json     written last: names the parts
 
-A file is written under a temporary name and then moved into place, so a
-reader never sees a half-written checkpoint under the final name on a local
-filesystem (on S3/GCS ``move`` is copy + delete, and the copy is atomic per
-object). The header catches what atomicity cannot: a truncated upload, a
-bit flip, a file from something else.
+The payload is ``torch.save`` of the state after ``encode_state`` (tensors and plain types
+only; numpy arrays become tagged bytes), and it is read back with
+``torch.load(weights_only=True)``, which refuses to build any object that is not a tensor
+or a plain type: a file planted under the prefix cannot run code on the reader.
+
+Manifest-last: the parts are written under names no reader trusts, then the manifest (the
+run id, the step, the write time, each part's size and sha256) makes them one checkpoint.
+Locally the manifest is written under a temporary name and renamed; on S3/GCS it is one
+PUT, atomic per object, so nothing is ever copied or moved there (a single CopyObject
+cannot move an object over 5 GiB). A reader trusts only parts a manifest of its own run
+names, and only when their sizes and checksums match.
+
+Retention keeps the manifest just written plus the ``keep - 1`` newest others of this run
+by write time (never by step number, so a foreign, corrupt or renumbered file cannot make
+a save delete what it just wrote); it deletes a dropped manifest before its parts, and
+removes parts no manifest names and ``.tmp`` files once they are older than ``stale_s``.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
+import json
 import logging
 import os
 import pickle
 import re
-import struct
+import time
 import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import pyarrow.fs as pafs
 import torch
 
-__all__ = ["CheckpointStore", "FORMAT_VERSION", "MAGIC"]
+__all__ = ["CheckpointStore", "FORMAT", "FORMAT_VERSION", "SaveResult", "check_run_id",
+           "config_mismatch", "decode_state", "encode_state", "job_run_id", "resume_point",
+           "run_location", "save_to"]
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"MOSHCKPT"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<8sI32sQ")  # magic, version, sha256 digest, payload length
-_NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
-# What torch.load raises on bytes that are not a loadable torch.save payload.
-_UNPICKLE_ERRORS = (
-    pickle.UnpicklingError,
-    EOFError,
-    RuntimeError,
-    AttributeError,
-    ImportError,
-    ValueError,
-    TypeError,
-    KeyError,
-)
+FORMAT = "moshray-checkpoint"
+FORMAT_VERSION = 2
+PART_BYTES = 512 * 1024 * 1024  # far under S3's 5 GiB per PUT and pyarrow's upload limits
+STALE_S = 3600.0  # an unnamed part or a .tmp file older than this is a crashed writer's
+_MANIFEST = re.compile(r"^ckpt-(\d{9})-([0-9a-f]{12})\.manifest\.json$")
+_PART = re.compile(r"^ckpt-(\d{9})-([0-9a-f]{12})\.part(\d{3})$")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NDARRAY = "__ndarray__"  # the tag of an encoded numpy array
+_PLAIN = (str, int, float, bool, bytes, type(None), torch.dtype, torch.device, torch.Size)
+# What torch.load raises on bytes it cannot or will not load (weights_only refusals are
+# UnpicklingError); the checksum matched, so these are what was written.
+_UNPICKLE_ERRORS = (pickle.UnpicklingError, EOFError, RuntimeError, AttributeError,
+                    ImportError, ValueError, TypeError, KeyError)
+# The model settings that decide parameter shapes (a checkpoint of other shapes cannot load).
+SHAPE_FIELDS = ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff",
+                "moe_layers", "moe_grid")
 
 
 class _Corrupt(Exception):
-    """Internal: a checkpoint file failed validation; the message is the reason."""
+    """Internal: a checkpoint failed validation; the message is the reason."""
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """The outcome of ``CheckpointStore.try_save``: crosses actor boundaries.
+
+    ``location``: the manifest's path or URI when saved. ``kind`` when not: ``"no_space"``
+    (ENOSPC / EDQUOT), ``"io"`` (any other storage error) or ``"state"`` (the state holds
+    something a checkpoint cannot store); ``error`` is one line naming the cause."""
+
+    step: int
+    location: str | None = None
+    kind: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.location is not None
+
+    def __str__(self) -> str:
+        return self.location if self.ok else f"step {self.step} not saved ({self.kind}): " \
+                                             f"{self.error}"
+
+
+# --------------------------------------------------------------------------- run identity
+
+
+def check_run_id(run_id: str) -> str:
+    """``run_id`` if it is a usable directory name; else ``ValueError`` saying what to use."""
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+        raise ValueError(f"run id must be 1-128 letters, digits, '.', '_' or '-' (starting "
+                         f"with a letter or digit), got {run_id!r}")
+    return run_id
+
+
+def run_location(location: str) -> tuple[str, str]:
+    """``(uri, run_id)`` of a run's directory given as ``<uri>/<run_id>`` (how
+    ``checkpoint.resume_from`` names another job's run outside this job's ``uri``).
+    Raises ``ValueError`` if the last component is not a run id."""
+    base, _, run_id = location.rstrip("/").rpartition("/")
+    if not base or base.endswith(":/"):
+        raise ValueError(f"{location!r} does not name a run directory: use <uri>/<run_id>")
+    return base, check_run_id(run_id)
+
+
+def job_run_id(checkpoint, run_dir: str) -> str:
+    """The run id of a job: ``checkpoint.run_id`` (a ``CheckpointSection``), else the name
+    of ``run_dir``. Raises ``ConfigError`` if ``run_dir``'s name is not a usable run id."""
+    if checkpoint.run_id:
+        return checkpoint.run_id
+    name = os.path.basename(os.path.normpath(os.path.expanduser(run_dir)))
+    try:
+        return check_run_id(name)
+    except ValueError:
+        from moshray.jobs.config.fields import ConfigError
+
+        raise ConfigError("checkpoint.run_id", f"run_dir's name {name!r} cannot name the "
+                          f"run's checkpoints: set checkpoint.run_id") from None
+
+
+def resume_point(uri: str, run_id: str, resume_from: str | None,
+                 config: dict) -> tuple[int, dict, str] | None:
+    """``(step, state, location)`` a job starts from: this run's newest valid checkpoint
+    under ``<uri>/<run_id>``; if it has none and ``resume_from`` names another run (a run
+    id under ``uri``, or ``<uri>/<run_id>``), that run's; else None. ``config`` is this
+    job's ``TrainConfig.to_dict()``. Raises ``ConfigError`` (one line) when ``resume_from``
+    has no valid checkpoint, or when the checkpoint's model shapes differ from ``config``'s
+    (``config_mismatch``); storage errors (``OSError``) propagate."""
+    from moshray.jobs.config.fields import ConfigError
+
+    store = CheckpointStore(uri, run_id=run_id)
+    found = store.load_latest()
+    if found is None and resume_from:
+        base, other = run_location(resume_from) if "/" in resume_from else (uri, resume_from)
+        store = CheckpointStore(base, run_id=other)
+        found = store.load_latest()
+        if found is None:
+            raise ConfigError("checkpoint.resume_from", f"no valid checkpoint in "
+                              f"{store.location} to start from")
+    if found is None:
+        return None
+    step, state = found
+    mismatch = config_mismatch(state.get("config"), config)
+    if mismatch:
+        raise ConfigError("checkpoint", f"{store.location} step {step}: {mismatch}")
+    return step, state, store.location
+
+
+def save_to(uri: str, run_id: str | None, state: dict, step: int) -> SaveResult:
+    """Write ``state`` as ``step`` into ``<uri>/<run_id>``; never raises for storage or
+    state problems (a store that cannot even be opened is an ``"io"``/``"no_space"``
+    result too): see ``CheckpointStore.try_save``."""
+    try:
+        store = CheckpointStore(uri, run_id=run_id)
+    except OSError as exc:
+        return SaveResult(step, kind=_storage_kind(exc), error=_one_line(exc))
+    return store.try_save(state, step)
+
+
+def _storage_kind(exc: OSError) -> str:
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(exc)
+    return "no_space" if full else "io"
+
+
+def config_mismatch(stored: dict | None, current: dict) -> str | None:
+    """One line naming the model settings that decide parameter shapes and differ between
+    a checkpoint's config (``stored``, a ``TrainConfig.to_dict()``) and this job's; None if
+    they agree or the checkpoint carries no config."""
+    if not isinstance(stored, dict) or not isinstance(stored.get("model"), dict):
+        return None
+    then, now = stored["model"], current.get("model", {})
+    diff = [f"model.{k} {_show(then.get(k))} -> {_show(now.get(k))}" for k in SHAPE_FIELDS
+            if k in then and k in now and _show(then[k]) != _show(now[k])]
+    if not diff:
+        return None
+    return (f"the checkpoint's model has other shapes ({', '.join(diff)}): train with the "
+            f"checkpoint's settings, or start a new run (another checkpoint.run_id)")
+
+
+def _show(value) -> str:
+    return str(list(value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def encode_state(value, where: str = "state"):
+    """``value`` with numpy arrays and scalars turned into plain types, so that
+    ``torch.load(weights_only=True)`` can read it back (``decode_state`` reverses it).
+    Raises ``TypeError`` naming the first entry that is neither a tensor nor a plain type
+    (dict, list, tuple, str, int, float, bool, bytes, None)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise TypeError(f"{where} is a numpy array of Python objects: store plain values")
+        return {_NDARRAY: np.ascontiguousarray(value).tobytes(), "dtype": value.dtype.str,
+                "shape": list(value.shape)}
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, dict):
+        out = OrderedDict() if isinstance(value, OrderedDict) else {}
+        for k, v in value.items():
+            if not isinstance(k, (str, int, float, bool, type(None))):
+                raise TypeError(f"{where} has a key of type {type(k).__name__}: use str or int")
+            out[k] = encode_state(v, f"{where}.{k}")
+        return out
+    if isinstance(value, (list, tuple)):
+        items = [encode_state(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    raise TypeError(f"{where} is a {type(value).__name__}: a checkpoint stores tensors and "
+                    f"plain types only (give the object state_dict/load_state_dict)")
+
+
+def decode_state(value):
+    """The inverse of ``encode_state`` (numpy arrays come back as writable arrays)."""
+    if isinstance(value, dict):
+        if _NDARRAY in value and set(value) == {_NDARRAY, "dtype", "shape"}:
+            array = np.frombuffer(value[_NDARRAY], dtype=np.dtype(value["dtype"]))
+            return array.reshape(value["shape"]).copy()
+        out = OrderedDict() if isinstance(value, OrderedDict) else {}
+        for k, v in value.items():
+            out[k] = decode_state(v)
+        return out
+    if isinstance(value, list):
+        return [decode_state(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(decode_state(v) for v in value)
+    return value
+
+
+# --------------------------------------------------------------------------- the store
+
+
+@dataclass(frozen=True)
+class _Manifest:
+    name: str
+    step: int
+    write_id: str
+    written_at: float
+    run_id: str | None
+    parts: tuple[tuple[str, int, str], ...]  # (name, bytes, sha256 hex)
 
 
 class CheckpointStore:
-    """Numbered checkpoints under one directory or object-store prefix.
+    """One run's checkpoints under ``<uri>/<run_id>/`` (see module docstring).
 
     ``uri`` is a local directory (``~`` expanded) or a ``scheme://`` URI that
     ``pyarrow.fs.FileSystem.from_uri`` understands (``s3://bucket/prefix``,
-    ``gs://bucket/prefix``, ``file:///abs/dir``). The directory is created if
-    missing. After each :meth:`save` only the newest ``keep`` checkpoints
-    remain. Raises ``ValueError`` if ``keep < 1``; filesystem errors from
-    pyarrow (``OSError``) propagate.
+    ``gs://bucket/prefix``, ``file:///abs/dir``); ``run_id`` names this run (None: ``uri``
+    is already the run's own directory, as for an expert host's snapshots). The directory
+    is created if missing. ``keep``: checkpoints left after a save; ``part_bytes``: the
+    largest part; ``clock``: wall time for the manifests and the age of leftovers;
+    ``filesystem``: a pyarrow filesystem to use instead of the one the URI names (with
+    ``uri`` then a path on it). Raises ``ValueError`` for a bad ``keep``, ``part_bytes`` or
+    ``run_id``; filesystem errors from pyarrow (``OSError``) propagate.
     """
 
-    def __init__(self, uri: str, keep: int = 3) -> None:
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-            raise ValueError(f"keep must be a positive integer, got {keep!r}")
-        self.uri = uri
-        self.keep = keep
-        if "://" in uri:
-            self._fs, self._dir = pafs.FileSystem.from_uri(uri)
+    def __init__(self, uri: str, run_id: str | None = None, keep: int = 3, *,
+                 part_bytes: int = PART_BYTES, stale_s: float = STALE_S,
+                 clock: Callable[[], float] = time.time,
+                 filesystem: pafs.FileSystem | None = None) -> None:
+        for name, value in (("keep", keep), ("part_bytes", part_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.uri, self.keep, self.part_bytes = uri, keep, part_bytes
+        self.run_id = None if run_id is None else check_run_id(run_id)
+        self.stale_s, self.clock = stale_s, clock
+        if filesystem is not None:
+            self._fs, base, self._scheme = filesystem, uri, None
+        elif "://" in uri:
+            self._fs, base = pafs.FileSystem.from_uri(uri)
             local = isinstance(self._fs, pafs.LocalFileSystem)
             self._scheme = None if local else uri.split("://", 1)[0]
         else:
             self._fs = pafs.LocalFileSystem()
-            self._dir = os.path.abspath(os.path.expanduser(uri))
-            self._scheme = None
-        self._dir = self._dir.rstrip("/")
+            base, self._scheme = os.path.abspath(os.path.expanduser(uri)), None
+        base = base.rstrip("/")
+        self._dir = f"{base}/{self.run_id}" if self.run_id else base
+        self._local = isinstance(self._fs, pafs.LocalFileSystem)
         self._fs.create_dir(self._dir, recursive=True)
 
-    # ------------------------------------------------------------------ naming
-
-    def _path(self, step: int) -> str:
-        return f"{self._dir}/ckpt-{step:09d}.pt"
+    @property
+    def location(self) -> str:
+        """This run's directory, as the user would write it."""
+        return self._display(self._dir)
 
     def _display(self, path: str) -> str:
-        """Path as the user would write it (with the scheme for remote stores)."""
         return f"{self._scheme}://{path}" if self._scheme else path
 
-    def path_for(self, step: int) -> str:
-        """Location (path or URI) of the checkpoint for ``step``, whether or not it exists."""
-        return self._display(self._path(step))
+    # ------------------------------------------------------------------ listing
+
+    def _infos(self) -> list:
+        selector = pafs.FileSelector(self._dir, allow_not_found=True)
+        return [i for i in self._fs.get_file_info(selector) if i.type == pafs.FileType.File]
+
+    def _manifests(self) -> tuple[list[_Manifest], list[str]]:
+        """This run's readable manifests, and the names of manifests that are not (torn,
+        foreign, another run's: never counted, never deleted)."""
+        good, bad = [], []
+        for info in self._infos():
+            if _MANIFEST.match(info.base_name):
+                try:
+                    good.append(self._read_manifest(info.base_name))
+                except _Corrupt as exc:
+                    log.warning("checkpoint manifest %s is corrupt or not this run's (%s); "
+                                "ignored", self._display(info.path), exc)
+                    bad.append(info.base_name)
+        return good, bad
+
+    def _read_manifest(self, name: str) -> _Manifest:
+        try:
+            with self._fs.open_input_stream(f"{self._dir}/{name}") as stream:
+                raw = json.loads(stream.read().decode())
+            if raw.get("format") != FORMAT or raw.get("version") != FORMAT_VERSION:
+                raise _Corrupt(f"not a {FORMAT} v{FORMAT_VERSION} manifest")
+            manifest = _Manifest(name, int(raw["step"]), str(raw["write_id"]),
+                                 float(raw["written_at"]), raw.get("run_id"),
+                                 tuple((str(p["name"]), int(p["bytes"]), str(p["sha256"]))
+                                       for p in raw["parts"]))
+        except OSError as exc:
+            raise _Corrupt(f"unreadable: {exc}") from exc
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise _Corrupt(f"malformed: {type(exc).__name__}") from exc
+        if manifest.run_id != self.run_id:
+            raise _Corrupt(f"written by run {manifest.run_id!r}, this is run {self.run_id!r}")
+        if not name.startswith(f"ckpt-{manifest.step:09d}-{manifest.write_id}."):
+            raise _Corrupt("its name does not match its step")
+        if any(not _PART.match(p[0]) or not p[0].startswith(name.split(".")[0])
+               for p in manifest.parts):
+            raise _Corrupt("it names parts of another checkpoint")
+        return manifest
 
     def list_steps(self) -> list[int]:
-        """Steps that have a checkpoint file, ascending; validity is not checked."""
-        selector = pafs.FileSelector(self._dir, allow_not_found=True)
-        steps = []
-        for info in self._fs.get_file_info(selector):
-            match = _NAME.match(info.base_name)
-            if match and info.type == pafs.FileType.File:
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        """Steps of this run that have a readable manifest, ascending (parts unchecked)."""
+        return sorted({m.step for m in self._manifests()[0]})
 
     # ------------------------------------------------------------------ writing
 
     def save(self, state: dict, step: int) -> str:
-        """Write ``state`` as the checkpoint for ``step`` and prune old ones.
+        """Write ``state`` as the checkpoint for ``step``, then apply retention.
 
-        ``state`` is a dict (model and optimizer state dicts, step/epoch, the
-        config dict, a ``version``...) that ``torch.save`` can serialise. The
-        file is written to a temporary name in the same directory and moved to
-        ``ckpt-{step:09d}.pt``, replacing an existing checkpoint for the same
-        step. Returns the final location. Raises ``TypeError`` if ``state`` is
-        not a dict, ``ValueError`` for a negative step, ``OSError`` on write
-        failure (the temporary file is removed where possible).
-        """
+        ``state`` is a dict of tensors and plain types (numpy arrays allowed; see
+        ``encode_state``). A checkpoint already there for the same step stays until
+        retention drops it; readers take the newer write. Returns the manifest's location.
+        Raises ``TypeError`` if ``state`` is not a dict or holds another type, ``ValueError``
+        for a negative step, ``OSError`` on a storage failure (what was written of this
+        checkpoint is removed where possible; nothing of it is ever visible)."""
         if not isinstance(state, dict):
             raise TypeError(f"checkpoint state must be a dict, got {type(state).__name__}")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         buffer = io.BytesIO()
-        torch.save(state, buffer)
-        payload = buffer.getvalue()
-        header = _HEADER.pack(MAGIC, FORMAT_VERSION, hashlib.sha256(payload).digest(), len(payload))
-
-        final = self._path(step)
-        tmp = f"{self._dir}/.ckpt-{step:09d}.pt.tmp-{uuid.uuid4().hex}"
+        torch.save(encode_state(state), buffer)
+        payload = buffer.getbuffer()
+        write_id = uuid.uuid4().hex[:12]
+        stem = f"ckpt-{step:09d}-{write_id}"
+        written: list[str] = []
+        parts = []
         try:
-            with self._fs.open_output_stream(tmp) as out:
-                out.write(header)
-                out.write(payload)
-            self._fs.move(tmp, final)
+            for i, start in enumerate(range(0, max(len(payload), 1), self.part_bytes)):
+                chunk = payload[start:start + self.part_bytes]
+                name = f"{stem}.part{i:03d}"
+                written.append(f"{self._dir}/{name}")
+                with self._fs.open_output_stream(written[-1]) as out:
+                    out.write(chunk)
+                parts.append({"name": name, "bytes": len(chunk),
+                              "sha256": hashlib.sha256(chunk).hexdigest()})
+            manifest = {"format": FORMAT, "version": FORMAT_VERSION, "run_id": self.run_id,
+                        "step": step, "write_id": write_id, "written_at": self.clock(),
+                        "parts": parts}
+            final = f"{self._dir}/{stem}.manifest.json"
+            self._write_visible(final, json.dumps(manifest, indent=1).encode(), written)
         except BaseException:
-            self._remove_quietly(tmp)
+            for path in reversed(written):
+                self._remove_quietly(path)
             raise
-        self._prune()
+        self._retain(f"{stem}.manifest.json")
         return self._display(final)
+
+    def try_save(self, state: dict, step: int) -> SaveResult:
+        """``save`` that reports a failure as a ``SaveResult`` instead of raising: storage
+        errors (``kind`` ``"no_space"`` or ``"io"``) and a state that cannot be stored
+        (``"state"``). A bad ``step`` still raises ``ValueError`` (a caller's bug)."""
+        try:
+            return SaveResult(step, location=self.save(state, step))
+        except OSError as exc:
+            return SaveResult(step, kind=_storage_kind(exc), error=_one_line(exc))
+        except TypeError as exc:
+            return SaveResult(step, kind="state", error=_one_line(exc))
+
+    def _write_visible(self, final: str, data: bytes, written: list[str]) -> None:
+        """The manifest: locally under a temporary name, then renamed (atomic); on an
+        object store one PUT (atomic per object; nothing is copied)."""
+        if not self._local:
+            written.append(final)
+            with self._fs.open_output_stream(final) as out:
+                out.write(data)
+            return
+        tmp = f"{self._dir}/.{final.rsplit('/', 1)[1]}.tmp-{uuid.uuid4().hex}"
+        written.append(tmp)
+        with self._fs.open_output_stream(tmp) as out:
+            out.write(data)
+        self._fs.move(tmp, final)
+        written[-1] = final
 
     def _remove_quietly(self, path: str) -> None:
         try:
@@ -145,55 +424,77 @@ class CheckpointStore:
         except OSError:
             pass  # never written, or already gone: nothing to clean up
 
-    def _prune(self) -> None:
-        for step in self.list_steps()[: -self.keep]:
-            self._remove_quietly(self._path(step))
+    def _retain(self, just_written: str) -> None:
+        """Keep ``just_written`` and the ``keep - 1`` newest other manifests of this run by
+        write time; drop the rest (manifest first, then its parts); remove stale leftovers.
+        Failures are logged, never raised: the checkpoint itself is written."""
+        try:
+            manifests, foreign = self._manifests()
+            others = sorted((m for m in manifests if m.name != just_written),
+                            key=lambda m: (m.written_at, m.name), reverse=True)
+            kept = [m for m in manifests if m.name == just_written] + others[:self.keep - 1]
+            for m in others[self.keep - 1:]:
+                self._remove_quietly(f"{self._dir}/{m.name}")
+                for part, _, _ in m.parts:
+                    self._remove_quietly(f"{self._dir}/{part}")
+            named = {p[0] for m in kept for p in m.parts}
+            owned = {n.split(".")[0] for n in foreign}  # a torn manifest's parts: left alone
+            now = self.clock()
+            for info in self._infos():
+                name = info.base_name
+                leftover = (".tmp-" in name or (_PART.match(name) and name not in named
+                                                and name.split(".")[0] not in owned))
+                if leftover and info.mtime is not None and \
+                        now - info.mtime.timestamp() > self.stale_s:
+                    self._remove_quietly(info.path)
+        except OSError as exc:
+            log.warning("checkpoint retention in %s failed: %s", self.location, _one_line(exc))
 
     # ------------------------------------------------------------------ reading
 
-    def _read(self, path: str) -> dict:
-        """Validated state dict from ``path``; raises ``_Corrupt(reason)``."""
+    def _read(self, manifest: _Manifest) -> dict:
+        """The validated state a manifest names; raises ``_Corrupt(reason)``."""
+        blobs = []
+        for name, size, digest in manifest.parts:
+            try:
+                with self._fs.open_input_stream(f"{self._dir}/{name}") as stream:
+                    blob = stream.read()
+            except OSError as exc:
+                raise _Corrupt(f"part {name} unreadable: {_one_line(exc)}") from exc
+            if len(blob) != size:
+                raise _Corrupt(f"part {name}: wrong length, manifest says {size} bytes, "
+                               f"found {len(blob)}")
+            if hashlib.sha256(blob).hexdigest() != digest:
+                raise _Corrupt(f"part {name}: checksum mismatch")
+            blobs.append(blob)
         try:
-            with self._fs.open_input_stream(path) as stream:
-                blob = stream.read()
-        except OSError as exc:
-            raise _Corrupt(f"unreadable: {exc}") from exc
-        if len(blob) < _HEADER.size:
-            raise _Corrupt(f"truncated header: {len(blob)} bytes")
-        magic, version, digest, length = _HEADER.unpack_from(blob)
-        if magic != MAGIC:
-            raise _Corrupt("bad magic")
-        if version != FORMAT_VERSION:
-            raise _Corrupt(f"unsupported format version {version}")
-        payload = blob[_HEADER.size :]
-        if len(payload) != length:
-            raise _Corrupt(f"wrong length: header says {length} bytes, found {len(payload)}")
-        if hashlib.sha256(payload).digest() != digest:
-            raise _Corrupt("checksum mismatch")
-        try:
-            state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+            state = torch.load(io.BytesIO(b"".join(blobs)), map_location="cpu",
+                               weights_only=True)
         except _UNPICKLE_ERRORS as exc:
-            # The checksum matched, so these bytes are what was written: a class
-            # that no longer exists, or a file from an incompatible torch.
-            raise _Corrupt(f"unpicklable payload: {type(exc).__name__}") from exc
+            raise _Corrupt(f"payload refused by the weights-only loader: "
+                           f"{type(exc).__name__}") from exc
         if not isinstance(state, dict):
             raise _Corrupt(f"payload is a {type(state).__name__}, not a dict")
-        return state
+        return decode_state(state)
 
     def load_latest(self) -> tuple[int, dict] | None:
-        """``(step, state)`` of the newest valid checkpoint, or ``None`` if there is none.
+        """``(step, state)`` of the newest valid checkpoint of this run (highest step, then
+        latest write), or ``None`` if there is none.
 
-        Files that fail validation (bad magic, unsupported version, wrong
-        length, checksum mismatch, unpicklable payload, unreadable) are skipped
-        with one ``logging.warning`` line each naming the file and the reason,
-        and the next newest is tried. Tensors are loaded onto the CPU.
-        """
-        for step in reversed(self.list_steps()):
-            path = self._path(step)
+        A checkpoint that fails validation (unreadable or malformed manifest, another run's
+        manifest, a part missing or of the wrong size or checksum, a payload the
+        weights-only loader refuses) is skipped with one ``logging.warning`` line naming it
+        and the reason, and the next newest is tried. Tensors are loaded onto the CPU."""
+        manifests, _ = self._manifests()
+        for m in sorted(manifests, key=lambda m: (m.step, m.written_at), reverse=True):
             try:
-                return step, self._read(path)
+                return m.step, self._read(m)
             except _Corrupt as exc:
-                log.warning(
-                    "checkpoint %s is corrupt (%s); skipping", self._display(path), exc
-                )
+                log.warning("checkpoint %s is corrupt (%s); skipping",
+                            self._display(f"{self._dir}/{m.name}"), exc)
         return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:300]

@@ -1,28 +1,44 @@
 """`moshray bench chaos`: one bounded run of the training job under a seeded storm of faults.
 
-The schedule mixes five kinds of fault, all drawn from one seed:
+The schedule mixes seven kinds of fault, all drawn from one seed:
 
 - ``notice``: a spot notice, then the node's removal at its deadline;
 - ``kill``: a spot raylet SIGKILLed, no notice;
 - ``coordinator``: ``ray.kill(coordinator, no_restart=False)`` (Ray restarts it, the
   replicas rebuild it);
 - ``nan``: one replica's gradients turn NaN until its peers get it quarantined;
-- ``shape``: one replica sends contributions one element too long, likewise.
+- ``shape``: one replica sends contributions one element too long, likewise;
+- ``replica_kill``: one replica's process SIGKILLed, its node left up;
+- ``user_error``: one replica's user loop raises once (the job replaces the replica);
+- ``disk_full``: the checkpoint disk (a small tmpfs the bench mounts; root only, else the
+  kind is ruled out with that reason) is filled while a replica saves a checkpoint.
+
+The kinds this bench does not run are in ``chaos_plan.RULED_OUT`` with the reason (and in
+the figures). Every fault is counted from what was observed, never from the plan
+(``chaos_plan.FaultLedger``): a node the cloud removed counts once Ray shows it gone (a
+notice once the Coordinator also has it), a Coordinator kill once it answers from a new
+process, a bad replica once a peer rejected its contributions or it was quarantined, a
+replica kill once Ray reports the actor dead on a live node, a user error once the replica
+reports its loop raised, a full disk once the save returns ``no_space``. A planned fault that did not happen fails the run, with why.
 
 Node faults go through the embedded cluster's cloud exactly as a spot trace does: the
 schedule's node events are written as a per-node trace (``jobs/bench/chaos_schedule.py``) that
 ``jobs/local_cloud.run_embedded`` replays while ``train.run_job`` (the elastic controller)
 trains. The actor faults are injected by this harness from a thread, with Ray handles found
 by name as a test would (the Coordinator by its well-known name, a replica through
-``Coordinator.peer_handle``); a bad replica's fault is cleared once the Coordinator lists
-it as quarantined (or after ``--timeout``), so it resyncs from a donor and rejoins.
+``Coordinator.peer_handle``), through ``jobs/bench/chaos_faults.py`` (Ray's generic
+``__ray_call__`` and a wrapped user loop: the production actors have no fault hooks); a bad
+replica's fault is cleared once the Coordinator lists it as quarantined (or after
+``--timeout``), so it resyncs from a donor and rejoins.
 
-Figures (one JSON line on stdout; the job's own lines go to stderr): faults injected by
-kind, steps, lost and repeated committed steps (replica lineages), rollbacks (summed over
-the Coordinator's lives), quarantines seen, seconds stalled (sum of the gaps between global
+Figures (one JSON line on stdout; the job's own lines go to stderr): faults observed by
+kind, the planned ones, the ones that did not happen (with why), the kinds ruled out,
+steps, lost and repeated committed steps (replica lineages), rollbacks (summed over the
+Coordinator's lives), quarantines seen, seconds stalled (sum of the gaps between global
 steps longer than ``STALL_S``), replicas at the end (staying, i.e. not noticed) and the
 expected count, ``replicas_consistent``. Invariants: 0 lost, 0 repeated, 0 rollbacks, every
-bad replica quarantined, the expected replica count, replicas bitwise identical; a failed
+bad replica quarantined, the expected replica count, replicas bitwise identical, every
+planned fault observed; a failed
 invariant exits 1 with one line on stderr (after the JSON line). Bad arguments exit 2.
 """
 
@@ -31,45 +47,64 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
+import signal
 import sys
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from moshray.jobs.bench.chaos_faults import (SmallDisk, chaos_job, order_user_error,
+                                             process_pid, save_through, set_replica_fault,
+                                             small_disk_refusal, user_error_raised)
+from moshray.jobs.bench.chaos_plan import (NODE_KINDS, RULED_OUT, SCHEDULES, ChaosPlan,
+                                           FaultLedger, draw_plan, invariant_failures,
+                                           join_seconds, node_fault_outcome, stall_causes,
+                                           stalled_seconds)
 from moshray.jobs.bench.chaos_schedule import write_trace
-from moshray.jobs.bench.chaos_plan import (ACTOR_KINDS, SCHEDULES, ChaosPlan, draw_plan,
-                                     invariant_failures, join_seconds, stall_causes,
-                                     stalled_seconds)
+from moshray.jobs.bench.results import add_results_argument, save_result
 
 log = logging.getLogger("moshray.bench_chaos")
 
 BAD_WAIT_S = 30.0  # at most this long for the ready replicas, then for the quarantine
 MIN_READY = 2  # ready replicas a bad-replica fault needs: the bad one and a good one
+CHECKPOINT_EVERY = 200  # global steps between the job's own checkpoints (on the small disk)
+USER_ERROR_POLL_S = 0.1  # read the raise before the controller replaces the replica
+REJECTION_OF = {"nan": "non_finite", "shape": "shape_mismatch"}  # what peers reject it for
 # The bench's model (small, so that a 2-core machine takes many steps); --set overrides.
 DEFAULT_SET = ("model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=2",
                "model.seq_len=64", "training.batch_size=8", "training.target_batch_size=32",
-               "training.round_timeout_s=5")
+               "training.round_timeout_s=5",
+               # The bench raises in user loops and kills replica processes on purpose: the
+               # job's failure budget must cover them (the long schedule has 9).
+               "training.max_failures=40")
 
 
 # =========================================================================== the harness
 
 
 class Injector:
-    """Injects ``plan.actor_faults`` into the running job and watches its Coordinator (every
-    ``poll_s``: epoch advances, rollbacks, quarantines). Runs in a thread sharing the
-    driver's Ray connection; stops by ``end_at`` (monotonic) so that it is done before the
-    job disconnects. Every Ray call is bounded by ``timeout_s``; failures are recorded in
-    ``errors``, never raised."""
+    """Injects ``plan.actor_faults`` into the running job, watches its Coordinator (every
+    ``poll_s``: epoch advances, rollbacks, quarantines, delivered notices) and Ray's node
+    table, and records every fault in ``ledger`` as observed (``chaos_plan.FaultLedger``):
+    a node fault the cloud carried out (``cloud_event``, from the main thread) is decided
+    when Ray shows the node gone (and, for a notice, the Coordinator has it); an actor
+    fault when its effect is seen (a Coordinator back in a new process, contributions
+    rejected, a replica's process dead on a live node, the user's loop raising). Runs in a
+    thread sharing the driver's Ray connection; stops by ``end_at`` (monotonic) so that it
+    is done before the job disconnects. Every Ray call is bounded by ``timeout_s``;
+    failures are recorded in ``errors``, never raised."""
 
     def __init__(self, plan: ChaosPlan, timeout_s: float, log_fn, seed: int, poll_s: float = 0.5):
         self.plan, self.timeout_s, self.log, self.poll_s = plan, timeout_s, log_fn, poll_s
         self.rng = random.Random(seed)
-        self.injected = {k: 0 for k in ACTOR_KINDS}
+        self.ledger = FaultLedger()
         self.bad: list[str] = []
         self.bad_lost: list[str] = []
         self.quarantined: dict[str, str] = {}  # peer -> reason, over every Coordinator life
+        self.noticed: set[str] = set()  # node ids whose notice reached the Coordinator
         self.rollbacks_done = 0  # of the Coordinator's earlier lives
         self.rollbacks_life = 0
         self.top_epoch = 0
@@ -79,6 +114,8 @@ class Injector:
         self._seen_losses = self._seen_members = None
         self.errors: list[str] = []
         self.end_at = float("inf")
+        self.disk: SmallDisk | None = None  # the checkpoint disk, for disk_full faults
+        self.checkpoint_uri: str | None = None
 
     def _coordinator(self):
         import ray
@@ -92,21 +129,53 @@ class Injector:
 
         return ray.get(ref, timeout=self.timeout_s)
 
+    def _wait_s(self) -> float:
+        """How long one fault's observation may take (well below --timeout: the
+        schedule's later faults must not drift away)."""
+        return min(self.timeout_s, BAD_WAIT_S)
+
+    # ------------------------------------------------------------------ observing
+
+    def cloud_event(self, event) -> None:
+        """A ``jobs.local.cloud.CloudEvent``: a node loss the cloud carried out is a fault
+        pending observation; one it could not carry out is a fault that did not happen."""
+        if event.kind not in ("remove", "kill"):
+            if not event.done:
+                self.errors.append(f"cloud {event.kind} of slot {event.slot}: {event.reason}")
+            return
+        kind = "notice" if event.kind == "remove" else "kill"
+        if event.done:
+            self.ledger.tried(kind, event.node_id, event.at)
+        else:
+            self.ledger.not_done(kind, f"slot {event.slot}", event.at,
+                                 f"the cloud could not act: {event.reason}")
+
+    def _alive_nodes(self) -> set[str]:
+        import ray
+
+        return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
     def observe(self) -> dict | None:
-        """One look at the Coordinator's stats (None if it did not answer)."""
+        """One look at the Coordinator's stats and Ray's nodes (None if the Coordinator did
+        not answer); decides the node faults it can."""
         import ray
 
         try:
-            stats = self._get(self._coordinator().stats.remote())
+            coordinator = self._coordinator()
+            stats = self._get(coordinator.stats.remote())
+            self.noticed |= set(self._get(coordinator.notice_stats.remote()))
         except (ray.exceptions.RayError, TimeoutError, ValueError) as exc:
             self.errors.append(f"stats: {type(exc).__name__}")
+            stats = None
+        self._decide_node_faults(final=False)
+        if stats is None:
             return None
         if stats["epoch"] > self.top_epoch:
             self.top_epoch = stats["epoch"]
             self.advances.append(time.monotonic())
         self.rollbacks_life = max(self.rollbacks_life, stats["rollbacks"])
         now = time.monotonic()
-        losses = stats["preemptions"]  # a restarted Coordinator counts from 0 again
+        losses = stats["preemptions"]  # the driver's NodeLostEvents, kept over restarts
         if self._seen_losses is not None and losses > self._seen_losses:
             self.events.append((now, "node_loss"))
         live = stats["live"]
@@ -117,33 +186,70 @@ class Injector:
             self.quarantined.setdefault(peer, reason)
         return stats
 
+    def _decide_node_faults(self, final: bool) -> None:
+        import ray
+
+        pending = [(i, r) for i, r in self.ledger.pending() if r.kind in NODE_KINDS]
+        if not pending:
+            return
+        try:
+            alive = self._alive_nodes()
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            self.errors.append(f"nodes: {type(exc).__name__}")
+            return
+        for index, record in pending:
+            outcome = node_fault_outcome(record.kind, record.target, alive, self.noticed, final)
+            if outcome is not None:
+                self.ledger.decide(index, *outcome)
+
+    def finish(self) -> None:
+        """The run is over: decide what is still pending (undecided: did not happen)."""
+        self._decide_node_faults(final=True)
+        for index, record in self.ledger.pending():
+            self.ledger.decide(index, False, "not observed before the run ended")
+
     def _wait_until(self, at: float) -> bool:
         while time.monotonic() < min(at, self.end_at):
             self.observe()
             time.sleep(self.poll_s)
         return time.monotonic() < self.end_at
 
+    # ------------------------------------------------------------------ injecting
+
     def kill_coordinator(self) -> None:
+        """SIGKILL-equivalent ``ray.kill`` with restart; observed when the Coordinator
+        answers again from a new process."""
         import ray
 
         self.observe()
+        before = process_pid(self._coordinator(), self.timeout_s)
         self.rollbacks_done += self.rollbacks_life
         self.rollbacks_life = 0
         ray.kill(self._coordinator(), no_restart=False)
-        self.events.append((time.monotonic(), "coordinator"))
-        self.injected["coordinator"] += 1
-        self.log(f"chaos: Coordinator killed (#{self.injected['coordinator']})")
+        at = time.monotonic()
+        self.events.append((at, "coordinator"))
+        index = self.ledger.tried("coordinator", f"pid {before}", at)
+        self.log(f"chaos: Coordinator killed (pid {before})")
+        deadline = at + self._wait_s()
+        while time.monotonic() < deadline:
+            try:
+                after = process_pid(self._coordinator(), min(5.0, self.timeout_s))
+            except (ray.exceptions.RayError, TimeoutError, ValueError):
+                after = None
+            if after is not None and after != before:
+                self.ledger.decide(index, True, f"back in a new process (pid {after})")
+                return
+            time.sleep(self.poll_s)
+        self.ledger.decide(index, False, f"not back in a new process within "
+                                         f"{self._wait_s():g} s")
 
-    def bad_replica(self, kind: str) -> None:
-        """Make one ready replica send ``kind`` contributions until it is quarantined. It
-        needs one good peer besides, who rejects them (a 1-vs-1 length dispute is settled
-        by the swarm's layout: ``cluster/coordinator/quarantine.py``). A replica that dies as it is
-        picked (its node went) is replaced by another pick."""
+    def _pick(self, kind: str, need: int = MIN_READY):
+        """``(peer, handle)`` of a ready replica that is not broken, or None (recorded as a
+        fault that did not happen) if fewer than ``need`` are ready by the deadline. A
+        replica that dies as it is picked (its node went) is replaced by another pick."""
         import ray
 
-        need = MIN_READY
-        # Bounded well below --timeout: the schedule's later faults must not drift away.
-        deadline = time.monotonic() + min(self.timeout_s, BAD_WAIT_S)
+        deadline = time.monotonic() + self._wait_s()
         while True:
             # Earlier bad replicas count: quarantined, they copied a donor's state and their
             # fault was cleared, so they are healthy replicas again.
@@ -152,29 +258,157 @@ class Injector:
                 peer = self.rng.choice(sorted(ready))
                 try:
                     handle = self._get(self._coordinator().peer_handle.remote(peer))
-                    self._get(handle.inject_fault.remote(kind))
-                    break
+                    self._get(handle.status.remote())
+                    return peer, handle
                 except ray.exceptions.RayActorError as exc:
                     self.log(f"chaos: {peer} is gone ({type(exc).__name__}); picking again")
             if time.monotonic() >= min(deadline, self.end_at):
-                self.errors.append(f"{kind}: fewer than {need} ready replicas, none broken")
-                return
+                self.ledger.not_done(kind, "-", time.monotonic(),
+                                     f"fewer than {need} ready replicas to pick from")
+                return None
             self._wait_until(time.monotonic() + self.poll_s)
-        self.injected[kind] += 1
-        self.events.append((time.monotonic(), kind))
+
+    def _rejections(self, reason: str) -> dict[str, int]:
+        """Per member: contributions it rejected for ``reason`` so far (members that do not
+        answer are left out)."""
+        import ray
+
+        out = {}
+        for peer in self._get(self._coordinator().peer_view.remote())["members"]:
+            try:
+                handle = self._get(self._coordinator().peer_handle.remote(peer))
+                out[peer] = self._get(handle.rejection_counts.remote()).get(reason, 0)
+            except (ray.exceptions.RayError, TimeoutError, AttributeError):
+                pass
+        return out
+
+    def bad_replica(self, kind: str) -> None:
+        """Make one ready replica send ``kind`` contributions until it is quarantined. It
+        needs one good peer besides, who rejects them (a 1-vs-1 length dispute is settled
+        by the swarm's layout: ``cluster/coordinator/quarantine.py``). Observed when a peer
+        rejected its contributions or the Coordinator quarantined it."""
+        import ray
+
+        reason = REJECTION_OF[kind]
+        before = self._rejections(reason)
+        picked = self._pick(kind)
+        if picked is None:
+            return
+        peer, handle = picked
+        set_replica_fault(handle, kind, self.timeout_s)
+        at = time.monotonic()
+        index = self.ledger.tried(kind, peer, at)
+        self.events.append((at, kind))
         self.bad.append(peer)
         self.log(f"chaos: {peer} sends {kind} contributions")
-        deadline = time.monotonic() + min(self.timeout_s, BAD_WAIT_S)
+        deadline = at + self._wait_s()
         while peer not in self.quarantined and time.monotonic() < min(deadline, self.end_at):
             time.sleep(self.poll_s)
             self.observe()
             if peer not in self._get(self._coordinator().peer_view.remote())["members"]:
                 self.bad_lost.append(peer)  # its node went first
-                return
+                break
+        after = self._rejections(reason)
+        rose = sorted(p for p in after if p != peer and after[p] > before.get(p, 0))
+        if peer in self.quarantined:
+            self.ledger.decide(index, True, f"quarantined ({self.quarantined[peer]})")
+        elif rose:
+            self.ledger.decide(index, True, f"{reason} rejections at {', '.join(rose)}")
+        else:
+            self.ledger.decide(index, False, f"no peer rejected its contributions and it was "
+                                             f"not quarantined within {self._wait_s():g} s")
+        if peer in self.bad_lost:
+            return
         try:
-            self._get(handle.inject_fault.remote(None))
+            set_replica_fault(handle, None, self.timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             self.errors.append(f"clear {peer}: {type(exc).__name__}")
+
+    def kill_replica_process(self) -> None:
+        """SIGKILL one ready replica's process, leaving its node up; observed when Ray
+        reports the actor dead while its node is still alive."""
+        import ray
+
+        picked = self._pick("replica_kill")
+        if picked is None:
+            return
+        peer, handle = picked
+        node = self._get(handle.status.remote())["node"]
+        pid = process_pid(handle, self.timeout_s)
+        os.kill(pid, signal.SIGKILL)  # the embedded cluster's nodes share this machine's pids
+        at = time.monotonic()
+        index = self.ledger.tried("replica_kill", peer, at)
+        self.events.append((at, "replica_kill"))
+        self.log(f"chaos: {peer}'s process {pid} killed (its node stays)")
+        deadline = at + self._wait_s()
+        while time.monotonic() < deadline:
+            try:
+                self._get(handle.status.remote())
+            except ray.exceptions.RayActorError:
+                if node in self._alive_nodes():
+                    self.ledger.decide(index, True, "actor dead, its node alive")
+                else:
+                    self.ledger.decide(index, False, "its node went too (not a process kill)")
+                return
+            except TimeoutError:
+                pass
+            time.sleep(self.poll_s)
+        self.ledger.decide(index, False, f"Ray did not report it dead within "
+                                         f"{self._wait_s():g} s")
+
+    def user_error(self) -> None:
+        """Order one ready replica's loop to raise once (``chaos_faults.chaos_job``);
+        observed when the replica reports that its loop raised."""
+        import ray
+
+        picked = self._pick("user_error")
+        if picked is None:
+            return
+        peer, handle = picked
+        order_user_error(handle, self.timeout_s)
+        at = time.monotonic()
+        index = self.ledger.tried("user_error", peer, at)
+        self.events.append((at, "user_error"))
+        self.log(f"chaos: {peer}'s loop told to raise")
+        deadline = at + self._wait_s()
+        while time.monotonic() < deadline:
+            try:
+                if user_error_raised(handle, min(5.0, self.timeout_s)) is not None:
+                    self.ledger.decide(index, True, "its loop raised ChaosUserError")
+                    return
+            except ray.exceptions.RayActorError:
+                self.ledger.decide(index, False, "the replica died before its loop was "
+                                                 "seen raising")
+                return
+            except TimeoutError:
+                pass
+            time.sleep(USER_ERROR_POLL_S)
+        self.ledger.decide(index, False, f"its loop did not raise within {self._wait_s():g} s")
+
+    def disk_full(self) -> None:
+        """Fill the checkpoint disk, have one ready replica save a checkpoint through the
+        production path, free the disk; observed when the save reports ``no_space``."""
+        if self.disk is None:
+            self.ledger.not_done("disk_full", "-", time.monotonic(), "no small disk mounted")
+            return
+        picked = self._pick("disk_full")
+        if picked is None:
+            return
+        peer, handle = picked
+        taken = self.disk.fill()
+        at = time.monotonic()
+        index = self.ledger.tried("disk_full", peer, at)
+        self.events.append((at, "disk_full"))
+        try:
+            result = save_through(handle, self.checkpoint_uri, self.timeout_s)
+        finally:
+            self.disk.free()
+        self.log(f"chaos: checkpoint disk full ({taken} bytes taken): {peer}'s save: {result}")
+        if not result.ok and result.kind == "no_space":
+            self.ledger.decide(index, True, f"the save of step {result.step} reported "
+                                            f"no_space")
+        else:
+            self.ledger.decide(index, False, f"the save during a full disk returned {result}")
 
     def run(self) -> None:
         """Wait for the job's Coordinator, then inject each fault at its time."""
@@ -187,22 +421,29 @@ class Injector:
                 return
             time.sleep(self.poll_s)
         t0 = time.monotonic()
+        actions = {"coordinator": self.kill_coordinator, "replica_kill": self.kill_replica_process,
+                   "user_error": self.user_error, "disk_full": self.disk_full}
         for fault in self.plan.actor_faults:
             if not self._wait_until(t0 + fault.at_s):
                 break
             try:
-                self.kill_coordinator() if fault.kind == "coordinator" else \
-                    self.bad_replica(fault.kind)
-            except (ray.exceptions.RayError, TimeoutError, ValueError) as exc:
+                action = actions.get(fault.kind)
+                action() if action is not None else self.bad_replica(fault.kind)
+            except (ray.exceptions.RayError, TimeoutError, ValueError, OSError) as exc:
                 self.errors.append(f"{fault.kind} at {fault.at_s:g} s: {type(exc).__name__}")
         self._wait_until(self.end_at)
         self.rollbacks_done += self.rollbacks_life
         self.rollbacks_life = 0
 
 
-def job_config(config, plan: ChaosPlan, trace: Path, nodes: int, run_dir: str):
+def job_config(config, plan: ChaosPlan, trace: Path, nodes: int, run_dir: str,
+               checkpoint_uri: str | None = None):
     """The ``TrainConfig`` of the job under test: the chaos trace replayed at wall time
-    (notices 3 s ahead), room for ``nodes`` nodes, metrics on any free port, JSON mode."""
+    (notices 3 s ahead), room for ``nodes`` nodes, metrics on any free port, JSON mode;
+    checkpoints to ``checkpoint_uri`` every ``CHECKPOINT_EVERY`` steps if given."""
+    if checkpoint_uri is not None:
+        config = replace(config, checkpoint=replace(config.checkpoint, uri=checkpoint_uri,
+                                                    every_steps=CHECKPOINT_EVERY))
     return replace(
         config,
         training=replace(config.training, max_seconds=plan.duration_s + plan.settle_s,
@@ -213,22 +454,58 @@ def job_config(config, plan: ChaosPlan, trace: Path, nodes: int, run_dir: str):
 
 
 def run(args: argparse.Namespace, log_fn) -> dict:
-    """The whole bench; returns its figures (see the module docstring)."""
+    """The whole bench; returns its figures (see the module docstring). With ``disk_full``
+    faults in the schedule it mounts a small disk for the job's checkpoints (root only;
+    else the kind is ruled out with the reason) and unmounts it at the end."""
+    schedule = SCHEDULES[args.schedule]
+    seed = schedule.chaos.seed if args.seed is None else args.seed
+    out = Path(args.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    ruled_out = dict(RULED_OUT)
+    disk = None
+    if schedule.disk_fulls:
+        refusal = small_disk_refusal()
+        if refusal is None:
+            try:
+                disk = SmallDisk(str(out / "checkpoints"))
+            except OSError as exc:
+                refusal = str(exc)
+        if refusal is not None:
+            ruled_out["disk_full"] = refusal
+            schedule = replace(schedule, disk_fulls=0)
+    try:
+        return _run(args, log_fn, schedule, seed, out, disk, ruled_out)
+    finally:
+        if disk is not None:
+            disk.close()
+
+
+def _run(args, log_fn, schedule, seed: int, out: Path, disk, ruled_out: dict) -> dict:
     from moshray.jobs.config import load_config, parse_set
     from moshray.jobs.local.cloud import run_embedded
     from moshray.jobs.train import run_job
 
-    schedule = SCHEDULES[args.schedule]
-    seed = schedule.chaos.seed if args.seed is None else args.seed
     plan = draw_plan(schedule, seed)
-    out = Path(args.out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
     trace = write_trace(plan.node_events, out / "chaos.csv")
     config = load_config(args.config, parse_set(list(DEFAULT_SET) + list(args.set or [])))
-    config = job_config(config, plan, trace, schedule.chaos.nodes, str(out / "job"))
+    config = job_config(config, plan, trace, schedule.chaos.nodes, str(out / "job"),
+                        disk.path if disk is not None else None)
     injector = Injector(plan, args.timeout, log_fn, seed)
+    injector.disk, injector.checkpoint_uri = disk, config.checkpoint.uri
     log_fn(f"chaos: {sum(plan.planned.values())} faults planned {plan.planned} over "
-           f"{plan.duration_s:g} s")
+           f"{plan.duration_s:g} s; not run: {', '.join(ruled_out)}")
+
+    def make_job():
+        # The built-in LM job (as run_job makes it), its loop wrapped so that the harness
+        # can make it raise (chaos_faults.chaos_job).
+        import moshray.jobs.examples.lm.example as lm
+        from moshray.jobs.examples.lm.corpus import resolve_data, ship_files
+
+        if config.data.paths:
+            files = resolve_data(list(config.data.paths), config.data.cache_dir)
+        else:
+            files = ship_files(resolve_data(None, os.path.expanduser(config.data.cache_dir)))
+        return chaos_job(lm.job(config, files))
 
     def job(address: str) -> dict:
         # The injector stops before the job's time limit: the job then disconnects Ray.
@@ -236,23 +513,27 @@ def run(args: argparse.Namespace, log_fn) -> dict:
         thread = threading.Thread(target=injector.run, name="chaos-injector", daemon=True)
         thread.start()
         try:
-            return run_job(config, address)
+            return run_job(config, address, make_job)
         finally:
             injector.end_at = 0.0
             thread.join(timeout=args.timeout)
+            injector.finish()  # (the cluster is still up: Ray's node table can be read)
 
     started = time.monotonic()
-    summary = run_embedded(config, job)
-    return figures(plan, injector, summary, time.monotonic() - started)
+    summary = run_embedded(config, job, injector.cloud_event)
+    return figures(plan, injector, summary, time.monotonic() - started, ruled_out)
 
 
-def figures(plan: ChaosPlan, injector: Injector, summary: dict, wall_s: float) -> dict:
+def figures(plan: ChaosPlan, injector: Injector, summary: dict, wall_s: float,
+            ruled_out: dict[str, str]) -> dict:
     """The bench's JSON object from the plan, what the injector saw and the job's summary."""
-    injected = {k: v for k, v in plan.planned.items() if k in ("notice", "kill")}
-    injected.update(injector.injected)
+    observed = injector.ledger.observed()
     return {
-        "faults": sum(injected.values()), "faults_by_kind": injected,
-        "faults_planned": plan.planned,
+        "faults": sum(observed.values()), "faults_by_kind": observed,
+        "faults_planned": plan.planned, "faults_missed": injector.ledger.missed(),
+        "faults_evidence": [f"{r.kind} {r.target}: {r.evidence}"
+                            for r in injector.ledger.records() if r.happened],
+        "faults_ruled_out": ruled_out,
         "steps": summary["steps"], "lost": summary.get("skipped_steps", 0),
         "repeated": summary.get("repeated_steps", 0),
         "rollbacks": injector.rollbacks_done + summary.get("rollbacks", 0),
@@ -291,6 +572,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a TrainConfig setting (default: a small model)")
     parser.add_argument("--out", default="runs/bench-chaos", metavar="DIR",
                         help="where the chaos trace and the job's run go")
+    add_results_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -314,6 +596,7 @@ def main(args: argparse.Namespace) -> int:
     fig = run(args, log_fn)
     print(json.dumps(fig), flush=True)
     failures = invariant_failures(fig)
+    save_result("chaos", args, fig | {"invariant_failures": failures})
     if failures:
         print(f"moshray bench chaos: invariant failed: {'; '.join(failures)}", file=sys.stderr)
         return 1

@@ -73,6 +73,7 @@ Bad arguments (missing or malformed trace, non-positive sizes, bad ``--set``) ex
 
 from __future__ import annotations
 
+from moshray.jobs.bench.results import add_results_argument, save_result
 import argparse
 import json
 import logging
@@ -142,6 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(defaults: the small model " + " ".join(
                                  f"{k}={v}" for k, v in BENCH_DEFAULTS.items()) + ")")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    add_results_argument(parser)
 
 
 def _check_args(args: argparse.Namespace) -> Path:
@@ -276,7 +278,9 @@ def run(args: argparse.Namespace) -> dict:
                                                      startup_timeout_s=args.startup_timeout,
                                                      finish_timeout_s=args.finish_timeout)
     moshray = summarize("moshray", m_records, duration, args.stall_gap)
-    moshray_eval = held_out_loss(config, files, moshray_final_state(config.checkpoint.uri))
+    # (the driver ran with run_dir=m_dir: its checkpoints are that run's)
+    m_state = moshray_final_state(replace(config, run_dir=str(m_dir)))
+    moshray_eval = held_out_loss(config, files, m_state)
     probe("after_moshray")
 
     # 2. Ray Train under the same trace
@@ -368,6 +372,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         result = run(args)
+        save_result("goodput", args, result)
     except (BenchError, ConfigError) as exc:
         prefix = "config error: " if isinstance(exc, ConfigError) else ""
         print(f"moshray bench goodput: {prefix}{exc}", file=sys.stderr)

@@ -270,13 +270,14 @@ def held_out_loss(config, files: Sequence[str], model_state: dict | None) -> flo
     return sum(losses) / len(losses)
 
 
-def moshray_final_state(uri: str | None) -> dict | None:
-    """The model state of moshray's latest checkpoint under ``uri`` (None if none)."""
-    if not uri:
+def moshray_final_state(config) -> dict | None:
+    """The model state of the latest checkpoint of ``config``'s run (None if none)."""
+    if not config.checkpoint.uri:
         return None
-    from moshray.actors.replica.checkpoint import CheckpointStore
+    from moshray.actors.replica.checkpoint import CheckpointStore, job_run_id
 
-    found = CheckpointStore(uri).load_latest()
+    run_id = job_run_id(config.checkpoint, config.run_dir)
+    found = CheckpointStore(config.checkpoint.uri, run_id=run_id).load_latest()
     return None if found is None else found[1]["model"]
 
 

@@ -9,6 +9,9 @@ spot trace, where an ``add`` is a new raylet, a ``notice`` is an interruption no
 on the node's own metadata service (``cluster.notice_s`` trace seconds before its removal),
 a ``remove`` stops the raylet and a ``kill`` SIGKILLs it. Whatever the job learns about
 nodes, it learns from Ray and from the notices its watchers read, as on a real cluster.
+Each event the cloud carries out, or cannot (its slot's node already gone), is a
+``CloudEvent`` that a caller may watch (``on_cloud_event``): the chaos bench counts faults
+from what then happened, never from the trace.
 
 ``ChaosCloud``-style schedules are traces too (``jobs/bench/chaos_schedule.py`` writes them).
 """
@@ -17,32 +20,87 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 log = logging.getLogger("moshray.local_cloud")
 
 
-class LocalCloud:
-    """The cloud side of the embedded cluster: carries out trace events on its nodes."""
+@dataclass(frozen=True)
+class CloudEvent:
+    """One trace event as the cloud carried it out (or did not).
 
-    def __init__(self, cluster, notice_s: float):
-        self.cluster, self.notice_s = cluster, notice_s
+    ``kind``: ``add``, ``notice``, ``remove`` or ``kill``; ``node_id``: Ray's hex id of the
+    slot's raylet (after an ``add``, the new one; None when there was none); ``at``:
+    ``time.monotonic()`` when it was done; ``done`` False with ``reason`` when it could not
+    be (the slot's node was already gone, or starting it failed)."""
+
+    kind: str
+    slot: int
+    node_id: str | None
+    at: float
+    done: bool
+    reason: str = ""
+
+
+class LocalCloud:
+    """The cloud side of the embedded cluster: carries out trace events on its nodes.
+
+    Every event is reported to ``on_event`` (a ``CloudEvent``; default: none) and kept in
+    ``events``. An event for a slot whose node is not live is not carried out: it is
+    recorded as not done, with the reason, and logged (never skipped silently)."""
+
+    def __init__(self, cluster, notice_s: float,
+                 on_event: Callable[[CloudEvent], None] | None = None):
+        self.cluster, self.notice_s, self.on_event = cluster, notice_s, on_event
+        self.events: list[CloudEvent] = []
+
+    def _record(self, kind: str, slot: int, node_id: str | None, done: bool,
+                reason: str = "") -> None:
+        event = CloudEvent(kind, slot, node_id, time.monotonic(), done, reason)
+        self.events.append(event)
+        if not done:
+            log.warning("cloud: %s of slot %d not done: %s", kind, slot, reason)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def _live(self, kind: str, slot: int) -> str | None:
+        """``slot``'s node id if it is live; else records the event as not done."""
+        if slot in self.cluster.live_slots():
+            return self.cluster.node_id(slot)
+        self._record(kind, slot, None, False, f"slot {slot} has no live node")
+        return None
 
     def add(self, slot: int) -> None:
-        if slot not in self.cluster.live_slots():
+        if slot in self.cluster.live_slots():
+            self._record("add", slot, self.cluster.node_id(slot), False,
+                         f"slot {slot} already has a live node")
+            return
+        try:
             self.cluster.add_node(slot)
+        except RuntimeError as exc:  # `ray start` failed or the node never registered
+            self._record("add", slot, None, False, str(exc).splitlines()[0][:300])
+            return
+        self._record("add", slot, self.cluster.node_id(slot), True)
 
     def notice(self, slot: int) -> None:
-        if slot in self.cluster.live_slots():
+        node_id = self._live("notice", slot)
+        if node_id is not None:
             self.cluster.notice(slot, max(self.notice_s, 0.1))
+            self._record("notice", slot, node_id, True)
 
     def remove(self, slot: int) -> None:
-        if slot in self.cluster.live_slots():
+        node_id = self._live("remove", slot)
+        if node_id is not None:
             self.cluster.remove_node(slot)
+            self._record("remove", slot, node_id, True)
 
     def kill(self, slot: int) -> None:
-        if slot in self.cluster.live_slots():
+        node_id = self._live("kill", slot)
+        if node_id is not None:
             self.cluster.remove_node(slot, hard=True)
+            self._record("kill", slot, node_id, True)
 
 
 def _trace_events(config):
@@ -53,9 +111,12 @@ def _trace_events(config):
                         c.wall_notice_s)
 
 
-def run_embedded(config, job: Callable[[str], dict]) -> dict:
+def run_embedded(config, job: Callable[[str], dict],
+                 on_cloud_event: Callable[[CloudEvent], None] | None = None) -> dict:
     """Start the embedded cluster, run ``job(address)`` on it while replaying the trace,
-    stop everything; returns what ``job`` returned (re-raises what it raised)."""
+    stop everything; returns what ``job`` returned (re-raises what it raised).
+    ``on_cloud_event`` hears each trace event the cloud carried out or could not
+    (``LocalCloud``), on the main thread."""
     from moshray.autoscaler.traces import TraceReplayer, initial_slots
     from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig, pin_loopback
 
@@ -65,7 +126,8 @@ def run_embedded(config, job: Callable[[str], dict]) -> dict:
     events = _trace_events(config) if c.trace else ()
     slots = initial_slots(events) if c.trace else tuple(range(c.local_nodes))
     cluster = LocalCluster(LocalClusterConfig(spot_nodes=0, cpus_per_node=2,
-                                              gpus_per_node=c.local_gpus, hosts=c.hosts))
+                                              gpus_per_node=c.local_gpus, hosts=c.hosts,
+                                              dashboard=c.dashboard))
     result: dict = {}
     done = threading.Event()
     try:
@@ -74,6 +136,11 @@ def run_embedded(config, job: Callable[[str], dict]) -> dict:
         # From the main thread; the job's driver shares the connection (and, as under
         # `ray job submit`, sees its replicas' logs).
         cluster.connect(log_to_driver=True)
+        if c.dashboard:  # cluster.dashboard (`moshray train --dashboard`)
+            import sys
+
+            print(f"Ray dashboard: {cluster.dashboard_url}",
+                  file=sys.stderr if config.json else sys.stdout, flush=True)
         from moshray.jobs.train import stop_on_sigterm
 
         stop_on_sigterm()  # after Ray's own handler: SIGTERM ends the run cleanly
@@ -89,7 +156,7 @@ def run_embedded(config, job: Callable[[str], dict]) -> dict:
         thread = threading.Thread(target=driver, name="moshray-job", daemon=True)
         thread.start()
         if events:
-            cloud = LocalCloud(cluster, c.wall_notice_s)
+            cloud = LocalCloud(cluster, c.wall_notice_s, on_cloud_event)
             replay = TraceReplayer(events, cloud.add, cloud.remove, skip_initial=True,
                                    kill_node=cloud.kill, notice_node=cloud.notice)
             replay.run(stop=done)

@@ -1,0 +1,180 @@
+"""How the chaos bench and the tests break a running replica, from outside production code.
+
+The production ``ReplicaActor`` has no fault-injection method. A harness reaches into one
+replica's process through Ray's generic ``__ray_call__`` (a function run on the actor
+instance, as an operator's debugger would) or wraps the user's loop before the job starts:
+
+- ``set_replica_fault(handle, "nan" | "shape" | None)``: the replica's step manager feeds
+  NaN gradients or one-element-too-long contributions into the unmodified collective
+  (``actors/replica/strategies.py`` applies it) until reset to None;
+- ``chaos_job(job)``: the same ``Job`` whose loop raises ``ChaosUserError`` from
+  ``session.batches()`` once ``order_user_error(handle)`` was called on that replica (a bug
+  in the user's loop or data, as a user's code would raise it);
+- ``process_pid(handle)``: the process to SIGKILL for a replica (or Coordinator) killed
+  without its node;
+- ``SmallDisk``: a small tmpfs (root only) for the job's checkpoints that ``fill()`` makes
+  full and ``free()`` frees again; ``save_through(handle, uri)`` has a replica save a
+  checkpoint through the production path meanwhile.
+
+Every call is bounded by ``timeout_s`` and raises what Ray raises (``RayActorError`` for a
+dead actor, ``GetTimeoutError``); ``ValueError`` for an unknown fault.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+
+REPLICA_FAULTS = (None, "nan", "shape")
+_ORDER = "_chaos_user_error"  # on the replica's step manager: raise at the next batch
+_RAISED = "_chaos_user_error_at"  # ... and when it did (the harness's observation)
+
+
+class ChaosUserError(RuntimeError):
+    """What a chaos-wrapped user loop raises once when told to (not a ``UserError``: the
+    job treats it as any bug in the user's code)."""
+
+
+def _call(handle, fn, timeout_s: float):
+    import ray
+
+    return ray.get(handle.__ray_call__.remote(fn), timeout=timeout_s)
+
+
+def set_replica_fault(handle, fault: str | None, timeout_s: float = 30.0) -> None:
+    """Make the replica behind ``handle`` send ``fault`` contributions from its next step
+    on (None: healthy again)."""
+    if fault not in REPLICA_FAULTS:
+        raise ValueError(f"unknown fault {fault!r}: use 'nan', 'shape' or None")
+
+    def apply(actor):
+        actor.manager.fault = fault
+
+    _call(handle, apply, timeout_s)
+
+
+def process_pid(handle, timeout_s: float = 30.0) -> int:
+    """The pid of the process behind an actor ``handle`` (a replica, the Coordinator)."""
+    return _call(handle, lambda actor: os.getpid(), timeout_s)
+
+
+def order_user_error(handle, timeout_s: float = 30.0) -> None:
+    """Tell a replica started from ``chaos_job`` to raise ``ChaosUserError`` at its next
+    batch (once)."""
+
+    def order(actor):
+        setattr(actor.manager, _ORDER, True)
+
+    _call(handle, order, timeout_s)
+
+
+def user_error_raised(handle, timeout_s: float = 30.0) -> float | None:
+    """When (``time.time()`` on its node) the replica raised the ordered error; None if it
+    has not yet."""
+    return _call(handle, lambda actor: getattr(actor.manager, _RAISED, None), timeout_s)
+
+
+def chaos_job(job):
+    """``job`` (an ``actors.replica.actor.Job``) whose loop sees a ``session.batches`` that
+    raises ``ChaosUserError`` once ordered (``order_user_error``)."""
+    loop = job.loop
+
+    def chaos_loop(session):
+        batches = session.batches
+        manager = session.manager
+
+        def wrapped_batches(*args, **kwargs):
+            for batch in batches(*args, **kwargs):
+                if getattr(manager, _ORDER, False):
+                    setattr(manager, _ORDER, False)
+                    setattr(manager, _RAISED, time.time())
+                    raise ChaosUserError(f"chaos: {session.peer_id}'s loop raises once")
+                yield batch
+
+        session.batches = wrapped_batches
+        return loop(session)
+
+    return replace(job, loop=chaos_loop)
+
+
+# --------------------------------------------------------------------------- a full disk
+
+SMALL_DISK_BYTES = 32 * 1024 * 1024  # room for the bench model's checkpoints (~1 MB each)
+
+
+def small_disk_refusal() -> str | None:
+    """Why a small disk cannot be mounted here (None: it can): it takes root and
+    ``mount``."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return "mounting a small disk for the checkpoints needs root"
+    if shutil.which("mount") is None or shutil.which("umount") is None:
+        return "mounting a small disk for the checkpoints needs mount(8) and umount(8)"
+    return None
+
+
+class SmallDisk:
+    """A tmpfs of ``size`` bytes mounted at ``path`` (created), for checkpoints that can
+    run out of space: ``fill()`` takes every free byte, ``free()`` gives them back.
+    ``close()`` unmounts it (also as a context manager). Raises ``OSError`` with mount's
+    message if it cannot be mounted."""
+
+    def __init__(self, path: str, size: int = SMALL_DISK_BYTES) -> None:
+        import subprocess
+
+        self.path = path
+        os.makedirs(path, exist_ok=True)
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
+                              capture_output=True, text=True, timeout=30)
+        if proc.returncode != 0:
+            raise OSError(f"mount tmpfs at {path}: {proc.stderr.strip() or proc.returncode}")
+        self._filler = os.path.join(path, ".chaos-filler")
+
+    def fill(self) -> int:
+        """Write a filler file until the disk is full; returns the bytes it took."""
+        import errno
+
+        block, written = b"\0" * (1 << 20), 0
+        with open(self._filler, "wb", buffering=0) as out:
+            while True:
+                try:
+                    written += out.write(block)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    if len(block) == 1:
+                        return written
+                    block = block[: len(block) // 2]
+
+    def free(self) -> None:
+        """Remove the filler (no-op when there is none)."""
+        try:
+            os.remove(self._filler)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Unmount (lazily if busy: a replica may still hold a file open)."""
+        import subprocess
+
+        self.free()
+        proc = subprocess.run(["umount", self.path], capture_output=True, text=True,
+                              timeout=30)
+        if proc.returncode != 0:
+            subprocess.run(["umount", "-l", self.path], capture_output=True, timeout=30)
+
+    def __enter__(self) -> "SmallDisk":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def save_through(handle, uri: str, timeout_s: float = 60.0):
+    """Have the replica behind ``handle`` write a checkpoint to ``uri`` through the
+    production path (``ReplicaActor.save_checkpoint``); returns its ``SaveResult``."""
+    import ray
+
+    return ray.get(handle.save_checkpoint.remote(uri), timeout=timeout_s)

@@ -61,16 +61,20 @@ class ExpertHostCore:
     ``forward(uids, inputs)`` and ``backward(uids, inputs, grads)`` take one float32 array of
     shape ``(rows, d_model)`` per uid (numpy or torch) and return one numpy array per uid.
     Both validate everything before computing anything and raise ``ExpertInputError``.
+    ``device``: where the experts and their optimizer state live and compute (``cuda`` on a
+    GPU host); requests and answers stay host arrays either way.
     """
 
-    def __init__(self, uids: Sequence[str], spec: ExpertSpec, state: dict | None = None):
+    def __init__(self, uids: Sequence[str], spec: ExpertSpec, state: dict | None = None,
+                 device: str | torch.device = "cpu"):
         if not uids:
             raise ValueError("an expert host needs at least one expert uid")
         for uid in uids:
             parse_uid(uid)
         self.spec = spec
         self.uids = tuple(uids)
-        self.experts = {uid: build_expert(spec, uid) for uid in self.uids}
+        self.device = torch.device(device)
+        self.experts = {uid: build_expert(spec, uid).to(self.device) for uid in self.uids}
         self.optimizers = {
             uid: torch.optim.AdamW(m.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
             for uid, m in self.experts.items()
@@ -83,7 +87,8 @@ class ExpertHostCore:
     # -- validation ---------------------------------------------------------------------------
 
     def check(self, uid: Any, x: Any, grad: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(x, grad)`` as CPU float32 tensors, or ``ExpertInputError`` saying what is wrong."""
+        """``(x, grad)`` as float32 tensors on the experts' device, or ``ExpertInputError``
+        saying what is wrong."""
         if not isinstance(uid, str) or uid not in self.experts:
             raise ExpertInputError(ExpertRejectReason.UNKNOWN_EXPERT, str(uid),
                                    f"this host serves {', '.join(self.uids)}")
@@ -117,7 +122,7 @@ class ExpertHostCore:
         if not bool(torch.isfinite(t).all()):
             raise ExpertInputError(ExpertRejectReason.NON_FINITE, uid,
                                    f"{what} contain NaN or inf")
-        return t
+        return t.to(self.device)
 
     def check_request(self, uids: Any, inputs: Any, grads: Any = None
                       ) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
@@ -153,24 +158,26 @@ class ExpertHostCore:
         return x.grad
 
     def forward(self, uids: Sequence[str], inputs: Sequence[Array]) -> list[np.ndarray]:
-        return [self.forward_one(u, x).numpy() for u, x, _ in self.check_request(uids, inputs)]
+        return [self.forward_one(u, x).cpu().numpy()
+                for u, x, _ in self.check_request(uids, inputs)]
 
     def backward(self, uids: Sequence[str], inputs: Sequence[Array],
                  grads: Sequence[Array]) -> list[np.ndarray]:
-        return [self.backward_one(u, x, g).numpy()
+        return [self.backward_one(u, x, g).cpu().numpy()
                 for u, x, g in self.check_request(uids, inputs, grads)]
 
     # -- state ------------------------------------------------------------------------------------
 
     def state(self) -> dict:
-        """A self-describing copy of every expert and optimizer (CPU tensors)."""
+        """A self-describing copy of every expert (CPU tensors) and optimizer (its state on
+        the experts' device; ``load`` moves it to the loading host's)."""
         return {
             "version": STATE_VERSION,
             "uids": self.uids,
             "spec": asdict(self.spec),
             "step": self.step,
             "updates": dict(self.updates),
-            "experts": {u: {k: v.detach().clone() for k, v in m.state_dict().items()}
+            "experts": {u: {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
                         for u, m in self.experts.items()},
             "optimizers": {u: o.state_dict() for u, o in self.optimizers.items()},
         }

@@ -197,11 +197,14 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--size-mb", type=float, default=100.0)
+    parser.add_argument("--peers", type=int, default=4,
+                        help="peers averaging, one spot node each")
+    parser.add_argument("--size-mb", type=float, default=100.0,
+                        help="size of each peer's float32 tensor, in MiB")
     parser.add_argument("--compression", choices=codec_names(), default="none",
                         help="wire codec (the registered codecs)")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5,
+                        help="timed rounds of each method (the median is reported)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="moshray round deadline in seconds")
     parser.add_argument("--kill-one", action="store_true",

@@ -19,6 +19,7 @@ stdout line is one JSON object (also written to ``<out>/moe.json``, with a bar p
 
 from __future__ import annotations
 
+from moshray.jobs.bench.results import add_results_argument, save_result
 import argparse
 import json
 import math
@@ -47,18 +48,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid", type=_grid, default=(4, 4), help="expert grid (4x4 = 16)")
     parser.add_argument("--tokens", type=int, default=512, help="rows per batch")
     parser.add_argument("--k", type=int, default=4, help="experts per token")
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--d-hidden", type=int, default=1024)
+    parser.add_argument("--d-model", type=int, default=256, help="expert input/output width")
+    parser.add_argument("--d-hidden", type=int, default=1024, help="expert hidden width")
     parser.add_argument("--nodes", type=int, default=4, help="spot nodes (one expert host each)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per mode")
-    parser.add_argument("--timeout-after-k-min", type=float, default=1.0, metavar="S")
+    parser.add_argument("--timeout-after-k-min", type=float, default=1.0, metavar="S",
+                        help="seconds a batch waits for its slower experts once k answered")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads of the in-process baseline (0 = torch's default, "
                              "all cores); each expert actor uses 1")
     parser.add_argument("--out", default="runs/bench-moe", metavar="DIR",
                         help="where moe.json and moe.png go")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    add_results_argument(parser)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -211,6 +214,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     summary = write_outputs(run(args), args.out, log)
+    save_result("moe", args, summary)
     if args.json:
         print(json.dumps(summary))
     return 0

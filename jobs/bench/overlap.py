@@ -18,6 +18,7 @@ arguments exit 2 with one line.
 
 from __future__ import annotations
 
+from moshray.jobs.bench.results import add_results_argument, save_result
 import argparse
 import json
 import logging
@@ -110,6 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="local nodes (one replica each)")
     parser.add_argument("--seconds", type=float, default=90.0, help="length of each run")
     add_train_bench_arguments(parser, out="runs/bench-overlap", runs="both runs")
+    add_results_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -125,6 +127,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"moshray bench overlap: {exc}", file=sys.stderr)
         return 2
     fig = run(args)
+    save_result("overlap", args, fig)
     if args.json:
         print(json.dumps(fig), flush=True)
         return 0

@@ -55,6 +55,7 @@ within ``--timeout`` seconds exits with status 1 and one line naming it.
 
 from __future__ import annotations
 
+from moshray.jobs.bench.results import add_results_argument, save_result
 import argparse
 import json
 import logging
@@ -360,6 +361,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench-recovery", metavar="DIR",
                         help="where recovery.json and recovery.png go")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    add_results_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -382,6 +384,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"moshray bench recovery: {exc}", file=sys.stderr)
         return 1
     summary = write_outputs(summary, args.out, log_fn)
+    save_result("recovery", args, summary)
     log_fn(_table(summary))
     if args.json:
         print(json.dumps(summary))

@@ -24,6 +24,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from moshray.jobs.bench.results import add_results_argument, save_result
 from moshray.jobs.cli import add_train_bench_arguments
 
 PHASE_COLUMNS = ("wall_s", "compute_s", "control_s", "round_s", "apply_s", "plan_lag_s")
@@ -104,6 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=60.0,
                         help="length of each run (start-up included)")
     add_train_bench_arguments(parser, out="runs/bench-step", runs="every run")
+    add_results_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -119,6 +121,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"moshray bench step: {exc}", file=sys.stderr)
         return 2
     fig = run(args)
+    save_result("step", args, fig)
     if args.json:
         print(json.dumps(fig), flush=True)
     else:

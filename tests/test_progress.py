@@ -377,7 +377,7 @@ def test_step_samples_forget_old_steps_and_unplanned_peers():
     assert s.contributed(1, "a", 20) is None  # too old to correct
 
 
-def test_the_driver_reads_only_new_history_rows_and_starts_over_after_a_restart():
+def test_the_driver_reads_only_new_history_rows_and_keeps_them_over_a_lost_state():
     from moshray.jobs.train import read_stats
 
     core, _, _ = swarm(target=24)
@@ -396,8 +396,18 @@ def test_the_driver_reads_only_new_history_rows_and_starts_over_after_a_restart(
     assert len(full) == 1 and stats["history"] == full and asked[-1] == 0
     again = read_stats(fetch, stats)
     assert again["history"] == full and asked[-1] == 1  # the held row is not resent
-    coordinators.append(CoordinatorCore(MembershipConfig(), target_batch_size=24,
+    clock = Clock()
+    coordinators.append(CoordinatorCore(MembershipConfig(), clock=clock, target_batch_size=24,
                                         restarted=True))
-    restarted = read_stats(fetch, again)
-    assert restarted["history"] == [] and asked[-2:] == [1, 0]  # read again from row 0
+    restarted = read_stats(fetch, again)  # a Coordinator that lost its state (no store)
+    assert asked[-2:] == [1, 0]  # read again from row 0
+    assert restarted["history"] == full and restarted["history_kept"] == 1  # nothing dropped
     assert restarted["incarnation"] != again["incarnation"]
+    newest = coordinators[-1]
+    for peer in ("a", "b", "c"):
+        newest.rejoin(peer, None, "", 1)
+    clock.t += 10.0  # after the rebuild window
+    for peer in ("a", "b", "c"):
+        newest.report(ProgressReport(peer, 1, 8))
+    later = read_stats(fetch, restarted)
+    assert [h[0] for h in later["history"]] == [1, 2] and asked[-1] == 0  # its row 0 is new

@@ -1,30 +1,39 @@
-"""The Coordinator actor: ``CoordinatorCore`` (``cluster/coordinator/core.py``) on the head
-node, plus plan pushes and Prometheus metrics.
+"""The Coordinator actor: ``CoordinatorCore`` (``cluster/coordinator/core.py``: the steps,
+notices, data-shard and expert services) plus the metrics sink (``metrics_sink.py``), plan
+pushes and the state kept in Ray's GCS (``durable.py``), on the head node.
 
 A named, detached actor (``placement.COORDINATOR_NAME`` in namespace ``moshray``) that holds
-the ``Membership`` and publishes ``RoundPlan``s. It keeps no tensors and does no I/O. It may
-die: Ray restarts it (``max_restarts``) with empty memory, and the replicas rebuild it.
+the ``Membership`` and publishes ``RoundPlan``s. It keeps no tensors. It may die: Ray
+restarts it (``max_restarts=-1``) with the same constructor arguments, among them the key
+of its state in the GCS key-value store, from which it restores what the summary, the
+plans and the quarantine need; the replicas rebuild membership and the epoch.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
+import uuid
 import warnings
 
 import ray
 
 from moshray.cluster import metrics, placement
 from moshray.cluster.coordinator.core import CoordinatorCore
+from moshray.cluster.coordinator.durable import DurableState, GcsKV
 from moshray.cluster.coordinator.membership import MembershipConfig
-from moshray.cluster.messages import RoundPlan
+from moshray.cluster.coordinator.metrics_sink import MetricsSink
 from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport
-from moshray.cluster.coordinator.step_profile import StepPhases, StepProfile
+from moshray.cluster.messages import RoundPlan
+
+log = logging.getLogger(__name__)
 
 
 def _serialized(cls):
-    """Wrap every public method of ``cls`` in one lock.
+    """Wrap every public method of ``cls`` in one lock, and save the state it changed
+    (``Coordinator._after_call``) before its reply leaves.
 
     The actor runs with ``max_concurrency`` > 1 so that a slow caller never queues the others,
     but the core's state is plain Python data: one lock makes each call atomic. No method
@@ -36,8 +45,16 @@ def _serialized(cls):
         def locked(self, *args, **kwargs):
             # One lock per instance, made on first use (dict.setdefault is atomic), so the
             # class itself holds nothing unpicklable.
-            with self.__dict__.setdefault("_call_lock", threading.RLock()):
-                return fn(self, *args, **kwargs)
+            lock = self.__dict__.setdefault("_call_lock", threading.RLock())
+            with lock:
+                outer = not self.__dict__.get("_in_call")  # a nested call saves nothing
+                self._in_call = True
+                try:
+                    return fn(self, *args, **kwargs)
+                finally:
+                    if outer:
+                        self._in_call = False
+                        self._after_call()
 
         return locked
 
@@ -55,30 +72,55 @@ class Coordinator(CoordinatorCore):
     Calls are serialized by one lock (see ``_serialized``).
     """
 
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    # -- metrics (see cluster/metrics/__init__.py) ---------------------------------------------------
-
     def __init__(self, *args, metrics_port: int | None = None,
                  metrics_host: str = metrics.LOOPBACK, prices: metrics.Prices | None = None,
-                 **kwargs):
+                 state_key: str | None = None, **kwargs):
         """``metrics_port`` None: events are counted but not served; 0: the OS picks.
-        Ray tells whether this process replaces one that died (``restarted``)."""
+        ``state_key``: where the state is kept in the GCS (None: nowhere, a restart
+        forgets). Ray tells whether this process replaces one that died (``restarted``)."""
         with warnings.catch_warnings():  # Ray 2.60 warns about its own deprecated actor_id
             warnings.simplefilter("ignore")
             kwargs.setdefault("restarted",
                               ray.get_runtime_context().was_current_actor_reconstructed)
+        if state_key:
+            kwargs["store"] = DurableState(GcsKV(), state_key)
         super().__init__(*args, **kwargs)
-        self.push_plan = self._push_plan
-        self._rebalances_seen: set[str] = set()  # noticed nodes already in the histogram
-        self.metrics = metrics.MetricsExporter(prices or metrics.Prices(), self.metrics_state)
-        self.profile = StepProfile()  # the replicas' StepPhases (cluster/coordinator/step_profile.py)
+        self._plans: list[RoundPlan] = []  # made during a call, pushed after its save
+        self.push_plan = self._plans.append
+        self.sink = MetricsSink(prices or metrics.Prices(), self.metrics_state)
+        if self.store is not None:
+            snap = self.store.load_record("sink")
+            if snap is not None:
+                profiled = int((self.store.load_record("profile") or {}).get("profiled", 0))
+                self.sink.restore({**snap, "profiled": profiled}, self.store.load_profile(
+                    profiled, self.sink.profile.steps.maxlen))
+        self._after_call()
         if metrics_port is not None:
-            self.metrics.serve(metrics_host, metrics_port)
+            self.sink.serve(metrics_host, metrics_port)
+
+    def _after_call(self) -> None:
+        """Save what the call changed, then push the plans it made: a plan never reaches a
+        replica before the step it starts is on record."""
+        if self.store is not None:
+            self._in_call = True  # the methods called here save nothing themselves
+            try:
+                self.save()
+                now = self.clock()
+                self.store.save_record("sink", self.sink.snapshot())
+                if self.store.sync_profile(self.sink.profile.steps, self.sink.profiled,
+                                           self.sink.profile.steps.maxlen, now):
+                    self.store.save_record("profile", {"profiled": self.sink.profiled})
+            except Exception as exc:  # noqa: BLE001 - the GCS is away: keep serving, retry
+                log.warning("Coordinator state not saved (%s): retried at the next call",
+                            type(exc).__name__)
+            finally:
+                self._in_call = False
+        plans, self._plans[:] = list(self._plans), []
+        for plan in plans:
+            self._push(plan)
 
     @staticmethod
-    def _push_plan(plan: RoundPlan) -> None:
+    def _push(plan: RoundPlan) -> None:
         """Send ``plan`` to each participant (fire-and-forget: a dead one is the round's
         problem, its deadline bounds it; the plan also rides on report replies)."""
         for peer_id, handle in plan.handles:
@@ -87,52 +129,65 @@ class Coordinator(CoordinatorCore):
             except Exception:  # noqa: BLE001 - a handle of a dead actor; never block here
                 pass
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def report(self, r: ProgressReport) -> ProgressReply:
-        seen = len(self.progress.quarantine.records)
         reply = super().report(r)
-        for q in self.progress.quarantine.records[seen:]:
-            self.metrics.apply(metrics.QuarantineEvent(q.reason))
+        self.sink.observe_quarantines(self.progress.quarantine.records)
         return reply
+
+    def stats(self, since: int = 0) -> dict:
+        """``CoordinatorCore.stats`` plus ``preemptions``: the node losses the driver
+        reported (``NodeLostEvent``), kept over restarts. The driver's own count is the
+        summary's. ``data_position``: every data shard below it was handed out (what
+        ``training.max_epochs`` counts)."""
+        return {**super().stats(since), "preemptions": self.sink.nodes_lost,
+                "data_position": self.shards.position()}
+
+    # -- the metrics sink (cluster/coordinator/metrics_sink.py) -------------------------------
 
     def record(self, events: tuple) -> int:
         """Count metrics events (fire-and-forget); bad ones are logged and skipped. A
         replica's ``StepPhases`` go to the step profile."""
-        self._resolve_rebalances()
-        phases = [e for e in events if isinstance(e, StepPhases)]
-        for p in phases:
-            self.profile.add(p)
-        return len(phases) + self.metrics.apply_all(
-            e for e in events if not isinstance(e, StepPhases))
+        self.sink.observe_rebalances(self.notices)
+        return self.sink.record(events)
+
+    def reported(self, since: int = 0) -> tuple[int, list]:
+        """What training loops reported (``MetricsSink.reported``): ``(total, rows)`` after
+        the first ``since`` rows, each ``(peer, name, step, value)``."""
+        return self.sink.reported(since)
 
     def step_profile(self, since_epoch: int = 0) -> dict:
         """Where the replicas' time went per global step after ``since_epoch`` (see
         ``StepProfile.summary``)."""
-        return self.profile.summary(since_epoch)
+        return self.sink.step_profile(since_epoch)
 
     def metrics_address(self) -> str | None:
         """``host:port`` where ``/metrics`` is served (None if not served)."""
-        if self.metrics.address is None:
+        if self.sink.address is None:
             return None
-        host, port = self.metrics.address
+        host, port = self.sink.address
         if host in ("", "0.0.0.0", "::"):
             host = ray.util.get_node_ip_address()
         return f"{host}:{port}"
 
     def metrics_state(self) -> metrics.TrainingState:
-        """The run as the exporter sees it at scrape time (also observes rebalance delays)."""
-        self._resolve_rebalances()
+        """The run as the exporter sees it at scrape time (also observes rebalance delays).
+        Called by the exporter's HTTP thread (under the call lock, as every method)."""
+        self.sink.observe_rebalances(self.notices)
         s = self.stats()
         return metrics.training_state(
-            s["history"], now_s=self.clock() - self.started, live=s["live"],
-            draining=s["draining"], epoch=s["epoch"], preemptions=s["preemptions"],
+            s["history"], now_s=s["now_s"], live=s["live"], draining=s["draining"],
+            epoch=s["epoch"], preemptions=s["preemptions"],
             live_experts=len(self.experts.locations()))
 
-    def _resolve_rebalances(self) -> None:
-        """Observe each notice's rebalance delay (``note_notice`` records) once."""
-        for node_id, r in self.notices.items():
-            if r.rebalance_s is not None and node_id not in self._rebalances_seen:
-                self._rebalances_seen.add(node_id)
-                self.metrics.apply(metrics.RebalanceEvent(r.rebalance_s))
+    def forget_state(self) -> None:
+        """Delete the state kept in the GCS (the job is over; a restart after this
+        starts empty)."""
+        if self.store is not None:
+            self.store.clear()
+            self.store = None
 
 
 def get_or_create(
@@ -146,10 +201,11 @@ def get_or_create(
     ``metrics_host``; ``metrics_address.remote()`` tells where. Ignored if it exists already.
     """
     # Restarted by Ray if its process dies; calls made meanwhile are retried once it is back
-    # (a service that can be briefly away). It keeps nothing the replicas cannot rebuild:
-    # they rejoin with their epoch (``rejoin``), experts re-register on an unknown heartbeat.
+    # (a service that can be briefly away). Its state is kept under ``state_key`` in the GCS
+    # (a new key per Coordinator created: a new job starts empty; a restart reuses it).
+    name = name or placement.COORDINATOR_NAME
     return Coordinator.options(
-        name=name or placement.COORDINATOR_NAME,
+        name=name,
         namespace=placement.NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
@@ -159,4 +215,21 @@ def get_or_create(
         **placement.on_head(),
     ).remote(config or MembershipConfig(), target_batch_size=target_batch_size,
              metrics_port=metrics_port, metrics_host=metrics_host, prices=prices,
-             step_grace_s=step_grace_s)
+             step_grace_s=step_grace_s, state_key=f"{name}/{uuid.uuid4().hex}")
+
+
+def remove(coordinator, timeout_s: float = 10.0) -> None:
+    """End ``coordinator`` for good: its state in the GCS is deleted first (a restart after
+    this would start empty), then the actor is killed without restart. Raises what Ray
+    raises if it cannot be killed; a state that could not be deleted is only logged."""
+    try:
+        ray.get(coordinator.forget_state.remote(), timeout=timeout_s)
+    except (ray.exceptions.RayError, TimeoutError, AttributeError) as exc:
+        log.warning("Coordinator state not deleted (%s)", type(exc).__name__)
+    ray.kill(coordinator, no_restart=True)
+
+
+def forget_saved_states(name: str = placement.COORDINATOR_NAME) -> None:
+    """Delete every state saved by Coordinators named ``name`` (one job's left-overs, when a
+    new job replaces an earlier one). Needs a connected driver."""
+    GcsKV().delete_prefix(f"{name}/")

@@ -1,47 +1,49 @@
-"""The Coordinator's logic (pure: an injected clock, no Ray): membership, round plans, the
-progress of collaborative steps, notices and their rebalance clock, the data ledger and
-the expert registry. ``cluster/coordinator/actor.py`` wraps it in the Ray actor.
+"""The Coordinator's logic, composed of small services (pure: an injected clock, no Ray).
 
-It may die: Ray restarts the actor with empty memory (``restarted``), and the replicas
-rebuild it (``rejoin``: the newest step a live replica holds wins), the expert hosts
-re-register, the driver tells it the newest step it saw committed (``note_committed``).
-Its methods are cheap and never block on a peer, so a dead peer can never stall it.
-Peers that stop heartbeating are dropped after the TTL; draining peers are excluded from
-every plan made after ``mark_draining`` returns.
+- steps and membership (``steps.StepService``): register, heartbeat, report, plans, donors;
+- notices (``notices.NoticeBook``): preemption notices and their rebalance clock;
+- data shards (``shard_ledger.ShardService``): the job's data position;
+- the expert registry (``expert_registry.ExpertRegistry``): DMoE expert hosts.
+
+``CoordinatorCore`` holds one of each, routes each remote method to its service, and does
+what spans two of them (a notice drains peers and re-plans; a plan closes a notice's
+rebalance clock; a rejoin also tells the data position). ``cluster/coordinator/actor.py``
+wraps it in the Ray actor and adds the metrics sink (``metrics_sink.py``). Driver-side
+counters (node losses) are the driver's (``jobs/controller/elastic.py``).
+
+It may die: Ray restarts the actor with empty memory (``restarted``). With a ``store``
+(``durable.DurableState``), ``save`` writes what changed after every call, and a new
+Coordinator whose store holds a state restores it: the step history, the newest step known
+committed, rollbacks, quarantine records, draining marks, the stop flag, notices and the
+data position. Membership and the epoch are rebuilt from the replicas (``rejoin``: the
+newest step a live replica holds wins), the expert hosts re-register, and the driver tells
+it the newest step it saw committed (``note_committed``). Its methods are cheap and never
+block on a peer, so a dead peer can never stall it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from moshray.cluster.coordinator.membership import Membership, MembershipConfig
-from moshray.cluster.messages import PeerInfo, RoundPlan
-from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport, ProgressTracker, StepRecord
+from moshray.cluster.coordinator.durable import DurableState
 from moshray.cluster.coordinator.expert_registry import ExpertRegistry, HeartbeatStatus, HostRecord
-from moshray.cluster.coordinator.shard_ledger import ShardLedger
+from moshray.cluster.coordinator.membership import Membership, MembershipConfig
+from moshray.cluster.coordinator.notices import NoticeBook, NoticeRecord
+from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport, ProgressTracker
+from moshray.cluster.coordinator.shard_ledger import REJOIN_GRACE_S, ShardService
+from moshray.cluster.coordinator.steps import REBUILD_S, StepService
+from moshray.cluster.messages import RoundPlan
 
+__all__ = ["CoordinatorCore", "NoticeRecord", "REBUILD_S", "REJOIN_GRACE_S"]
 
-@dataclass
-class NoticeRecord:
-    """A preemption notice as the Coordinator saw it (see ``CoordinatorCore.note_notice``)."""
-
-    noticed_at: float  # Coordinator clock: when the node received the notice
-    epoch: int  # plans up to this epoch were made before the node was excluded
-    peers: tuple[str, ...]  # the node's peers marked draining
-    rebalance_s: float | None = None  # notice -> first plan without the node (None: no plan yet)
-
-
-REJOIN_GRACE_S = 2.5  # after a restart, positions are heard before shards are granted
-# After a restart, how long every live replica has to rejoin (they heartbeat every second and
-# report after every micro-batch) before an older state may be accepted in its place.
-REBUILD_S = 3.0
+log = logging.getLogger(__name__)
 
 
 class CoordinatorCore:
-    """The Coordinator's logic with an injected clock (the actor below is a thin shell)."""
+    """The Coordinator's services with an injected clock (the actor is a thin shell)."""
 
     def __init__(
         self,
@@ -50,163 +52,100 @@ class CoordinatorCore:
         target_batch_size: int = 256,
         step_grace_s: float = 2.0,
         restarted: bool = False,
+        store: DurableState | None = None,
     ):
-        """``restarted``: this Coordinator replaces one that died (Ray restarted it), so
-        its memory is empty and the replicas rebuild it (``rejoin``); no older state is
-        accepted in the newest's place for ``REBUILD_S``."""
-        self.membership = Membership(config)
+        """``restarted``: this Coordinator replaces one that died (Ray restarted it), so no
+        older state is accepted in the newest's place for ``REBUILD_S``. ``store``: where
+        the state is saved (``save``) and, if it holds one, restored from (then this is a
+        restart whatever ``restarted`` says)."""
         self.clock = clock
         self.started = clock()
-        self.incarnation = uuid.uuid4().hex  # a restarted Coordinator is a new one
-        self.progress = ProgressTracker(self.membership, target_batch_size,
-                                        grace_s=step_grace_s, hold_s=2 * config.peer_ttl_s)
-        if restarted:
-            self.progress.rebuild_until = self.started + REBUILD_S
-        self.preemptions = 0
-        self.notices: dict[str, NoticeRecord] = {}  # node id -> its first preemption notice
+        self.history_id = uuid.uuid4().hex  # names the step history (kept over restarts)
+        self.restarts = 0
+        self.steps = StepService(config, target_batch_size, step_grace_s)
+        self.steps.on_plan = self._on_plan
+        self.notices = NoticeBook()
+        self.shards = ShardService()
         self.experts = ExpertRegistry(clock=clock)  # DMoE expert hosts (replaces the DHT)
-        self.shards = ShardLedger()  # the job's data position (rebuilt from floors)
-        self._grants_after: float | None = None  # set by the first rejoin (a restart)
-        self._lost_peer = False  # a ready peer left: re-plan without it (``_replan``)
         # Called with every new plan the moment it exists (the actor shell pushes it to the
         # participants); None in pure tests, where plans travel only in report replies.
         self.push_plan: Callable[[RoundPlan], None] | None = None
+        self.store = store
+        if store is not None and self._restore(store):
+            restarted = True
+        if restarted:
+            self.steps.open_rebuild_window(clock())
+
+    def _on_plan(self, plan: RoundPlan) -> None:
+        if self.push_plan is not None:
+            self.push_plan(plan)
+
+    # the services' state, for callers and tests that look inside
+    @property
+    def membership(self) -> Membership:
+        return self.steps.membership
+
+    @property
+    def progress(self) -> ProgressTracker:
+        return self.steps.progress
+
+    @property
+    def epoch(self) -> int:
+        return self.steps.epoch
+
+    # -- steps and membership ----------------------------------------------------------------
 
     def register(self, peer_id: str, handle, node_id: str = "", capacity: float = 1.0) -> int:
-        self.membership.register(PeerInfo(peer_id, handle, node_id, capacity), self.clock())
-        return self.membership.epoch
+        return self.steps.register(peer_id, handle, node_id, capacity, self.clock())
 
     def rejoin(self, peer_id: str, handle, node_id: str, state_epoch: int,
                data_position: int = 0, syncing: bool = False) -> bool:
         """Re-register after a Coordinator restart (``heartbeat`` or a report answered
         "unknown"): membership, the epoch and the data position are rebuilt from the
         replicas themselves. True if the peer is ready at once (see
-        ``ProgressTracker.rejoin``). The first rejoin opens a window of
-        ``REJOIN_GRACE_S`` in which no data shard is granted, so that every live replica
-        (they heartbeat every second) has told its position first: no shard is repeated.
-        ``syncing``: the peer was copying a donor's state (it holds ``state_epoch`` but is
-        not ready). Calling it again is harmless (the second call refreshes the first)."""
-        self.register(peer_id, handle, node_id)
-        self.shards.raise_floor(data_position)
+        ``ProgressTracker.rejoin``). A first rejoin without a restored data position
+        pauses shard grants (see ``ShardService``). ``syncing``: the peer was copying a
+        donor's state (it holds ``state_epoch`` but is not ready). Calling it again is
+        harmless (the second call refreshes the first)."""
         now = self.clock()
-        if self._grants_after is None:
-            self._grants_after = now + REJOIN_GRACE_S
-        if self.progress.rebuild_until is None:
-            # A restart the shell could not tell (first call is a rejoin): same window.
-            self.progress.rebuild_until = now + REBUILD_S
-        return self.progress.rejoin(peer_id, state_epoch, now, syncing)
+        self.shards.rejoined(data_position, now)
+        return self.steps.rejoin(peer_id, handle, node_id, state_epoch, now, syncing)
 
     def heartbeat(self, peer_id: str, throughput: float | None = None) -> bool:
         """A replica is alive; ``throughput`` is its averager's measured rate (bytes/s,
         None without data), which sizes its share of the parts in later plans."""
-        return self.membership.heartbeat(peer_id, self.clock(), throughput)
+        return self.steps.heartbeat(peer_id, self.clock(), throughput)
 
     def leave(self, peer_id: str) -> bool:
         """``peer_id`` is gone (its node died, the controller stopped it). If it was ready,
-        the staying peers step at once with what they have (see ``_replan``)."""
-        lost = self._ready_and_staying(peer_id)
-        self.progress.forget(peer_id, gone=True)
-        left = self.membership.leave(peer_id)
+        the staying peers step at once with what they have (``StepService.replan``)."""
+        left, lost = self.steps.leave(peer_id)
         if lost:
-            self._lost_peer = True
             self._replan(self.clock())
         return left
 
-    def _ready_and_staying(self, peer_id: str) -> bool:
-        return peer_id in self.progress.ready and peer_id not in self.membership.draining()
-
-    def _replan(self, now: float) -> None:
-        """After a notice or the loss of a ready peer, plan the next step over the staying
-        peers with the samples they have, instead of at the next full batch: at once, or
-        right after the step in flight (at the first report that finds none: the replicas'
-        report right after a step does). Also with no sample reported yet: a replica takes
-        a plan at its next micro-batch, so it steps with at least that one."""
-        if self.progress.stop or not (self._lost_peer or self._rebalance_pending()):
-            return
-        if self._no_step_in_flight(now) and self.progress.plan_now(now, empty_ok=True):
-            self._lost_peer = False
-            self._publish()
-            self._note_rebalanced(now)
-
-    # -- collaborative training ------------------------------------------------------------
-
-    def _expire(self, now: float) -> None:
-        """Forget peers silent for longer than the TTL (dead ones stop being donors and
-        holders of the newest step, so joiners are never stuck waiting for them)."""
-        for gone in self.membership.expire(now):
-            self._lost_peer |= self._ready_and_staying(gone)
-            self.progress.forget(gone)
-
     def report(self, r: ProgressReport) -> ProgressReply:
         now = self.clock()
-        self._expire(now)
-        reply = self.progress.report(r, now)
+        reply = self.steps.report(r, now)
         self._replan(now)
-        self._publish()
-        self._note_rebalanced(now)
+        self.steps.publish()
+        self.notices.rebalanced(self.epoch, now)
         return reply
 
-    def _rebalance_pending(self) -> bool:
-        """A notice for a node with peers is waiting for the plan that leaves them out."""
-        return any(r.rebalance_s is None for r in self.notices.values())
-
-    def _publish(self) -> None:
-        plan = self.progress.take_new_plan()
-        if plan is not None and self.push_plan is not None:
-            self.push_plan(plan)
+    def _replan(self, now: float) -> None:
+        if self.steps.replan(now, self.notices.pending()):
+            self.notices.rebalanced(self.epoch, now)
 
     def mark_ready(self, peer_id: str, state_epoch: int) -> bool:
-        # Expire first: when every peer is syncing nobody reports, and a dead holder of the
-        # newest step would otherwise block the rollback forever.
-        now = self.clock()
-        self._expire(now)
-        return self.progress.mark_ready(peer_id, state_epoch, now)
+        return self.steps.mark_ready(peer_id, state_epoch, self.clock())
 
     def resume_from(self, epoch: int) -> int:
-        """Start counting global steps at a checkpoint's epoch (only before any step, and
-        not while a restarted Coordinator waits for holders of newer steps to rejoin); a
-        checkpoint older than a step committed before a restart is a counted rollback."""
-        if self.membership.epoch == 0 and not self.progress.history:
-            self.progress.resume_at(epoch, self.clock())
-        return self.membership.epoch
+        """See ``StepService.resume_from``."""
+        return self.steps.resume_from(epoch, self.clock())
 
     def donor(self, exclude: str) -> tuple[str, object] | None:
-        """A peer (other than ``exclude``, who is noted as joining) to copy state from, or
-        None. A ready live one first, else a ready one that is draining but still up (it
-        may hold the newest steps), else, as a last resort, any member holding the
-        current epoch (a quarantined peer: its contributions were bad, its state is the
-        swarm's). Within each group, one that holds the current epoch first."""
-        now = self.clock()
-        self._expire(now)
-        self.progress.note_joining(exclude, now)
-        ready = self.progress.ready
-        groups = ([p for p in self.membership.live(now) if p.peer_id in ready],
-                  [p for p in self.membership.present(now) if p.peer_id in ready],
-                  [p for p in self.membership.present(now)
-                   if self.progress.holds_current(p.peer_id)])
-        for group in groups:
-            for info in sorted(group, key=lambda i: not self.progress.holds_current(i.peer_id)):
-                if info.peer_id != exclude:
-                    return info.peer_id, info.handle
-        return None
-
-    def grant_shards(self, peer_id: str, count: int = 1, floor: int = 0) -> tuple[int, ...]:
-        """The next ``count`` data shard numbers for ``peer_id``; ``floor`` is the data
-        position the caller's state holds. Nothing (ask again) for a peer this Coordinator
-        does not know, or while it is learning the position after a restart (``rejoin``)."""
-        self.shards.raise_floor(floor)
-        if not self.membership.is_member(peer_id) or (
-                self._grants_after is not None and self.clock() < self._grants_after):
-            return ()
-        return self.shards.grant(peer_id, count, floor)
-
-    def data_position(self, floor: int = 0) -> int:
-        """Every data shard below this number has been handed out (checkpoints keep it)."""
-        return self.shards.raise_floor(floor)
-
-    def note_preemption(self, count: int = 1) -> int:
-        self.preemptions += count
-        return self.preemptions
+        """See ``StepService.donor``."""
+        return self.steps.donor(exclude, self.clock())
 
     def note_committed(self, epoch: int) -> None:
         """The driver saw ``epoch`` committed before a restart of this Coordinator (see
@@ -214,36 +153,56 @@ class CoordinatorCore:
         self.progress.note_committed(epoch)
 
     def request_stop(self) -> None:
-        self.progress.stop = True
+        self.steps.request_stop()
+
+    def mark_draining(self, node_id: str, deadline_s: float) -> tuple[str, ...]:
+        """Exclude ``node_id``'s peers from the next plans; ``deadline_s`` is seconds left."""
+        return self.steps.mark_draining(node_id, self.clock() + deadline_s)
+
+    def peer_view(self) -> dict[str, tuple[str, ...]]:
+        """Membership as the elastic controller observes it: ``members`` (registered, not
+        expired), ``ready`` (holding the swarm's state), ``draining`` (excluded, their node
+        got a notice) and ``noticed_nodes`` (node ids a notice arrived for)."""
+        return self.steps.peer_view(self.clock(), self.notices.nodes())
+
+    def live_peers(self) -> tuple[str, ...]:
+        return self.steps.live_peers(self.clock())
+
+    def plan_round(self, peers: tuple[str, ...] | None = None) -> RoundPlan | None:
+        now = self.clock()
+        plan = self.steps.plan_round(now, peers)
+        self.notices.rebalanced(self.epoch, now)
+        return plan
+
+    def peer_handle(self, peer_id: str):
+        """The actor handle ``peer_id`` registered with (None if it is not a member): for
+        operators and fault-injection harnesses that address one replica by its id."""
+        return self.steps.peer_handle(peer_id, self.clock())
 
     def stats(self, since: int = 0) -> dict:
         """The run's counters and its step history from row ``since`` on (a poller passes
         how many rows it holds, so a long run's history is not resent every poll).
-        ``history_len`` is the whole history's length and ``incarnation`` tells this
-        Coordinator from a restarted one (whose history starts over)."""
+        ``history_len`` is the whole history's length and ``incarnation`` names the
+        history: it stays the same over a restart that restored it, so a poller goes on
+        from the rows it holds (a new one: the history starts over). ``restarts``: how
+        many times this Coordinator was restarted with its state restored."""
         now = self.clock()
-        history: list[StepRecord] = self.progress.history
+        history = self.progress.history
         return {
-            "incarnation": self.incarnation,
+            "incarnation": self.history_id,
+            "restarts": self.restarts,
             "history_len": len(history),
-            "epoch": self.membership.epoch,
-            "live": len(self.membership.live(now)),
-            "ready": len(self.progress.ready),
-            "draining": len(self.membership.draining()),
-            "preemptions": self.preemptions,
-            "rollbacks": len(self.progress.rollbacks),  # steps lost with every holder
-            "abandoned": len(self.progress.abandoned),  # plans nobody lived to apply
-            "committed": self.progress.top_held,  # newest step seen applied
-            "quarantines": [(q.peer_id, q.reason) for q in self.progress.quarantine.records],
+            **self.steps.counters(now),
             "now_s": now - self.started,  # the clock of history's at_s (for plots)
-            **self._notice_summary(),
+            **self.notices.summary(),
             "history": [(h.epoch, h.at_s - self.started, h.samples, h.loss, h.peers)
                         for h in history[max(0, since):]],
         }
 
     def step_timings(self, since_epoch: int = 0) -> dict:
-        """Global steps after ``since_epoch``: ``{"now_s": t, "steps": [(epoch, planned_at_s,
-        committed_at_s or None, participants), ...]}``, times on the clock of ``stats()``."""
+        """Global steps after ``since_epoch`` planned by this process (timings are not kept
+        over a restart): ``{"now_s": t, "steps": [(epoch, planned_at_s, committed_at_s or
+        None, participants), ...]}``, times on the clock of ``stats()``."""
         now = self.clock()
         steps = [(t.epoch, t.planned_at - self.started,
                   None if t.committed_at is None else t.committed_at - self.started,
@@ -251,11 +210,7 @@ class CoordinatorCore:
                  for e, t in sorted(self.progress.timings.items()) if e > since_epoch]
         return {"now_s": now - self.started, "steps": steps}
 
-    def mark_draining(self, node_id: str, deadline_s: float) -> tuple[str, ...]:
-        """Exclude ``node_id``'s peers from the next plans; ``deadline_s`` is seconds left."""
-        return self.membership.mark_draining(node_id, self.clock() + deadline_s)
-
-    # -- preemption notices (autoscaler/watch/watcher.py) -------------------------------------
+    # -- preemption notices (autoscaler/watch/drain.py) --------------------------------------
 
     def note_notice(self, node_id: str, deadline_s: float, notice_age_s: float = 0.0
                     ) -> tuple[str, ...]:
@@ -265,81 +220,35 @@ class CoordinatorCore:
         notice (both measured on that node, so no two machines' clocks are compared). The
         node counts as rebalanced at the first plan published after this call (every such
         plan excludes its peers); a node without peers is rebalanced at once. That plan is
-        made over the staying peers (``_replan``) at once when no step is in flight, else
-        at the first report after the step in flight. A second notice for the same node
-        re-marks it draining but keeps the first record.
+        made over the staying peers (``StepService.replan``) at once when no step is in
+        flight, else at the first report after the step in flight. A second notice for the
+        same node re-marks it draining but keeps the first record.
         """
         peers = self.mark_draining(node_id, deadline_s)
         now = self.clock()
-        if node_id not in self.notices:
-            noticed_at = now - max(0.0, notice_age_s)
-            self.notices[node_id] = NoticeRecord(noticed_at, self.membership.epoch, peers,
-                                                 None if peers else now - noticed_at)
+        self.notices.note(node_id, now, notice_age_s, self.epoch, peers)
         if peers:
             self._replan(now)
         return peers
 
-    def _no_step_in_flight(self, now: float) -> bool:
-        """Every ready live peer reported at the current epoch (none is inside a round)."""
-        live = {p.peer_id for p in self.membership.live(now)}
-        eligible = [p for p in self.progress.ready if p in live]
-        reports = self.progress.reports
-        return bool(eligible) and all(p in reports and reports[p].epoch == self.epoch
-                                      for p in eligible)
-
-    @property
-    def epoch(self) -> int:
-        return self.membership.epoch
-
     def notice_stats(self) -> dict[str, dict]:
         """Per noticed node: ``{"peers": [...], "epoch": e, "rebalance_s": s or None}``."""
-        return {node: {"peers": list(r.peers), "epoch": r.epoch, "rebalance_s": r.rebalance_s}
-                for node, r in self.notices.items()}
+        return self.notices.stats()
 
-    def _note_rebalanced(self, now: float) -> None:
-        """Close the rebalance clock of every notice older than the latest plan."""
-        for r in self.notices.values():
-            if r.rebalance_s is None and self.membership.epoch > r.epoch:
-                r.rebalance_s = max(0.0, now - r.noticed_at)
+    # -- data shards -------------------------------------------------------------------------
 
-    def peer_handle(self, peer_id: str):
-        """The actor handle ``peer_id`` registered with (None if it is not a member): for
-        operators and fault-injection harnesses that address one replica by its id."""
-        for info in self.membership.present(self.clock()):
-            if info.peer_id == peer_id:
-                return info.handle
-        return None
+    def grant_shards(self, peer_id: str, count: int = 1, floor: int = 0) -> tuple[int, ...]:
+        """The next ``count`` data shard numbers for ``peer_id``; ``floor`` is the data
+        position the caller's state holds. Nothing (ask again) for a peer this Coordinator
+        does not know, or while it is learning the position after a restart (``rejoin``)."""
+        return self.shards.grant(peer_id, count, floor, self.clock(),
+                                 self.steps.is_member(peer_id))
 
-    def _notice_summary(self) -> dict:
-        done = [r.rebalance_s for r in self.notices.values() if r.rebalance_s is not None]
-        return {"notices": len(self.notices), "rebalance_s": done,
-                "rebalance_pending": len(self.notices) - len(done)}
+    def data_position(self, floor: int = 0) -> int:
+        """Every data shard below this number has been handed out (checkpoints keep it)."""
+        return self.shards.position(floor)
 
-    def peer_view(self) -> dict[str, tuple[str, ...]]:
-        """Membership as the elastic controller observes it: ``members`` (registered, not
-        expired), ``ready`` (holding the swarm's state), ``draining`` (excluded, their node
-        got a notice) and ``noticed_nodes`` (node ids a notice arrived for)."""
-        now = self.clock()
-        self._expire(now)
-        members = tuple(p.peer_id for p in self.membership.present(now))
-        return {"members": members,
-                "ready": tuple(sorted(p for p in self.progress.ready if p in members)),
-                "draining": self.membership.draining(),
-                "noticed_nodes": tuple(sorted(self.notices))}
-
-    def live_peers(self) -> tuple[str, ...]:
-        now = self.clock()
-        self.membership.expire(now)
-        return tuple(p.peer_id for p in self.membership.live(now))
-
-    def plan_round(self, peers: tuple[str, ...] | None = None) -> RoundPlan | None:
-        now = self.clock()
-        self.membership.expire(now)
-        plan = self.membership.plan(now, peers)
-        self._note_rebalanced(now)
-        return plan
-
-    # -- DMoE expert registry (see registry.py) -----------------------------------------------
+    # -- DMoE expert registry (expert_registry.py) -------------------------------------------
 
     def register_experts(self, host_id: str, uids: tuple[str, ...], handle, node_id: str = "",
                          instance: str = "") -> int:
@@ -356,3 +265,49 @@ class CoordinatorCore:
 
     def expert_locations(self) -> dict[str, tuple[str, str]]:
         return self.experts.locations()
+
+    # -- what survives a restart -------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, dict]:
+        """Each service's small record (JSON-able), by record name; the history is apart.
+        ``progress`` (the newest step known committed) changes with every step."""
+        return {
+            "core": {"started": self.started, "history_id": self.history_id,
+                     "restarts": self.restarts},
+            "steps": self.steps.snapshot(),
+            "progress": {"committed": self.progress.top_held},
+            "notices": self.notices.snapshot(),
+            "shards": self.shards.snapshot(),
+        }
+
+    def save(self) -> int:
+        """Write what changed to ``store`` (nothing without one; see ``durable.py`` for
+        what is written behind); returns how many keys were written. Call it after every
+        call that may change state, before its reply leaves."""
+        if self.store is None:
+            return 0
+        now = self.clock()
+        rows = self.store.sync_history(self.progress.history, now)
+        written = rows
+        for name, record in self.snapshot().items():
+            # the committed step goes with each new history row, else written behind
+            written += self.store.save_record(name, record, now,
+                                              lazy=name == "progress" and not rows)
+        return written
+
+    def _restore(self, store: DurableState) -> bool:
+        """Take back the state ``store`` holds; False (nothing changes) if it holds none."""
+        core = store.load_record("core")
+        if core is None:
+            return False
+        self.started = float(core["started"])
+        self.history_id = str(core["history_id"])
+        self.restarts = int(core.get("restarts", 0)) + 1
+        self.progress.history[:] = store.load_history()
+        self.steps.restore({**(store.load_record("steps") or {}),
+                            **(store.load_record("progress") or {})})
+        self.notices.restore(store.load_record("notices") or {})
+        self.shards.restore(store.load_record("shards") or {})
+        log.warning("Coordinator restarted (%d): %d steps of history, %d notices restored",
+                    self.restarts, len(self.progress.history), len(self.notices.records))
+        return True

@@ -390,6 +390,10 @@ class ProgressTracker:
         self.plan = plan
         self._unpushed = plan
         self._full_since = None
+        while self.history and self.history[-1].epoch >= plan.epoch:
+            # a plan nobody applied (the epoch fell back, e.g. after a restart): one row per
+            # step of the swarm's lineage, the newest plan's
+            self.history.pop()
         self.history.append(StepRecord(plan.epoch, now, samples, total / n if n else None,
                                        len(at_epoch)))
         self.step_samples.planned(plan.epoch, {r.peer_id: r.samples for r in current})

@@ -2,7 +2,9 @@
 
 Receivers report the contributions they rejected (``ProgressReport.saw_rejections``). Two
 kinds of reason count against the sender, once per (receiver, epoch); lateness and failed
-fetches never do (they are the network's or a dying node's):
+fetches never do (they are the network's or a dying node's), nor does an unauthenticated
+message (``unauthenticated``: a forger without the job's key can name any sender, so it is
+counted in the metrics under its own reason and never quarantines the sender it names):
 
 - *faults* (``SENDER_FAULTS``: NaN/inf values, a bad weight, a value or weight above the
   step's bounds) are the sender's alone: each counts at once.

@@ -10,7 +10,9 @@ shards, a joiner takes the next free one, a dead replica's shard is not handed o
 The position is ``next``: every shard below it was handed out. It travels with the model
 state (donor copies, checkpoints), so a restarted Coordinator or a resumed run continues
 the numbering instead of replaying it: ``raise_floor`` only ever moves ``next`` forward.
-Pure: no Ray, no clock.
+``ShardService`` is the Coordinator's data-shard service around the ledger: it also keeps
+the ledger's snapshot for a restart and, when no snapshot came back, holds grants while
+the replicas tell their positions. Pure: no Ray; times are passed in.
 """
 
 from __future__ import annotations
@@ -39,6 +41,52 @@ class ShardLedger:
         self.next += len(ids)
         self.granted[peer_id] = self.granted.get(peer_id, 0) + len(ids)
         return ids
+
+
+REJOIN_GRACE_S = 2.5  # after a restart, positions are heard before shards are granted
+
+
+class ShardService:
+    """The Coordinator's data shards: ``grant``, ``position``, and what a restart needs.
+
+    After a restart whose ledger was not restored, the first ``rejoined`` opens a window of
+    ``REJOIN_GRACE_S`` in which no shard is granted, so that every live replica (they
+    heartbeat every second) has told its position first: no shard is repeated. A restored
+    ledger (``restore``) is exact (every grant is saved before its reply leaves), so it
+    needs no window.
+    """
+
+    def __init__(self) -> None:
+        self.ledger = ShardLedger()
+        self._grants_after: float | None = None
+        self._restored = False
+
+    def rejoined(self, data_position: int, now: float) -> None:
+        """A replica rejoined a restarted Coordinator holding ``data_position``."""
+        self.ledger.raise_floor(data_position)
+        if self._grants_after is None and not self._restored:
+            self._grants_after = now + REJOIN_GRACE_S
+
+    def grant(self, peer_id: str, count: int, floor: int, now: float,
+              member: bool) -> tuple[int, ...]:
+        """The next ``count`` shard numbers for ``peer_id``; nothing (ask again) for a
+        non-``member`` or while positions are being heard after a restart."""
+        self.ledger.raise_floor(floor)
+        if not member or (self._grants_after is not None and now < self._grants_after):
+            return ()
+        return self.ledger.grant(peer_id, count, floor)
+
+    def position(self, floor: int = 0) -> int:
+        """Every data shard below this number has been handed out."""
+        return self.ledger.raise_floor(floor)
+
+    def snapshot(self) -> dict:
+        return {"next": self.ledger.next, "granted": dict(sorted(self.ledger.granted.items()))}
+
+    def restore(self, snap: dict) -> None:
+        self.ledger.raise_floor(int(snap.get("next", 0)))
+        self.ledger.granted.update({p: int(n) for p, n in snap.get("granted", {}).items()})
+        self._restored = True
 
 
 def shard_of(number: int, num_shards: int, seed: int) -> tuple[int, int]:

@@ -1,0 +1,245 @@
+"""The steps-and-membership service of the Coordinator (pure: an injected clock, no Ray).
+
+Who is in the swarm (``Membership``), which global step comes next and who takes part in
+it (``ProgressTracker``): register, heartbeat, leave, rejoin after a restart, report after
+every micro-batch, mark ready after a copy, find a donor, drain a noticed node's peers,
+stop. Its methods are cheap and never block on a peer, so a dead peer can never stall it.
+Peers that stop heartbeating are dropped after the TTL; draining peers are excluded from
+every plan made after ``mark_draining`` returns.
+
+It may die with the Coordinator's process: what the summary, the plans and the quarantine
+need (the step history, the newest step known committed, rollbacks, draining marks,
+quarantine records, the stop flag) is in ``snapshot`` (small, JSON-able; the history
+travels apart, see ``cluster/coordinator/durable.py``) and comes back with ``restore``;
+membership and the epoch are rebuilt from the replicas themselves (``rejoin``: the newest
+step a live replica holds wins).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from moshray.cluster.coordinator.membership import Membership, MembershipConfig
+from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport, ProgressTracker
+from moshray.cluster.coordinator.quarantine import QuarantineRecord
+from moshray.cluster.messages import PeerInfo, RoundPlan
+
+# After a restart, how long every live replica has to rejoin (they heartbeat every second and
+# report after every micro-batch) before an older state may be accepted in its place.
+REBUILD_S = 3.0
+
+
+class StepService:
+    """Membership and collaborative steps (see the module docstring).
+
+    ``on_plan`` is called with every new plan the moment it exists (the actor pushes it to
+    the participants); None in pure tests, where plans travel only in report replies.
+    """
+
+    def __init__(self, config: MembershipConfig, target_batch_size: int = 256,
+                 step_grace_s: float = 2.0):
+        self.membership = Membership(config)
+        self.progress = ProgressTracker(self.membership, target_batch_size,
+                                        grace_s=step_grace_s, hold_s=2 * config.peer_ttl_s)
+        self._lost_peer = False  # a ready peer left: re-plan without it (``replan``)
+        self.on_plan: Callable[[RoundPlan], None] | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.membership.epoch
+
+    def open_rebuild_window(self, now: float) -> None:
+        """This service replaces one that died: no older state is accepted in the newest's
+        place before ``now + REBUILD_S`` (the replicas are still rejoining)."""
+        self.progress.rebuild_until = now + REBUILD_S
+
+    # -- membership --------------------------------------------------------------------------
+
+    def register(self, peer_id: str, handle, node_id: str, capacity: float,
+                 now: float) -> int:
+        self.membership.register(PeerInfo(peer_id, handle, node_id, capacity), now)
+        return self.membership.epoch
+
+    def rejoin(self, peer_id: str, handle, node_id: str, state_epoch: int, now: float,
+               syncing: bool = False) -> bool:
+        """Register and rebuild the epoch from ``peer_id``'s state (see
+        ``ProgressTracker.rejoin``); a first rejoin nobody announced opens the rebuild
+        window (a restart the actor could not tell)."""
+        self.register(peer_id, handle, node_id, 1.0, now)
+        if self.progress.rebuild_until is None:
+            self.open_rebuild_window(now)
+        return self.progress.rejoin(peer_id, state_epoch, now, syncing)
+
+    def heartbeat(self, peer_id: str, now: float, throughput: float | None = None) -> bool:
+        return self.membership.heartbeat(peer_id, now, throughput)
+
+    def is_member(self, peer_id: str) -> bool:
+        return self.membership.is_member(peer_id)
+
+    def leave(self, peer_id: str) -> tuple[bool, bool]:
+        """``peer_id`` is gone; returns ``(it was a member, it was ready and staying)``: in
+        the second case the caller re-plans (``replan``) so the staying peers step at once."""
+        lost = self._ready_and_staying(peer_id)
+        self.progress.forget(peer_id, gone=True)
+        left = self.membership.leave(peer_id)
+        self._lost_peer |= lost
+        return left, lost
+
+    def mark_draining(self, node_id: str, deadline: float) -> tuple[str, ...]:
+        """Exclude ``node_id``'s peers (and later ones there) from the next plans."""
+        return self.membership.mark_draining(node_id, deadline)
+
+    def expire(self, now: float) -> None:
+        """Forget peers silent for longer than the TTL (dead ones stop being donors and
+        holders of the newest step, so joiners are never stuck waiting for them)."""
+        for gone in self.membership.expire(now):
+            self._lost_peer |= self._ready_and_staying(gone)
+            self.progress.forget(gone)
+
+    def _ready_and_staying(self, peer_id: str) -> bool:
+        return peer_id in self.progress.ready and peer_id not in self.membership.draining()
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def report(self, r: ProgressReport, now: float) -> ProgressReply:
+        self.expire(now)
+        return self.progress.report(r, now)
+
+    def replan(self, now: float, rebalance_pending: bool) -> bool:
+        """After a notice (``rebalance_pending``) or the loss of a ready peer, plan the next
+        step over the staying peers with the samples they have, instead of at the next full
+        batch: at once, or right after the step in flight (at the first report that finds
+        none: the replicas' report right after a step does). Also with no sample reported
+        yet: a replica takes a plan at its next micro-batch, so it steps with at least that
+        one. True if a plan was made (and published)."""
+        if self.progress.stop or not (self._lost_peer or rebalance_pending):
+            return False
+        if self._no_step_in_flight(now) and self.progress.plan_now(now, empty_ok=True):
+            self._lost_peer = False
+            self.publish()
+            return True
+        return False
+
+    def publish(self) -> None:
+        """Hand the plan made since the last call (if any) to ``on_plan``."""
+        plan = self.progress.take_new_plan()
+        if plan is not None and self.on_plan is not None:
+            self.on_plan(plan)
+
+    def _no_step_in_flight(self, now: float) -> bool:
+        """Every ready live peer reported at the current epoch (none is inside a round)."""
+        live = {p.peer_id for p in self.membership.live(now)}
+        eligible = [p for p in self.progress.ready if p in live]
+        reports = self.progress.reports
+        return bool(eligible) and all(p in reports and reports[p].epoch == self.epoch
+                                      for p in eligible)
+
+    def mark_ready(self, peer_id: str, state_epoch: int, now: float) -> bool:
+        # Expire first: when every peer is syncing nobody reports, and a dead holder of the
+        # newest step would otherwise block the rollback forever.
+        self.expire(now)
+        return self.progress.mark_ready(peer_id, state_epoch, now)
+
+    def resume_from(self, epoch: int, now: float) -> int:
+        """Start counting global steps at a checkpoint's epoch (only before this process
+        planned or heard of any step, and not while a restarted Coordinator waits for
+        holders of newer steps to rejoin); a checkpoint older than a step committed before a
+        restart (a restored or told ``committed``) is a counted rollback."""
+        if self.membership.epoch == 0 and not self.progress.timings:
+            self.progress.resume_at(epoch, now)
+        return self.membership.epoch
+
+    def donor(self, exclude: str, now: float) -> tuple[str, object] | None:
+        """A peer (other than ``exclude``, who is noted as joining) to copy state from, or
+        None. A ready live one first, else a ready one that is draining but still up (it
+        may hold the newest steps), else, as a last resort, any member holding the
+        current epoch (a quarantined peer: its contributions were bad, its state is the
+        swarm's). Within each group, one that holds the current epoch first."""
+        self.expire(now)
+        self.progress.note_joining(exclude, now)
+        ready = self.progress.ready
+        groups = ([p for p in self.membership.live(now) if p.peer_id in ready],
+                  [p for p in self.membership.present(now) if p.peer_id in ready],
+                  [p for p in self.membership.present(now)
+                   if self.progress.holds_current(p.peer_id)])
+        for group in groups:
+            for info in sorted(group, key=lambda i: not self.progress.holds_current(i.peer_id)):
+                if info.peer_id != exclude:
+                    return info.peer_id, info.handle
+        return None
+
+    def request_stop(self) -> None:
+        self.progress.stop = True
+
+    # -- views -------------------------------------------------------------------------------
+
+    def peer_view(self, now: float, noticed_nodes: tuple[str, ...]) -> dict:
+        """Membership as the elastic controller observes it (see ``CoordinatorCore``)."""
+        self.expire(now)
+        members = tuple(p.peer_id for p in self.membership.present(now))
+        return {"members": members,
+                "ready": tuple(sorted(p for p in self.progress.ready if p in members)),
+                "draining": self.membership.draining(),
+                "noticed_nodes": noticed_nodes}
+
+    def live_peers(self, now: float) -> tuple[str, ...]:
+        self.membership.expire(now)
+        return tuple(p.peer_id for p in self.membership.live(now))
+
+    def plan_round(self, now: float, peers: tuple[str, ...] | None = None) -> RoundPlan | None:
+        self.membership.expire(now)
+        return self.membership.plan(now, peers)
+
+    def peer_handle(self, peer_id: str, now: float):
+        for info in self.membership.present(now):
+            if info.peer_id == peer_id:
+                return info.handle
+        return None
+
+    def counters(self, now: float) -> dict:
+        """The step counters of ``CoordinatorCore.stats`` (no history)."""
+        p = self.progress
+        return {
+            "epoch": self.membership.epoch,
+            "live": len(self.membership.live(now)),
+            "ready": len(p.ready),
+            "draining": len(self.membership.draining()),
+            "rollbacks": len(p.rollbacks),  # steps lost with every holder
+            "abandoned": len(p.abandoned),  # plans nobody lived to apply
+            "committed": p.top_held,  # newest step seen applied
+            "stopping": p.stop,
+            "quarantines": [(q.peer_id, q.reason) for q in p.quarantine.records],
+        }
+
+    # -- what survives a restart -------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """The small state a restarted Coordinator needs (JSON-able; see the module
+        docstring), but for the newest step known committed, which changes with every
+        step and is saved apart (``progress.top_held``). Times are on the Coordinator's
+        clock (``time.monotonic`` of the head node, which the restarted actor shares)."""
+        p = self.progress
+        return {
+            "stop": p.stop,
+            "rollbacks": [list(x) for x in p.rollbacks],
+            "abandoned": [list(x) for x in p.abandoned],
+            "quarantines": [[q.peer_id, q.at, q.reason] for q in p.quarantine.records],
+            "draining_nodes": sorted([n, d] for n, d in
+                                     self.membership._draining_nodes.items()),
+        }
+
+    def restore(self, snap: dict) -> None:
+        """Take back a ``snapshot`` (into a fresh service, before any call), plus the
+        newest step known ``committed`` if the dict has it. Draining marks apply to the
+        peers that register on those nodes again; the epoch is not restored (the replicas'
+        rejoins rebuild it) but the newest step known committed is, so a fall back below
+        it counts as a rollback."""
+        p = self.progress
+        p.note_committed(int(snap.get("committed", 0)))
+        p.stop = bool(snap.get("stop", False))
+        p.rollbacks[:] = [tuple(x) for x in snap.get("rollbacks", ())]
+        p.abandoned[:] = [tuple(x) for x in snap.get("abandoned", ())]
+        p.quarantine.records[:] = [QuarantineRecord(peer, float(at), reason)
+                                   for peer, at, reason in snap.get("quarantines", ())]
+        for node, deadline in snap.get("draining_nodes", ()):
+            self.membership.mark_draining(node, float(deadline))

@@ -1,15 +1,32 @@
-"""What a training run shows its user: one progress line per global step, and the run's
-outputs (``summary.json`` and ``training.png`` in ``run_dir``). Pure except for the file
-writes in ``write_outputs``."""
+"""What a training run shows its user: the progress of the run on the console, and the
+run's outputs (``summary.json`` and ``training.png`` in ``run_dir``).
+
+The console (:class:`Console`): on a terminal, ONE progress line redrawn in place (tqdm);
+off a terminal (a pipe, a log file, ``ray job logs``), one plain line every
+``interval_s`` seconds, and one for the last step. The line's figures come from pure
+functions (:func:`window_rate`, :func:`eta_s`, :func:`progress_line`) over the
+Coordinator's step history rows ``(epoch, at_s, samples, loss, peers)``. Anything else the
+driver prints while the bar is up goes through :class:`ConsoleStream` (the bar is cleared
+and redrawn around each whole line). :func:`quiet_ray_logs` keeps Ray's own processes'
+lines (raylet, GCS server: they stay in the session's log files) off the console.
+Pure except for the console writes and the file writes in ``write_outputs``."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 log = logging.getLogger("moshray.train")
 
-BAR_WIDTH = 20
+WINDOW_S = 10.0  # samples/s is measured over the steps of the last WINDOW_S seconds
+INTERVAL_S = 10.0  # off a terminal: one progress line every INTERVAL_S seconds
+# Lines Ray's log monitor forwards from its own processes, by the "pid" it gives them:
+# these are Ray's internals (their files under the session's logs/ keep them).
+RAY_INTERNAL_PIDS = frozenset({"raylet", "gcs_server"})
 
 
 def run_fraction(epoch: int, elapsed: float, max_steps: int | None,
@@ -23,49 +40,278 @@ def run_fraction(epoch: int, elapsed: float, max_steps: int | None,
     return min(max(parts), 1.0) if parts else None
 
 
-def progress_line(h, total_samples: int, elapsed: float, live: int, preemptions: int,
-                  fraction: float | None = None) -> str:
-    """One console line for a committed global step; with a bar when the run is bounded.
+def sig4(x: float | None) -> str:
+    """``x`` to 4 significant digits (``5.424000475141737`` -> ``5.424``); ``-`` for None
+    or a non-finite value."""
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x:#.4g}"  # '#': trailing zeros kept (5.430, not 5.43)
 
-    ``h`` is a history row ``(epoch, at_s, samples, loss, peers)``.
-    """
-    epoch, _, samples, loss, peers = h
-    loss_s = f"{loss:.4f}" if loss is not None else "  -   "
-    rate = total_samples / elapsed if elapsed > 0 else 0.0
-    bar = ""
-    if fraction is not None:
-        done = int(round(fraction * BAR_WIDTH))
-        bar = f"[{'#' * done}{'.' * (BAR_WIDTH - done)}] {fraction * 100:3.0f}% | "
-    return (f"step {epoch:5d} | {bar}loss {loss_s} | {rate:8.1f} samples/s | peers {peers} "
-            f"(live {live}) | preemptions {preemptions}")
+
+@dataclass(frozen=True)
+class Rate:
+    """Throughput over the recent window: samples and global steps per second (0.0 when
+    the window holds fewer than two steps)."""
+
+    samples_per_s: float
+    steps_per_s: float
+
+
+def window_rate(history: Sequence[tuple], window_s: float = WINDOW_S) -> Rate:
+    """Samples/s and steps/s over the steps committed in the last ``window_s`` seconds of
+    ``history`` (rows ``(epoch, at_s, samples, loss, peers)``, oldest first), not since
+    the start. The span runs from the first row in the window to the newest; that first
+    row's samples were taken before the span began and are not counted. Only the newest
+    run of rows with increasing times is used (a new Coordinator's clock starts over)."""
+    if len(history) < 2:
+        return Rate(0.0, 0.0)
+    newest = history[-1][1]
+    first = len(history) - 1
+    while first > 0 and history[first - 1][1] < history[first][1] and \
+            newest - history[first - 1][1] <= window_s:
+        first -= 1
+    span = newest - history[first][1]
+    if span <= 0:
+        return Rate(0.0, 0.0)
+    rows = history[first + 1:]
+    return Rate(sum(h[2] for h in rows) / span, len(rows) / span)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What ends the run (None: no such bound): global steps, wall seconds, passes over
+    the data."""
+
+    max_steps: int | None = None
+    max_seconds: float | None = None
+    max_epochs: float | None = None
+
+    @property
+    def bounded(self) -> bool:
+        return any(b is not None for b in (self.max_steps, self.max_seconds, self.max_epochs))
+
+
+def eta_s(bounds: Bounds, step: int, elapsed: float, rate: Rate,
+          epochs_done: float | None = None) -> float | None:
+    """Seconds until the nearest bound ends the run, or None when none is known (an
+    unbounded run, or no rate yet for a step or epoch bound). Steps left are at
+    ``rate.steps_per_s``; epochs left at the rate the epochs so far took (``epochs_done``
+    passes over the data in ``elapsed`` seconds)."""
+    left = []
+    if bounds.max_seconds is not None:
+        left.append(max(0.0, bounds.max_seconds - elapsed))
+    if bounds.max_steps is not None and rate.steps_per_s > 0:
+        left.append(max(0, bounds.max_steps - step) / rate.steps_per_s)
+    if bounds.max_epochs is not None and epochs_done and elapsed > 0:
+        left.append(max(0.0, bounds.max_epochs - epochs_done) * elapsed / epochs_done)
+    return min(left) if left else None
+
+
+def clock_text(seconds: float | None) -> str:
+    """``1:05:09`` / ``4:07``; ``?`` for None."""
+    if seconds is None:
+        return "?"
+    s = int(round(seconds))
+    h, rest = divmod(s, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+def progress_line(step: int, rate: Rate, loss: float | None, live: int, preemptions: int,
+                  bounds: Bounds = Bounds(), eta: float | None = None) -> str:
+    """One progress line: ``step 120 of 500 | 812.3 samples/s | loss 5.424 | peers 3 |
+    preemptions 1 | ETA 0:42`` (``of max_steps`` and the ETA only for a bounded run)."""
+    total = f" of {bounds.max_steps}" if bounds.max_steps is not None else ""
+    line = (f"step {step}{total} | {rate.samples_per_s:.1f} samples/s | loss {sig4(loss)} | "
+            f"peers {live} | preemptions {preemptions}")
+    if bounds.bounded:
+        line += f" | ETA {clock_text(eta)}"
+    return line
+
+
+def last_loss(history: Sequence[tuple]) -> float | None:
+    """The newest step's loss that is known (a step may commit without one)."""
+    return next((h[3] for h in reversed(history) if h[3] is not None), None)
+
+
+class ConsoleStream:
+    """A text stream for what the driver prints while the progress bar is up: whole lines
+    are written with the bar cleared, then the bar is redrawn (a partial line waits for
+    its newline). Off a terminal it writes straight through."""
+
+    def __init__(self, raw) -> None:
+        self.raw = raw
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        from tqdm import tqdm
+
+        self._pending += text
+        if "\n" in self._pending:
+            whole, _, self._pending = self._pending.rpartition("\n")
+            with tqdm.external_write_mode(file=self.raw):
+                self.raw.write(whole + "\n")
+                self.raw.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            self.write("\n")
+        self.raw.flush()
+
+    def isatty(self) -> bool:
+        return _isatty(self.raw)
+
+    def __getattr__(self, name):  # encoding, fileno, ... of the stream underneath
+        return getattr(self.raw, name)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+_OPEN: "set[Console]" = set()  # consoles whose bar is up (closed on an error by run_job)
+
+
+def close_open_consoles() -> None:
+    """End every progress bar still up (an error ends the run): what is printed next starts
+    on a line of its own. Never raises."""
+    for console in list(_OPEN):
+        try:
+            console.close()
+        except (OSError, ValueError):
+            _OPEN.discard(console)
 
 
 class Console:
-    """The progress lines of a run, one per global step, each printed once (by epoch).
+    """The progress of a run on ``out``.
 
-    ``show`` prints the steps of ``stats["history"]`` not shown yet. The samples/s of a
-    line sums the history afresh: its counts are corrected as replicas report what they
-    really averaged (cluster/coordinator/step_samples.py). A restarted Coordinator starts a new
-    history (its sum drops): the old one's sum is kept and added."""
+    ``show(stats, elapsed)`` takes the Coordinator's stats (``history`` rows ``(epoch,
+    at_s, samples, loss, peers)``, ``live``, ``preemptions``, ``epoch``) at every poll. On
+    a terminal (``tty``; default: ``out.isatty()``) it redraws one line in place; else it
+    prints a line when ``interval_s`` seconds (on ``clock``) have passed since the last
+    one, and at the first step. ``close()`` prints the last state and, on a terminal,
+    leaves the bar's final line. While the bar is up, Python logging to the console goes
+    through tqdm (the bar is cleared around each record). Never raises over a write to a
+    closed stream."""
 
-    def __init__(self, out) -> None:
+    def __init__(self, out, bounds: Bounds = Bounds(), *, tty: bool | None = None,
+                 interval_s: float = INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.out = out
-        self.printed = 0  # the last epoch shown
-        self._earlier = 0  # samples of the histories of earlier Coordinator lives
-        self._current = 0
+        self.bounds = bounds
+        self.tty = _isatty(out) if tty is None else tty
+        self.interval_s = interval_s
+        self.clock = clock
+        self._last_print: float | None = None
+        self._shown_step = 0
+        self._bar = None
+        self._redirect = None
 
-    def show(self, stats: dict, elapsed: float, fraction: float | None = None) -> None:
+    def line(self, stats: dict, elapsed: float) -> tuple[str, float | None]:
+        """The progress line of ``stats`` and the run's fraction done (None: unbounded)."""
         history = stats.get("history", [])
-        total = sum(h[2] for h in history)
-        if total < self._current:
-            self._earlier += self._current
-        self._current = total
-        for h in history:
-            if h[0] > self.printed:
-                self.printed = h[0]
-                print(progress_line(h, self._earlier + total, elapsed, stats.get("live", 0),
-                                    stats.get("preemptions", 0), fraction),
-                      file=self.out, flush=True)
+        step = stats.get("epoch", history[-1][0] if history else 0)
+        rate = window_rate(history)
+        epochs = stats.get("data_epochs")
+        eta = eta_s(self.bounds, step, elapsed, rate, epochs)
+        fraction = None
+        if self.bounds.bounded:
+            parts = [run_fraction(step, elapsed, self.bounds.max_steps,
+                                  self.bounds.max_seconds) or 0.0]
+            if self.bounds.max_epochs and epochs is not None:
+                parts.append(epochs / self.bounds.max_epochs)
+            fraction = min(max(parts), 1.0)
+        return (progress_line(step, rate, last_loss(history), stats.get("live", 0),
+                              stats.get("preemptions", 0), self.bounds, eta), fraction)
+
+    def show(self, stats: dict, elapsed: float) -> None:
+        text, fraction = self.line(stats, elapsed)
+        if self.tty:
+            self._draw(text, fraction)
+            return
+        step = stats.get("epoch", 0)
+        now = self.clock()
+        due = self._last_print is None or now - self._last_print >= self.interval_s
+        if step > self._shown_step and due:
+            self._print(text)
+            self._last_print, self._shown_step = now, step
+
+    def close(self, stats: dict | None = None, elapsed: float | None = None) -> None:
+        """The last state (``stats`` if given), then the bar is closed (its line kept)."""
+        if stats is not None and elapsed is not None:
+            text, fraction = self.line(stats, elapsed)
+            if self.tty:
+                self._draw(text, fraction)
+            elif stats.get("epoch", 0) > self._shown_step or self._last_print is None:
+                self._print(text)
+        _OPEN.discard(self)
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
+
+    def _draw(self, text: str, fraction: float | None) -> None:
+        from tqdm import tqdm
+
+        if self._bar is None:
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            fmt = "{percentage:3.0f}%|{bar:16}| {desc}" if fraction is not None else "{desc}"
+            raw = self.out.raw if isinstance(self.out, ConsoleStream) else self.out
+            self._bar = tqdm(total=1000, file=raw,
+                             bar_format=fmt, dynamic_ncols=True, leave=True)
+            # this driver's log records (moshray's, Ray's) clear and redraw the bar
+            self._redirect = logging_redirect_tqdm(
+                loggers=[logging.root, logging.getLogger("ray")])
+            self._redirect.__enter__()
+            _OPEN.add(self)
+        self._bar.set_description_str(text, refresh=False)
+        if fraction is not None:
+            self._bar.n = int(fraction * 1000)
+        self._bar.refresh()
+
+    def _print(self, text: str) -> None:
+        try:
+            print(text, file=self.out, flush=True)
+        except ValueError:  # the stream is closed (a test's capture, a shut pipe)
+            pass
+
+
+def quiet_ray_logs(internal: frozenset = RAY_INTERNAL_PIDS) -> bool:
+    """Keep the lines Ray forwards from its own processes (``internal``: raylet, GCS
+    server) off this driver's console; the replicas' own output still shows, printed
+    with the progress bar cleared around it. Ray's session log files keep everything.
+    Call after ``ray.init(log_to_driver=True)``; idempotent; returns whether Ray's
+    printer was found (False: Ray's internals changed, nothing is filtered)."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as hub
+    except ImportError:
+        return False
+    with hub._lock:
+        found = [(n, h) for n, h in hub.handlers if n == "ray_print_logs"]
+    if not found:
+        return False
+    name, handler = found[0]
+    if getattr(handler, "moshray_quiet", False):
+        return True
+
+    def filtered(data: dict) -> None:
+        if data.get("pid") in internal:
+            return
+        from tqdm import tqdm
+
+        with tqdm.external_write_mode():
+            handler(data)
+
+    filtered.moshray_quiet = True  # type: ignore[attr-defined]
+    hub.remove_handler(name)
+    hub.add_handler(name, filtered)
+    return True
 
 
 def write_outputs(run_dir: str, history: list, summary: dict, marks: dict) -> str | None:
@@ -134,9 +380,19 @@ def summarize(stats: dict, statuses: list[dict], leaving: set[str], wall_s: floa
     }
 
 
-def done_line(summary: dict) -> str:
-    return (f"done: {summary['steps']} steps, {summary['samples']} samples in "
+def done_line(summary: dict, run_dir: str | None = None) -> str:
+    """The run's end: steps, samples, average samples/s over the whole run, preemptions,
+    the loss (4 significant digits) and, with ``run_dir``, where its outputs are."""
+    line = (f"done: {summary['steps']} steps, {summary['samples']} samples in "
             f"{summary['wall_s']:.1f} s ({summary['samples_per_s']:.1f} samples/s), "
             f"{summary['preemptions']} preemptions survived, loss "
-            f"{summary['initial_loss']} -> {summary['final_loss']}, replicas consistent: "
-            f"{summary['replicas_consistent']}")
+            f"{sig4(summary['initial_loss'])} -> {sig4(summary['final_loss'])}, replicas "
+            f"consistent: {summary['replicas_consistent']}")
+    if run_dir is not None:
+        from pathlib import Path
+
+        where = Path(run_dir).expanduser()
+        plot = summary.get("plot")
+        line += (f"\nrun directory: {where.resolve()} (summary.json"
+                 f"{', ' + Path(plot).name if plot else '; the plot was not written'})")
+    return line

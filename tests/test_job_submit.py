@@ -64,8 +64,9 @@ def test_ray_job_submit_runs_training_to_completion(tmp_path: Path):
     assert "succeeded" in out
     # the replicas' data fetches run in the loop's own thread, not on the actor's event loop
     assert "blocking ray.get" not in out, out[-4000:]
+    # off a terminal: a progress line every 10 s and one for the last step, not one per step
     steps = [line for line in out.splitlines() if line.lstrip().startswith("step ")]
-    assert len(steps) >= 6, out[-4000:]
+    assert 1 <= len(steps) <= 6, out[-4000:]
     summary = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert summary["steps"] >= 6
     assert summary["replicas"] == 2  # one replica per spot node, none on the head

@@ -24,7 +24,19 @@ import socket
 import threading
 from dataclasses import dataclass
 from datetime import datetime, timezone
+import logging
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+log = logging.getLogger(__name__)
+
+
+class _QuietServer(ThreadingHTTPServer):
+    """A client that hangs up mid-request (a node's watcher stopped with its node:
+    ``ConnectionResetError``) is normal here: its traceback goes to this module's logger at
+    DEBUG, not to stderr, where socketserver would print it over the user's console."""
+
+    def handle_error(self, request, client_address) -> None:
+        log.debug("metadata emulator: request from %s failed", client_address, exc_info=True)
 
 
 @dataclass(frozen=True)
@@ -84,10 +96,10 @@ class MetadataServer:
             do_GET = do_PUT = do_POST = do_DELETE = do_PATCH = _dispatch
 
         if listen is None:
-            self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            self.httpd = _QuietServer(("127.0.0.1", 0), Handler)
         else:
-            self.httpd = ThreadingHTTPServer(listen.getsockname(), Handler,
-                                             bind_and_activate=False)
+            self.httpd = _QuietServer(listen.getsockname(), Handler,
+                                      bind_and_activate=False)
             self.httpd.socket.close()
             self.httpd.socket = listen
             self.httpd.server_address = listen.getsockname()

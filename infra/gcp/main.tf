@@ -60,4 +60,5 @@ module "bootstrap" {
   prometheus_config      = file("${path.module}/../prometheus/prometheus.yml")
   ray_port               = local.ray_port
   dashboard_port         = local.dashboard_port
+  prometheus_port        = local.prometheus_port
 }

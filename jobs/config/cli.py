@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from moshray.jobs.config.fields import ConfigError
 from moshray.jobs.config.load import _build
+from moshray.actors.replica.strategies import strategy_names
 from moshray.jobs.config.sections import TrainConfig
 
 
@@ -33,50 +34,84 @@ _FLAG_KEYS = {
     "checkpoint": "checkpoint.uri",
     "metrics_port": "metrics.port",
     "mode": "training.mode",
+    "dashboard": "cluster.dashboard",
     "json": "json",
 }
 
 
+def _default(key: str) -> str:
+    """``key``'s default in the schema, as help text shows it (None: ``unset``)."""
+    value: Any = TrainConfig().to_dict()
+    for part in key.split("."):
+        value = value[part]
+    return "unset" if value is None else str(value)
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config``, repeatable ``--set KEY=VALUE`` and the convenience flags.
+    """Add ``--config``, repeatable ``--set KEY=VALUE`` and the convenience flags, each
+    described with the setting it stands for and that setting's default.
 
     Flag values stay strings here and are parsed by :func:`config_from_args`,
     so a bad value is reported as a :class:`ConfigError` naming the field
     (not as an argparse usage error).
     """
+    def key_help(key: str, text: str) -> str:
+        return f"{key}: {text} (default: {_default(key)})"
+
     group = parser.add_argument_group("configuration (file < --set < flags)")
-    group.add_argument("--config", metavar="FILE", help="TOML or JSON config file")
+    group.add_argument("--config", metavar="FILE",
+                       help="TOML or JSON config file (default: none, the built-in defaults)")
     group.add_argument(
         "--set",
         metavar="KEY=VALUE",
         action="append",
         default=None,
-        help="override one setting, e.g. --set training.lr=1e-3 (repeatable)",
+        help="override one setting, e.g. --set training.lr=1e-3 (repeatable; the README's "
+             "settings table lists every key)",
     )
-    group.add_argument("--local-nodes", metavar="N", help="cluster.local_nodes")
+    group.add_argument("--local-nodes", metavar="N",
+                       help=key_help("cluster.local_nodes",
+                                     "embedded cluster's spot nodes when no trace is replayed"))
     group.add_argument(
-        "--trace", metavar="FILE", help="cluster.trace: spot-availability trace to replay"
+        "--trace", metavar="FILE|NAME|off",
+        help="cluster.trace: spot-availability trace the embedded cluster replays: a CSV "
+             "file, a shipped trace's name, or off (nodes never go) (default: the shipped "
+             "AWS trace on the embedded cluster; none on a cluster address)",
     )
-    group.add_argument(
-        "--time-scale", metavar="X", help="cluster.time_scale: trace seconds per wall second"
-    )
-    group.add_argument("--max-nodes", metavar="N", help="cluster.max_nodes")
-    group.add_argument("--max-steps", metavar="N", help="training.max_steps")
-    group.add_argument("--max-seconds", metavar="S", help="training.max_seconds")
+    group.add_argument("--time-scale", metavar="X",
+                       help=key_help("cluster.time_scale", "trace seconds per wall second"))
+    group.add_argument("--max-nodes", metavar="N",
+                       help=key_help("cluster.max_nodes", "spot nodes asked for and trained on"))
+    group.add_argument("--max-steps", metavar="N",
+                       help=key_help("training.max_steps", "stop after N global steps"))
+    group.add_argument("--max-seconds", metavar="S",
+                       help=key_help("training.max_seconds", "stop after S wall seconds"))
     group.add_argument(
         "--data", metavar="URI", action="append", default=None,
-        help="data.paths: file, directory, s3:// or gs:// URI (repeatable)",
+        help="data.paths: file, directory, s3:// or gs:// URI (repeatable) (default: the "
+             "built-in corpus)",
     )
     group.add_argument(
-        "--checkpoint", metavar="URI", help="checkpoint.uri: local dir, s3:// or gs://"
+        "--checkpoint", metavar="URI",
+        help=key_help("checkpoint.uri", "where checkpoints go: local dir, s3:// or gs://"),
     )
-    group.add_argument("--metrics-port", metavar="PORT", help="metrics.port")
-    group.add_argument("--mode", metavar="MODE", help="training.mode: collaborative or local_sgd")
-    group.add_argument("--json", action="store_true", default=None, help="JSON-lines output")
+    group.add_argument("--metrics-port", metavar="PORT",
+                       help=key_help("metrics.port", "the Prometheus exporter's port on the "
+                                     "head (0: any free port)"))
+    group.add_argument("--mode", metavar="MODE",
+                       help=key_help("training.mode", ", ".join(strategy_names())
+                                     + " or auto (picked from the measured links)"))
+    group.add_argument("--dashboard", action="store_true", default=None,
+                       help="cluster.dashboard: the embedded cluster starts Ray's dashboard "
+                            "on 127.0.0.1 and prints its URL (default: off)")
+    group.add_argument("--json", action="store_true", default=None,
+                       help="JSON-lines output; the last line on stdout is the summary "
+                            "(default: off)")
     group.add_argument(
         "--moe", action="store_true", default=None,
         help="Decentralized Mixture-of-Experts layers (model.moe_layers, default every other "
-             "block; model.moe_grid, model.moe_k) served by expert actors on the spot nodes",
+             "block; model.moe_grid, model.moe_k) served by expert actors on the spot nodes "
+             "(default: off)",
     )
 
 
@@ -107,7 +142,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             continue
         if dest == "data":
             overrides.append((key, tuple(value), False))  # already a list: no comma splitting
-        elif dest == "json":
+        elif dest in ("json", "dashboard"):
             overrides.append((key, bool(value), False))
         else:
             overrides.append((key, value, True))

@@ -149,6 +149,17 @@ def free_ports(n: int) -> list[int]:
             sock.close()
 
 
+def _port_or_free(host: str, port: int) -> int:
+    """``port`` if it can be bound on ``host`` now, else a port the OS finds free there."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+            return port
+        except OSError:
+            sock.bind((host, 0))
+            return sock.getsockname()[1]
+
+
 def pin_loopback() -> None:
     """Make Ray bind to 127.0.0.1 only (call before Ray starts any process).
 
@@ -276,10 +287,10 @@ class LocalCluster:
         )
         if self.net is None:  # separate hosts keep Ray's own health-check periods
             head_args["_system_config"] = SYSTEM_CONFIG
-        if config.dashboard:
+        if config.dashboard:  # on the head's address only (127.0.0.1 in the loopback mode)
             head_args["dashboard_host"] = ip
-            if config.dashboard_port:
-                head_args["dashboard_port"] = config.dashboard_port
+            # Ray's usual 8265 unless another cluster on this machine holds it
+            head_args["dashboard_port"] = config.dashboard_port or _port_or_free(ip, 8265)
         self.nodes: dict[int, object] = {}
         self.metadata: dict[int, object] = {}  # slot -> its IMDSv2 emulator
         self._homes = tempfile.mkdtemp(prefix="moshray-nodes-")
@@ -303,6 +314,7 @@ class LocalCluster:
 
     @property
     def dashboard_url(self) -> str | None:
+        """``http://host:port`` of Ray's dashboard (``dashboard=True``), else None."""
         url = getattr(self.cluster, "webui_url", None)
         return f"http://{url}" if url else None
 
@@ -310,7 +322,7 @@ class LocalCluster:
         import ray
 
         ray.init(address=self.address, namespace=namespace, ignore_reinit_error=True,
-                 log_to_driver=log_to_driver)
+                 log_to_driver=log_to_driver, logging_level=logging.WARNING)
 
     def add_node(self, slot: int | None = None) -> int:
         """Start a spot raylet for ``slot`` (next free slot if None); returns the slot."""

@@ -107,6 +107,24 @@ variable "dashboard_port" {
   type        = number
 }
 
+variable "prometheus_port" {
+  description = "Port of Prometheus on the head (RAY_PROMETHEUS_HOST of Ray's dashboard)."
+  type        = number
+  default     = 9090
+}
+
+variable "grafana_host" {
+  description = "Grafana as the head reaches it (RAY_GRAFANA_HOST: Ray's dashboard checks it for its Metrics tab), e.g. Grafana on the head or an SSH reverse tunnel to yours."
+  type        = string
+  default     = "http://127.0.0.1:3000"
+}
+
+variable "grafana_iframe_host" {
+  description = "Grafana as your browser reaches it (RAY_GRAFANA_IFRAME_HOST: the Metrics tab embeds its panels from there)."
+  type        = string
+  default     = "http://localhost:3000"
+}
+
 variable "checkpoint_uri" {
   description = "Durable checkpoint location of the cluster's jobs (MOSHRAY_CHECKPOINT_URI on the head): a job without checkpoint.uri checkpoints there and a resubmitted job resumes from it."
   type        = string

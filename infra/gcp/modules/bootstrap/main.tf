@@ -155,11 +155,14 @@ locals {
     pool_tag           = local.label_keys.pool
   }))
   head_startup_script = templatefile("${path.module}/templates/head.sh.tftpl", merge(local.env, {
-    checkpoint_uri    = var.checkpoint_uri
-    head_private_ip   = var.head_private_ip
-    ray_port          = var.ray_port
-    dashboard_port    = var.dashboard_port
-    autoscaler_config = yamlencode(local.autoscaler_config)
-    prometheus_config = var.prometheus_config
+    checkpoint_uri      = var.checkpoint_uri
+    head_private_ip     = var.head_private_ip
+    ray_port            = var.ray_port
+    dashboard_port      = var.dashboard_port
+    autoscaler_config   = yamlencode(local.autoscaler_config)
+    prometheus_config   = var.prometheus_config
+    prometheus_port     = var.prometheus_port
+    grafana_host        = var.grafana_host
+    grafana_iframe_host = var.grafana_iframe_host
   }))
 }

@@ -8,20 +8,30 @@ elastic controller (``jobs/controller/elastic.py``) then keeps one replica on ev
 has, up to ``cluster.max_nodes``, asks Ray's autoscaler for capacity, and waits (bounded by
 ``cluster.wait_for_nodes_s``) while there is none.
 
-The driver prints one progress line per global step, checkpoints every N steps through a
-training replica, stops the replicas at ``max_steps`` / ``max_seconds`` and prints a summary
-(the last line is JSON with ``--json``); it writes ``summary.json`` and ``training.png`` into
-``run_dir``. Replicas train and average on their own through the Coordinator, which serves
-Prometheus metrics on ``metrics.port``. With ``model.moe_layers`` (``--moe``) an
-ExpertSupervisor keeps the DMoE experts served on the worker nodes.
+The driver shows the run's progress (``jobs/run_report.py``: one line redrawn in place on a
+terminal, else a line every 10 s; Ray's own processes' lines kept off it), checkpoints
+every N steps through a training replica, stops the replicas at ``max_steps`` /
+``max_seconds`` and prints a summary (the last line is JSON with ``--json``); it writes
+``summary.json`` and ``training.png`` into ``run_dir`` and names them on its end line. An
+address that no cluster answers (or a job-submission ``http://`` address) is refused
+within seconds (``jobs/ray_address.py``). Replicas train and average on their own through
+the Coordinator, which serves Prometheus metrics on ``metrics.port``. With
+``model.moe_layers`` (``--moe``) an ExpertSupervisor keeps the DMoE experts served on the
+worker nodes.
 
 Nodes are separate machines: the built-in corpus reaches replicas through the object store,
 user data as URIs each replica opens itself. Durability follows the cluster
 (``durability.py``): once the job has seen a second machine, a node-local or missing
 ``checkpoint.uri`` switches to the cluster's durable location (``MOSHRAY_CHECKPOINT_URI``) or
 the job stops with one line, as it does for a node-local data path. Every exit path
-(success, error, SIGTERM from ``ray job stop``, Ctrl-C) withdraws the job's capacity request
-and stops the watchers it started; an error also kills the replicas.
+(success, error, SIGTERM from ``ray job stop``, Ctrl-C) withdraws the job's capacity request,
+stops the watchers it started and removes the replicas. A replica whose loop raises is
+retried up to ``training.max_failures`` times (``jobs/controller/reconcile.py`` rule 6);
+then the job fails with that error (``moshray train`` prints it and exits with status 4).
+The replicas, the Coordinator and the job's state outlive a driver that dies without
+running its exit path (SIGKILL, a crash): the same job submitted again adopts them, and
+they stop by themselves after ``cluster.driver_lease_s`` without a driver
+(``jobs/controller/lease.py``).
 """
 
 from __future__ import annotations
@@ -43,11 +53,16 @@ from moshray.jobs.config import (
     config_from_args,
     exit_on_config_error,
 )
-from moshray.jobs.controller.driver_calls import call_with_retries, checkpoint_through_replica, final_state
+from moshray.jobs.controller.driver_calls import (
+    call_with_retries,
+    checkpoint_through_replica,
+    final_state,
+)
 from moshray.jobs.controller.durability import CHECKPOINT_ENV, DurabilityGuard
 
 log = logging.getLogger("moshray.train")
 POLL_S = 0.5
+CLAIM_WAIT_S = 30.0  # how long a new driver waits for the same job's old one to be dead
 # Set by SIGTERM (`ray job stop`, a scheduler, a test): the run stops as at its time limit,
 # with a checkpoint and a summary, instead of dying mid-step.
 STOP = threading.Event()
@@ -57,7 +72,8 @@ STOP = threading.Event()
 StopWhen = Callable[[dict], bool]
 
 
-def run(config: TrainConfig, job=None, stop_when: StopWhen | None = None) -> dict:
+def run(config: TrainConfig, job=None, stop_when: StopWhen | None = None,
+        on_report=None) -> dict:
     """Train ``job`` (``actors.replica.Job``: the user's loop and data; None: the built-in
     LM) on the cluster at ``cluster.address`` / ``RAY_ADDRESS``, else on the embedded local
     cluster (started and stopped here); returns the run's summary. ``stop_when`` (optional)
@@ -66,10 +82,11 @@ def run(config: TrainConfig, job=None, stop_when: StopWhen | None = None) -> dic
     cleanly."""
     address = config.cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
-        return run_job(config, address, job, stop_when)
+        return run_job(config, address, job, stop_when, on_report)
     from moshray.jobs.local.cloud import run_embedded
 
-    return run_embedded(config, lambda addr: run_job(config, addr, job, stop_when))
+    return run_embedded(config, lambda addr: run_job(config, addr, job, stop_when,
+                                                     on_report))
 
 
 def stop_on_sigterm() -> None:
@@ -80,35 +97,48 @@ def stop_on_sigterm() -> None:
 
 
 def run_job(config: TrainConfig, address: str, job=None,
-            stop_when: StopWhen | None = None) -> dict:
+            stop_when: StopWhen | None = None, on_report=None) -> dict:
     """The job's driver on the cluster at ``address``: the same on every cluster. ``job``
     may be a callable of the connected driver returning the ``Job`` (data sources that
     need Ray, such as a Ray Dataset's blocks, are made there)."""
     import ray
 
-    from moshray.actors.replica.checkpoint import CheckpointStore
+    from moshray.actors.replica.checkpoint import job_run_id, resume_point
     from moshray.jobs.examples.lm.corpus import resolve_data, ship_files
     from moshray.jobs.controller.elastic import ElasticController
-    from moshray.jobs.controller.replica_launch import ReplicaSpec
+    import dataclasses
 
-    out = sys.stderr if config.json else sys.stdout
+    from moshray.jobs.controller.replica_launch import ReplicaSpec, adopted_job_key
+
+    from moshray.jobs import run_report
+
+    # The console: lines printed while the progress bar is up clear and redraw it.
+    out = run_report.ConsoleStream(sys.stderr if config.json else sys.stdout)
     owned = not ray.is_initialized()  # a caller's own connection stays up after the job
     if owned:
+        from moshray.jobs.ray_address import check_address
+
+        # seconds, not minutes of Ray's GCS retries, for an address where nothing answers
+        check_address(address, "cluster.address" if config.cluster.address else "RAY_ADDRESS")
         if address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
             # A loopback cluster (tests, one machine): stay on loopback; Ray would otherwise
             # swap 127.0.0.1 for this machine's network address.
             from moshray.jobs.local.cluster import pin_loopback
 
             pin_loopback()
-        ray.init(address=address, namespace="moshray", log_to_driver=True)
+        # Ray's own INFO lines (connecting, connected) stay off the console
+        ray.init(address=address, namespace="moshray", log_to_driver=True,
+                 logging_level=logging.WARNING)
         stop_on_sigterm()
-    controller = coordinator = experts = None
+    run_report.quiet_ray_logs()  # raylet / GCS lines stay in Ray's log files
+    controller = coordinator = experts = lease = None
     try:
         # Durability follows the machines seen: decided now, again as new ones appear.
         guard = DurabilityGuard(config, os.environ.get(CHECKPOINT_ENV), out)
         config = guard.update(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
         if callable(job) and not hasattr(job, "loop"):
             job = job()
+        builtin = job is None  # the built-in LM: its model is the config's
         if job is None:
             import moshray.jobs.examples.lm.example as lm
             if config.data.paths:
@@ -118,30 +148,47 @@ def run_job(config: TrainConfig, address: str, job=None,
             job = lm.job(config, files)
         else:
             config = guard.add_data(getattr(getattr(job, "data", None), "uris", ()))
+        if config.training.mode == "auto":  # measured on the spot nodes; one line printed
+            from moshray.jobs.controller.mode_probe import resolve_auto
+
+            config = resolve_auto(config, builtin, out)
         init_state_ref = None
         if config.checkpoint.uri:
-            found = CheckpointStore(config.checkpoint.uri).load_latest()
+            c = config.checkpoint
+            found = resume_point(c.uri, job_run_id(c, config.run_dir), c.resume_from,
+                                 config.to_dict())
             if found is not None:
-                step, state = found
-                print(f"resuming from checkpoint at step {step}", file=out, flush=True)
+                step, state, where = found
+                print(f"resuming from checkpoint at step {step} ({where})", file=out,
+                      flush=True)
                 init_state_ref = [ray.put(state)]
-        coordinator = _fresh_coordinator(config)
+        coordinator, lease, record, adopting = _claim_cluster(config, out)
         address_shown = ray.get(coordinator.metrics_address.remote(), timeout=30)
         if address_shown:
             print(f"metrics: http://{address_shown}/metrics", file=out, flush=True)
         experts = _start_experts(config, coordinator) if config.model.moe else None
-        spec = ReplicaSpec(config.to_dict(), job, coordinator, init_state_ref)
-        controller = ElasticController(config, spec, experts, out)
-        summary = _supervise(config, controller, out, stop_when, guard)
+        spec = ReplicaSpec(config.to_dict(), job, coordinator, init_state_ref,
+                           run_id=record.run_id)
+        controller = ElasticController(config, spec, experts, out, lease=lease)
+        if adopting:
+            adopted = controller.adopt(record)
+            # new replicas must sign with the running swarm's key (collective/auth.py)
+            key = adopted_job_key(controller.runs[r][0] for r in adopted)
+            if key is not None:
+                controller.spec = dataclasses.replace(spec, job_key=key)
+            print(f"adopting the running swarm of run {record.run_id}: {len(adopted)} "
+                  f"replicas", file=out, flush=True)
+        summary = _supervise(config, controller, out, stop_when, guard, on_report)
         if experts is not None:
             summary["experts"] = _stop_experts(experts)
             experts = None
         return summary
     except BaseException:  # an error, Ctrl-C: nothing of this job is left running
+        run_report.close_open_consoles()  # the error's lines start below the progress bar
         _leave_nothing_running(controller, experts)
         raise
     finally:
-        _end_job(controller, coordinator)
+        _end_job(controller, coordinator, lease)
         if owned:
             ray.shutdown()
 
@@ -160,20 +207,80 @@ def _leave_nothing_running(controller, experts) -> None:
             log.warning("expert set not killed: %r", exc)
 
 
-def _end_job(controller, coordinator) -> None:
-    """Every exit path (success, error, ``ray job stop``'s SIGTERM, Ctrl-C): withdraw the
-    job's capacity request, stop the watchers it started (a node's own keep running),
-    remove its Coordinator. Each failure is logged, never raised."""
+def _end_job(controller, coordinator, lease=None) -> None:
+    """Every exit path (success, error, ``ray job stop``'s SIGTERM, Ctrl-C): remove the
+    replicas (detached: they would outlive the driver), withdraw the job's capacity request,
+    stop the watchers it started (a node's own keep running), remove its Coordinator, and
+    release and remove the job's lease. Each failure is logged, never raised. (Only a
+    driver that dies without running this leaves the swarm to its lease.)"""
     import ray
 
     if controller is not None:
+        controller.stop_replicas()
         controller.release_capacity()
         controller.stop_watchers()
     if coordinator is not None:
+        from moshray.cluster.coordinator.actor import remove
+
         try:
-            ray.kill(coordinator)
+            remove(coordinator)  # its state in the GCS too
         except ray.exceptions.RayError as exc:
             log.warning("Coordinator not removed: %r", exc)
+    if lease is not None:
+        try:
+            ray.get(lease.release.remote(), timeout=30)
+            ray.kill(lease, no_restart=True)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            log.warning("job lease not released: %r", exc)
+
+
+def _claim_cluster(config: TrainConfig, out):
+    """The Coordinator and the job's lease (``jobs/controller/lease.py``) for this driver:
+    ``(coordinator, lease, record, adopting)``. The running swarm of the same job whose
+    driver is gone is adopted (its Coordinator and replicas go on); any other is ended
+    first (one training job per cluster), and a fresh Coordinator and run id are made."""
+    import uuid
+    from dataclasses import replace
+
+    import ray
+
+    from moshray.cluster import placement
+    from moshray.jobs.controller import lease as leases
+
+    me = leases.current_job()
+    lease = leases.get_or_create()
+    record, holder_alive = ray.get(lease.get.remote(), timeout=60)
+    fingerprint = leases.fingerprint(config.to_dict())
+    if holder_alive and record.holder != me and record.fingerprint == fingerprint:
+        # The same job's driver, maybe just killed: Ray declares a dead driver within
+        # seconds; wait for that (bounded) rather than replace a swarm we could adopt.
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        while holder_alive and time.monotonic() < deadline:
+            time.sleep(1.0)
+            holder_alive = leases.job_alive(record.holder)
+    claim = leases.decide_claim(record, me, fingerprint, holder_alive)
+    if isinstance(claim, leases.Adopt):
+        try:
+            coordinator = ray.get_actor(placement.COORDINATOR_NAME,
+                                        namespace=placement.NAMESPACE)
+            ray.get(coordinator.metrics_address.remote(), timeout=60)
+        except (ValueError, ray.exceptions.RayError, TimeoutError) as exc:
+            claim = leases.Replace(f"its Coordinator is gone ({type(exc).__name__})")
+        else:
+            record = replace(claim.record, holder=me, stopping=False,
+                             lease_s=config.cluster.driver_lease_s)
+            ray.get(lease.take.remote(record), timeout=60)
+            return coordinator, lease, record, True
+    if isinstance(claim, leases.Replace):
+        print(f"ending the job that holds this cluster: {claim.reason}", file=out, flush=True)
+        ray.get(lease.end.remote(claim.reason), timeout=240)
+    coordinator = _fresh_coordinator(config)
+    record = leases.JobRecord(
+        run_id=uuid.uuid4().hex[:8], fingerprint=leases.fingerprint(config.to_dict()),
+        holder=me, lease_s=config.cluster.driver_lease_s,
+        checkpoint_uri=config.checkpoint.uri)
+    ray.get(lease.take.remote(record), timeout=60)
+    return coordinator, lease, record, False
 
 
 def _fresh_coordinator(config: TrainConfig):
@@ -202,6 +309,7 @@ def _fresh_coordinator(config: TrainConfig):
             except ValueError:
                 break
             time.sleep(0.1)
+        coordinator_mod.forget_saved_states(placement.COORDINATOR_NAME)  # its saved state
     # The exporter listens on the head node's loopback: Prometheus runs there too.
     coordinator = coordinator_mod.get_or_create(
         MembershipConfig(compression=t.wire_codec, peer_ttl_s=max(3.0, t.round_timeout_s),
@@ -255,36 +363,70 @@ def _stop_experts(experts) -> dict:
 def read_stats(fetch, last: dict) -> dict:
     """The Coordinator's stats with its whole step history; ``fetch(since)`` is its
     ``stats(since)`` and ``last`` the previous answer. Only the rows after those held are
-    fetched from the same Coordinator; a restarted one (a new ``incarnation``) is read from
-    its first row, as its history starts over."""
+    fetched from the same Coordinator; after a restart (``restarts``) or from a new one (a
+    new ``incarnation``: the state was lost, the history started over) its history is read
+    from its first row, and the rows held of the steps before its first are kept in front
+    (``history_kept`` of them): no row is ever dropped; kept rows' times are on the earlier
+    Coordinator's clock. A restart that restored the state keeps every row itself."""
     held = last["history"] if last.get("incarnation") else []
-    stats = fetch(len(held))
-    if stats["incarnation"] != last.get("incarnation"):
-        if held:  # another Coordinator than the rows held: read its history from the start
-            stats = fetch(0)
+    kept = last.get("history_kept", 0) if held else 0
+    stats = fetch(len(held) - kept)
+    if stats["incarnation"] == last.get("incarnation") and \
+            stats.get("restarts") == last.get("restarts"):
+        stats["history"] = held + stats["history"]
+        stats["history_kept"] = kept
         return stats
-    stats["history"] = held + stats["history"]
+    # Another Coordinator than the rows held, or a restarted one (its newest rows may differ
+    # from those held: a plan nobody applied was made again): its whole history is read.
+    if held:
+        stats = fetch(0)
+        first = stats["history"][0][0] if stats["history"] else float("inf")
+        before = [h for h in held if h[0] < first]
+        stats["history"] = before + stats["history"]
+        stats["history_kept"] = len(before)
     return stats
 
 
+def data_epochs(stats: dict, num_shards: int | None) -> float | None:
+    """Passes over the data handed out so far (the Coordinator's ``data_position`` over the
+    source's ``num_shards``; ``training.max_epochs`` counts these); None if unknown."""
+    position = stats.get("data_position")
+    if position is None or not num_shards:
+        return None
+    return position / num_shards
+
+
 def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None = None,
-               guard: DurabilityGuard | None = None) -> dict:
-    """Run the controller until ``max_steps`` / ``max_seconds`` / ``STOP`` / ``stop_when``;
-    then withdraw the capacity request at once (``ray job stop`` kills the driver a few
-    seconds after its SIGTERM), stop the replicas and summarize. Each tick ``guard`` (if
+               guard: DurabilityGuard | None = None, on_report=None) -> dict:
+    """Run the controller until ``max_steps`` / ``max_seconds`` / ``max_epochs`` /
+    ``STOP`` / ``stop_when``; then withdraw the capacity request at once (``ray job stop``
+    kills the driver a few seconds after its SIGTERM), stop the replicas and summarize. Each tick ``guard`` (if
     given) sees the machines the controller saw: checkpoints may switch to the cluster's
-    durable location, or its ``ConfigError`` / ``UserError`` ends the run."""
+    durable location, or its ``ConfigError`` / ``UserError`` ends the run. What the
+    loops report (``Session.report``) is read every tick (``jobs/reported.py``: TensorBoard
+    files in ``run_dir``, ``on_report``, the summary's ``reported``)."""
     import ray
 
     from moshray.jobs import run_report
+    from moshray.jobs.reported import ReportedLog
 
     t = config.training
     coordinator = controller.coordinator
     started = time.monotonic()
-    console = run_report.Console(out)
-    last_ckpt = 0
+    console = run_report.Console(out, run_report.Bounds(t.max_steps, t.max_seconds,
+                                                        getattr(t, "max_epochs", None)))
+    last_ckpt = controller.last_checkpoint  # an adopted swarm's newest checkpoint
     committed = 0  # the newest step seen applied, across Coordinator restarts
     stats: dict = {"history": [], "epoch": 0}
+    reported = ReportedLog(config.run_dir, on_report)
+    num_shards = getattr(getattr(controller.spec.job, "data", None), "num_shards", None)
+
+    def read_reported() -> None:
+        try:
+            reported.poll(lambda since: ray.get(coordinator.reported.remote(since), timeout=30))
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            log.warning("reported metrics not read (%s)", type(exc).__name__)
+
     while True:
         controller.step()
         if guard is not None:
@@ -297,18 +439,25 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
         if stats.get("committed", committed) < committed:  # a restarted Coordinator:
             coordinator.note_committed.remote(committed)  # a fall back below is a rollback
         committed = max(committed, stats.get("committed", 0))
+        stats["data_epochs"] = data_epochs(stats, num_shards)
+        read_reported()
         elapsed = time.monotonic() - started
-        fraction = run_report.run_fraction(stats["epoch"], elapsed, t.max_steps, t.max_seconds)
-        console.show(stats, elapsed, fraction)
+        console.show(stats, elapsed)
         epoch = stats["epoch"]
         if config.checkpoint.uri and epoch - last_ckpt >= config.checkpoint.every_steps:
-            checkpoint_through_replica(config.checkpoint.uri, controller)
-            last_ckpt = epoch
+            saved = checkpoint_through_replica(config.checkpoint.uri, controller)
+            if saved.tried:  # a failure counts toward training.max_checkpoint_failures
+                controller.checkpoint_saved(not saved.failed)
+            last_ckpt = controller.last_checkpoint = epoch
         if (t.max_steps is not None and epoch >= t.max_steps) or \
                 (t.max_seconds is not None and elapsed >= t.max_seconds) or STOP.is_set() \
+                or (t.max_epochs is not None and stats["data_epochs"] is not None
+                    and stats["data_epochs"] >= t.max_epochs) \
                 or (stop_when is not None and stop_when(stats)):
             break
         STOP.wait(POLL_S)
+    if STOP.is_set():  # `ray job stop`: SIGKILL follows in seconds (RAY_JOB_STOP_WAIT_TIME_S)
+        _stopping(config, controller, epoch > last_ckpt)
     controller.release_capacity()
     call_with_retries(coordinator.request_stop, "stop the replicas")
     statuses = []
@@ -321,11 +470,22 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
                         cause[0][:300])
     wall = time.monotonic() - started
     if config.checkpoint.uri:
-        checkpoint_through_replica(config.checkpoint.uri, controller)
-    stats = call_with_retries(coordinator.stats, "read the final stats") or stats
-    console.show(stats, wall, 1.0 if (t.max_steps or t.max_seconds) else None)  # the last ones
+        saved = checkpoint_through_replica(config.checkpoint.uri, controller)
+        if saved.tried:
+            controller.checkpoint_saved(not saved.failed)
+    final = call_with_retries(coordinator.stats, "read the final stats")
+    if final is not None:  # the rows held are kept as every poll keeps them (read_stats)
+        stats = read_stats(lambda since: {**final, "history": final["history"][since:]}, stats)
+    stats["data_epochs"] = data_epochs(stats, num_shards)
+    read_reported()
+    reported.close()
+    console.close(stats, wall)  # the last step's line
     summary = run_report.summarize(stats, statuses, controller.leaving(), wall,
                                    controller.hard_losses)
+    summary["preemptions"] = controller.preemptions  # the driver counts its node losses
+    summary["reported"] = reported.summary()  # the loops' own metrics: last value, step
+    summary["data_epochs"] = stats["data_epochs"]
+    summary["tensorboard"] = reported.tensorboard_dir
     try:  # where a replica's time went per step, at the swarm's largest
         summary["step_profile"] = ray.get(coordinator.step_profile.remote(
             run_report.full_size_epoch(stats["history"])), timeout=30)
@@ -336,14 +496,34 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
     summary["replica_lifecycle"] = controller.states()
     summary["replica_timelines"] = controller.timelines()
     summary["nodes_joined"] = len(controller.joined_at)
+    summary["replica_failures"] = len(controller.job_failures)  # loops that raised
+    summary["checkpoint_failures"] = controller.checkpoint_failures_total
     summary["prices"] = controller.prices()  # what the worker nodes cost, and whence
     summary["plot"] = run_report.write_outputs(
         config.run_dir, stats["history"], summary,
         {"preemptions": controller.lost_at, "joins": controller.joined_at})
-    print(run_report.done_line(summary), file=out, flush=True)
+    print(run_report.done_line(summary, config.run_dir), file=out, flush=True)
     if controller.spec.job.return_state:  # for moshray.fit's Result (not printed)
         summary["final_state"], summary["statuses"] = state, statuses
     return summary
+
+
+def _stopping(config: TrainConfig, controller, checkpoint: bool) -> None:
+    """The first things a stopped driver does, before its grace period runs out: tell the
+    lease (should the driver now be killed, the lease ends the swarm at once, with a final
+    checkpoint) and, if ``checkpoint`` (steps since the last one), write the checkpoint
+    before waiting for any replica to finish."""
+    import ray
+
+    if controller.lease is not None:
+        try:
+            ray.get(controller.lease.stopping.remote(), timeout=2)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            log.warning("lease not told of the stop: %r", exc)
+    if config.checkpoint.uri and checkpoint:
+        saved = checkpoint_through_replica(config.checkpoint.uri, controller, timeout_s=10)
+        if saved.tried:
+            controller.checkpoint_saved(not saved.failed)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -366,18 +546,40 @@ def with_default_trace(config: TrainConfig) -> TrainConfig:
     return config
 
 
+def check_trace(config: TrainConfig) -> None:
+    """Read ``cluster.trace`` (if set) before any cluster starts: a missing, unreadable or
+    malformed trace is a ``ConfigError`` with one line naming the file (and line)."""
+    if config.cluster.trace is None:
+        return
+    from moshray.autoscaler.traces import load_trace
+    from moshray.autoscaler.traces.parse import TraceError
+
+    try:
+        load_trace(config.cluster.trace)
+    except (TraceError, OSError) as exc:
+        raise ConfigError("cluster.trace", str(exc).strip().splitlines()[0] if str(exc)
+                          else type(exc).__name__) from None
+
+
 @exit_on_config_error
 def main(args: argparse.Namespace) -> int:
-    from moshray.jobs.controller.elastic import NoCapacityError
+    from moshray.jobs.controller.elastic import JobFailed, NoCapacityError
 
     config = with_default_trace(config_from_args(args))
+    check_trace(config)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ray").setLevel(logging.WARNING)  # Ray's INFO lines: not the user's
     stop_on_sigterm()
     try:
         summary = run(config)
     except NoCapacityError as exc:
         print(f"moshray: {exc}", file=sys.stderr)
         return 3
+    except JobFailed as exc:  # the user's exception with its remote traceback, then why
+        if exc.error is not None:
+            print(str(exc.error).rstrip(), file=sys.stderr)
+        print(f"moshray: the job failed: {exc.reason}", file=sys.stderr)
+        return 4
     if config.json:
         print(json.dumps(summary))
     return 0

@@ -168,3 +168,44 @@ def test_ray_job_stop_sigterm_withdraws_the_request(local_cluster, tmp_path: Pat
             proc.communicate(timeout=30)
     assert proc.returncode == 0, out[-3000:]
     _nothing_left(before)
+
+
+def loop_with_a_bug(session):
+    """Trains a few batches, then raises what a user's data bug raises."""
+    model = torch.nn.Linear(2, 1)
+    opt = session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    for i, (x, y) in enumerate(session.batches()):
+        if i == 3:
+            raise KeyError("no column 'label' in this batch")
+        opt.step(torch.nn.functional.mse_loss(model(x), y))
+
+
+def _replica_actors_alive() -> list:
+    """The job's replicas still standing (detached named actors, jobs/controller/lease.py),
+    and its lease."""
+    from moshray.jobs.controller.lease import LEASE_NAME, REPLICA_PREFIX
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(REPLICA_PREFIX) or a["name"] == LEASE_NAME]
+
+
+@pytest.mark.timeout(300)
+def test_a_loop_that_raises_ends_fit_with_its_error_and_leaves_nothing(local_cluster,
+                                                                       tmp_path: Path):
+    """Issue 44: the user's KeyError (not a UserError) is not retried forever: the same error
+    from two nodes ends the job; ``fit`` raises it with the replica's traceback, and nothing
+    is left requested or running."""
+    from moshray.actors.replica.data_sources import from_fn
+    from moshray.jobs.fit import fit
+
+    before = _watched(local_cluster)
+    with pytest.raises(KeyError, match="no column 'label' in this batch") as info:
+        fit(loop_with_a_bug, from_fn(pairs, num_shards=4),
+            config={"training": {"target_batch_size": 8, "round_timeout_s": 5.0}},
+            address=local_cluster.address, max_nodes=MAX_NODES, metrics_port=0,
+            max_seconds=240, run_dir=str(tmp_path / "run"))
+    text = str(info.value)
+    assert "in loop_with_a_bug" in text and "raise KeyError" in text  # the replica's traceback
+    assert any("the same error on 2 nodes" in note for note in info.value.__notes__)
+    _nothing_left(before)
+    _wait(lambda: not _replica_actors_alive(), 30, "the replicas to be removed")

@@ -9,15 +9,18 @@ from moshray.jobs.controller.observations import (
     Memory,
     NodeView,
     Observation,
+    ReplicaError,
     ReplicaView,
     RunOutcome,
     node_view,
 )
 from moshray.jobs.controller.reconcile import (
+    FailJob,
     NodeFailure,
     NodeJoined,
     NodeLost,
     Policy,
+    ReplicaFailed,
     RequestCapacity,
     SetState,
     StartReplica,
@@ -54,13 +57,16 @@ class World:
         self.requested: int | None = None
         self.count = 0
         self.lost: list[NodeLost] = []
+        self.job_failures: list[tuple[str, str, ReplicaError]] = []
+        self.checkpoint_failures = 0
 
     def memory(self) -> Memory:
         return Memory(
             tuple((r.replica_id, r.node_id, r.state.value, r.num_gpus)
                   for r in self.records.values() if not r.state.terminal),
             tuple(self.known.items()), dict(self.failures), self.requested,
-            {r.replica_id: r.started_at_s for r in self.records.values()})
+            {r.replica_id: r.started_at_s for r in self.records.values()},
+            tuple(self.job_failures), self.checkpoint_failures)
 
     def tick(self, now: float, nodes, views=(), noticed=()):
         obs = Observation(now, tuple(nodes), tuple(views), frozenset(noticed))
@@ -82,6 +88,8 @@ class World:
                 self.failures[a.node_id] = (c + 1, now)
             elif isinstance(a, RequestCapacity):
                 self.requested = a.nodes
+            elif isinstance(a, ReplicaFailed):
+                self.job_failures.append((a.replica_id, a.node_id, a.error))
         return d
 
     def on(self, node_id: str, states=(S.STARTING, S.SYNCING, S.TRAINING)) -> list[str]:
@@ -324,3 +332,75 @@ def test_replica_dead_on_a_node_ray_still_lists_backs_off_before_a_replacement()
     assert d.of(NodeFailure) == (NodeFailure("a"),) and d.of(StartReplica) == ()
     assert w.tick(10.0, [node("a")]).of(StartReplica) == ()  # still backing off
     assert len(w.tick(17.0, [node("a")]).of(StartReplica)) == 1
+
+
+# -- rule 6: the failure policy -----------------------------------------------------------------
+
+
+def raised(rid: str, message: str, kind: str = "KeyError") -> ReplicaView:
+    return ReplicaView(rid, outcome=RunOutcome.RAISED, error=ReplicaError(kind, message))
+
+
+def test_the_same_error_on_two_nodes_fails_the_job_at_once():
+    w = World(Policy(max_failures=10, failure_backoff_s=0.0))
+    w.tick(0.0, [node("a"), node("b")])
+    (ra,), (rb,) = w.on("a"), w.on("b")
+    d = w.tick(1.0, [node("a"), node("b")], [raised(ra, "'label'")])
+    assert d.of(ReplicaFailed) == (ReplicaFailed(ra, "a", ReplicaError("KeyError", "'label'")),)
+    assert d.failed is None and len(d.of(StartReplica)) == 1  # one failure: retried
+    (ra2,) = w.on("a")
+    d = w.tick(2.0, [node("a"), node("b")], [raised(ra2, "'label'"), raised(rb, "'label'")])
+    assert d.failed == FailJob("the same error on 2 nodes: KeyError: 'label'", rb)
+    assert d.of(StartReplica) == () and d.of(RequestCapacity) == ()
+
+
+def test_different_errors_are_retried_up_to_max_failures_then_the_job_fails():
+    w = World(Policy(max_failures=2, failure_backoff_s=0.0, max_failures_per_node=10))
+    w.tick(0.0, [node("a")])
+    for i in range(2):  # two failures: each replaced
+        (r,) = w.on("a")
+        d = w.tick(1.0 + i, [node("a")], [raised(r, f"bad batch {i}", "RuntimeError")])
+        assert d.failed is None and len(d.of(StartReplica)) == 1
+    (r,) = w.on("a")
+    d = w.tick(5.0, [node("a")], [raised(r, "bad batch 2", "RuntimeError")])
+    assert d.failed == FailJob("replicas failed 3 times, more than training.max_failures=2; "
+                               "the last: RuntimeError: bad batch 2", r)
+    assert d.of(StartReplica) == ()
+
+
+def test_max_failures_zero_fails_on_the_first_error_and_deaths_never_count():
+    w = World(Policy(max_failures=0, failure_backoff_s=0.0))
+    w.tick(0.0, [node("a"), node("b")])
+    (ra,), (rb,) = w.on("a"), w.on("b")
+    d = w.tick(1.0, [node("a"), node("b")], [ReplicaView(ra, outcome=RunOutcome.DIED)])
+    assert d.failed is None and d.of(ReplicaFailed) == ()  # a killed process: elasticity
+    d = w.tick(2.0, [node("a"), node("b")], [raised(rb, "boom", "ValueError")])
+    assert d.failed is not None and d.failed.replica_id == rb
+
+
+def test_checkpoint_saves_failing_in_a_row_fail_the_job():
+    w = World(Policy(max_checkpoint_failures=2))
+    w.tick(0.0, [node("a")])
+    w.checkpoint_failures = 1
+    assert w.tick(1.0, [node("a")]).failed is None
+    w.checkpoint_failures = 2
+    d = w.tick(2.0, [node("a")])
+    assert d.failed == FailJob("2 checkpoint saves failed in a row "
+                               "(training.max_checkpoint_failures=2)")
+
+
+def test_every_node_exhausted_and_no_replica_left_fails_instead_of_idling():
+    w = World(Policy(max_failures=10, max_failures_per_node=1, failure_backoff_s=0.0))
+    w.tick(0.0, [node("a"), node("b")])
+    (ra,), (rb,) = w.on("a"), w.on("b")
+    d = w.tick(1.0, [node("a"), node("b")], [ReplicaView(ra, outcome=RunOutcome.DIED)])
+    assert d.failed is None  # b still trains
+    d = w.tick(2.0, [node("a"), node("b")], [ReplicaView(rb, outcome=RunOutcome.DIED)])
+    assert d.failed is not None and "each of the 2 nodes had 1 replicas fail" in d.failed.reason
+
+
+def test_policy_rejects_bad_failure_bounds():
+    with pytest.raises(ValueError, match="max_failures"):
+        Policy(max_failures=-1)
+    with pytest.raises(ValueError, match="same_failure_nodes"):
+        Policy(same_failure_nodes=0)

@@ -18,6 +18,7 @@ import moshray.cluster.coordinator.actor as coordinator_mod
 from moshray.cluster.coordinator.membership import MembershipConfig
 from moshray.jobs.config import add_config_arguments, config_from_args
 from moshray.jobs.controller.replica_launch import ReplicaSupervisor
+from moshray.jobs.bench.chaos_faults import set_replica_fault
 
 pytestmark = pytest.mark.cluster
 
@@ -84,7 +85,7 @@ class Swarm:
                 pass
         for _, handle, _ in self.supervisor.handles():
             ray.kill(handle, no_restart=True)
-        ray.kill(self.coordinator, no_restart=True)
+        coordinator_mod.remove(self.coordinator)
         return statuses
 
 
@@ -98,7 +99,7 @@ def test_nan_replica_is_rejected_and_counted_while_training_goes_on(local_cluste
     try:
         swarm.wait_ready(3, timeout=180)  # every replica in (a loaded machine starts slowly)
         start = swarm.wait_epoch(2, timeout=180)["epoch"]
-        ray.get(swarm.handle(2).inject_fault.remote("nan"), timeout=30)
+        set_replica_fault(swarm.handle(2), "nan")  # (no hook in the production actor)
         swarm.wait_epoch(start + 6, timeout=180)  # training goes on without the bad replica
         bad = ray.get(swarm.handle(2).status.remote(), timeout=30)
         good = ray.get(swarm.handle(0).status.remote(), timeout=30)
@@ -108,7 +109,7 @@ def test_nan_replica_is_rejected_and_counted_while_training_goes_on(local_cluste
         # sent to depends on the round's grid, so count over both.
         counts = [ray.get(swarm.handle(s).rejection_counts.remote(), timeout=30) for s in (0, 1)]
         assert sum(c.get("non_finite", 0) for c in counts) >= 1
-        ray.get(swarm.handle(2).inject_fault.remote(None), timeout=30)
+        set_replica_fault(swarm.handle(2), None)
         now = swarm.stats()["epoch"]
         swarm.wait_epoch(now + 3, timeout=180)
     finally:

@@ -141,36 +141,25 @@ def test_trace_preempts_and_adds_nodes_while_training(tmp_path: Path):
 
 def test_resume_from_checkpoint_skips_corrupt_file(tmp_path: Path):
     ckpt = tmp_path / "ckpt"
-    proc, first = train("--local-nodes", "2", "--checkpoint", str(ckpt),
+    run = ("--set", f"run_dir={tmp_path / 'resume-test'}")  # the run id: run_dir's name
+    proc, first = train("--local-nodes", "2", "--checkpoint", str(ckpt), *run,
                         "--set", "checkpoint.every_steps=5", "--max-steps", "10")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    saved = sorted(ckpt.glob("ckpt-*.pt"))
+    saved = sorted((ckpt / "resume-test").glob("ckpt-*.manifest.json"))
     assert saved, "no checkpoint written"
-    newest_valid = int(saved[-1].stem.split("-")[1])
+    newest_valid = int(saved[-1].name.split("-")[1])
     assert newest_valid >= 10
-    (ckpt / "ckpt-999999999.pt").write_bytes(b"MOSHCKPT" + b"\0" * 64)  # torn write
-    proc, second = train("--local-nodes", "2", "--checkpoint", str(ckpt),
+    torn = ckpt / "resume-test" / "ckpt-999999999-0123456789ab.manifest.json"
+    torn.write_text('{"format": "moshray-checkpoint", "ver')  # a torn write
+    proc, second = train("--local-nodes", "2", "--checkpoint", str(ckpt), *run,
                          "--max-steps", str(newest_valid + 5))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "corrupt" in proc.stderr and "ckpt-999999999.pt" in proc.stderr
+    assert "corrupt" in proc.stderr and torn.name in proc.stderr
     assert f"resuming from checkpoint at step {newest_valid}" in proc.stderr
     assert second["steps"] >= newest_valid + 5
     assert second["replicas_consistent"] is True
     # it continued from the checkpoint rather than from scratch: the loss starts lower
     assert second["initial_loss"] < first["initial_loss"]
-
-
-def test_progress_line_has_a_bar_when_the_run_is_bounded():
-    from moshray.jobs.run_report import progress_line, run_fraction
-
-    row = (25, 12.0, 64, 2.3456, 3)
-    assert run_fraction(25, 10.0, max_steps=100, max_seconds=None) == 0.25
-    assert run_fraction(25, 90.0, max_steps=100, max_seconds=100) == 0.9  # the nearer bound
-    assert run_fraction(25, 10.0, None, None) is None
-    line = progress_line(row, 6400, 10.0, live=3, preemptions=1, fraction=0.25)
-    assert "step    25" in line and "[#####...............]  25%" in line
-    assert "loss 2.3456" in line and "640.0 samples/s" in line and "preemptions 1" in line
-    assert "[" not in progress_line(row, 6400, 10.0, live=3, preemptions=1)
 
 
 def test_the_step_profile_covers_the_steps_at_the_swarms_largest():
@@ -181,28 +170,6 @@ def test_the_step_profile_covers_the_steps_at_the_swarms_largest():
     assert full_size_epoch(rows) == 3  # the first step with 3 peers
     assert full_size_epoch(rows[:2]) == 2
     assert full_size_epoch([]) == 0
-
-
-def test_console_shows_every_step_once_with_corrected_samples():
-    import io
-
-    from moshray.jobs.run_report import Console
-
-    out = io.StringIO()
-    console = Console(out)
-    stats = {"history": [(1, 0.5, 32, 3.0, 2), (2, 1.0, 32, 2.9, 2)], "live": 2,
-             "preemptions": 0}
-    console.show(stats, 1.0)
-    console.show(stats, 1.5)  # nothing new: nothing printed
-    # step 1's count corrected to what was really averaged, step 3 committed at the stop
-    stats["history"] = [(1, 0.5, 48, 3.0, 2), (2, 1.0, 32, 2.9, 2), (3, 1.6, 40, 2.8, 2)]
-    console.show(stats, 2.0)
-    # a restarted Coordinator: a new history, whose samples add to the earlier ones'
-    console.show({"history": [(4, 0.1, 20, 2.7, 1)], "live": 1, "preemptions": 1}, 2.5)
-    lines = out.getvalue().splitlines()
-    assert [int(line.split()[1]) for line in lines] == [1, 2, 3, 4]
-    assert "64.0 samples/s" in lines[1] and "60.0 samples/s" in lines[2]  # 120 / 2.0
-    assert "56.0 samples/s" in lines[3]  # (120 + 20) / 2.5
 
 
 def test_declared_gpus_get_one_replica_each_with_cpu_fallback():

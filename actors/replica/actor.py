@@ -24,15 +24,14 @@ import moshray.cluster.collective.inline as inline
 from moshray.cluster.messages import Contribution, PartResult, RoundPlan
 
 from moshray.actors.replica.build_check import build_mismatch, installed_build
-from moshray.actors.replica.checkpoint import CheckpointStore
+from moshray.actors.replica.checkpoint import SaveResult, job_run_id, save_to
 from moshray.jobs.examples.lm.model import pick_device
-from moshray.actors.replica.state import checksum, extra_digest
+from moshray.actors.replica.state import extra_digest
 from moshray.actors.replica.session import Session
 from moshray.actors.replica.step_manager import StepManager
 
 log = logging.getLogger(__name__)
 
-FAULTS = (None, "nan", "shape")
 WARN_BLOCKING_GET_ENV = "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"  # ray._common.constants
 
 
@@ -51,7 +50,10 @@ class ReplicaActor:
     """See module docstring. ``config`` is a ``TrainConfig.to_dict()`` dict."""
 
     def __init__(self, peer_id: str, config: dict, job: Job, coordinator,
-                 init_state_ref: list | None = None, build: str | None = None):
+                 init_state_ref: list | None = None, build: str | None = None,
+                 job_key: bytes | None = None):
+        # ``job_key``: the job's secret its averager signs and checks contributions with
+        # (``cluster/collective/auth.py``; ``ReplicaSpec.job_key``); None: unsigned (tests).
         from moshray.jobs.config import TrainConfig
 
         torch.set_num_threads(1)
@@ -67,15 +69,17 @@ class ReplicaActor:
         # On a GPU node Ray gave this actor one GPU (CUDA_VISIBLE_DEVICES names it): train
         # there; else on the CPU.
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-        self.device = pick_device()
+        self.device = pick_device(self.gpu_ids)
         if self.gpu_ids and self.device.type != "cuda":
             log.warning("%s: Ray assigned GPU %s but torch sees no CUDA device; training on "
                         "the CPU", peer_id, ",".join(self.gpu_ids))
         self.node_id = ray.get_runtime_context().get_node_id()
         handle = ray.get_runtime_context().current_actor
         self.manager = StepManager(peer_id, coordinator, handle, self.node_id,
-                                   self.config.training.round_timeout_s, init_state_ref)
+                                   self.config.training.round_timeout_s, init_state_ref,
+                                   job_key=job_key)
         self.session: Session | None = None
+        self._run_task: asyncio.Task | None = None  # run()'s, once it started
         # The driver's build against this node's (``build_check.py``): ``run()`` raises the
         # mismatch before the replica joins, and that UserError stops the job.
         self.refusal = build_mismatch(build, installed_build(), ray.util.get_node_ip_address())
@@ -104,24 +108,29 @@ class ReplicaActor:
         state = await self.manager.snapshot()
         return state["epoch"], [ray.put(state)]
 
-    async def save_checkpoint(self, uri: str) -> str:
-        """Write the state to ``uri``; its data position is the Coordinator's at this moment
-        (every shard handed out so far counts as seen, so a resumed run repeats none)."""
+    async def save_checkpoint(self, uri: str) -> SaveResult:
+        """Write the state into this run's directory under ``uri`` (``checkpoint.run_id``,
+        else ``run_dir``'s name); its data position is the Coordinator's at this moment
+        (every shard handed out so far counts as seen, so a resumed run repeats none).
+        A failed save (full disk, storage error, unstorable state) is returned as a
+        ``SaveResult`` with ``ok`` False, never raised."""
         state = await self.manager.snapshot()
         floor = state["data"].get("position", 0)
         state["data"] = {**state["data"],
                          "position": await self.coordinator.data_position.remote(floor)}
-        return await asyncio.to_thread(CheckpointStore(uri).save, state, state["epoch"])
+        run_id = job_run_id(self.config.checkpoint, self.config.run_dir)
+        return await asyncio.to_thread(save_to, uri, run_id, state, state["epoch"])
 
     def status(self) -> dict:
         s = self.session.state if self.session is not None else None
         if s is None:
             return {"peer": self.peer_id, "epoch": 0, "checksum": None, "node": self.node_id,
                     "pid": os.getpid(), "device": str(self.device), "gpu_ids": self.gpu_ids}
-        # Collaborative replicas change parameters only in global steps: the full digest of
-        # the current parameters is the step's. Local SGD moves them on between averages.
-        current = checksum(s.model)
-        full = self.config.training.mode == "collaborative"
+        # Collaborative replicas change parameters only in global steps (and put back the
+        # step's buffers when the loop ends): the full digest of the current state is the
+        # step's. Local SGD moves them on between averages.
+        current = s.full_checksum()
+        full = not self.session.strategy.local_updates
         return {"peer": self.peer_id, "epoch": s.epoch,
                 "checksum": current if full else s.step_checksum, "current_checksum": current,
                 "node": self.node_id, "rejected": self.manager.own_rejections,
@@ -135,18 +144,20 @@ class ReplicaActor:
         """Contributions this replica rejected so far, by reason (from its averager)."""
         return dict(self.manager.averager.rejection_counts)
 
-    def inject_fault(self, fault: str | None) -> None:
-        """Test hook, until reset to None: ``"nan"`` makes every following gradient NaN;
-        ``"shape"`` sends contributions with one element too many (peers reject both)."""
-        if fault not in FAULTS:
-            raise ValueError(f"unknown fault {fault!r}: use 'nan', 'shape' or None")
-        self.manager.fault = fault
-
     # -- the loop ------------------------------------------------------------------------------
+
+    async def wait_run(self) -> dict:
+        """What ``run()`` returns or raises, for a driver that did not start it (a detached
+        replica adopted by a resubmitted driver: the first driver's run ref died with it,
+        the run itself did not). Raises ``RuntimeError`` if ``run()`` never started."""
+        if self._run_task is None:
+            raise RuntimeError(f"{self.peer_id}: run() was never started")
+        return await asyncio.shield(self._run_task)
 
     async def run(self) -> dict:
         """Run the user's loop until the Coordinator says stop; returns the final status.
         Raises the build mismatch (a ``UserError``) first, without joining, if there is one."""
+        self._run_task = asyncio.current_task()  # for wait_run (a later driver's view)
         if self.refusal is not None:
             raise self.refusal
         self.session = Session(self.peer_id, self.config, self.device, self.manager,

@@ -18,7 +18,8 @@ from moshray.cluster.messages import AllReduceReport
 __all__ = ["EXPERT_OUTCOMES", "MARKETS", "PRICE_SOURCES", "REPLICA_STATES", "Event",
            "RoundEvent", "NoticeEvent", "NodeLostEvent", "RebalanceEvent", "JoinEvent",
            "ExpertCallEvent", "LaunchEvent", "CapacityEvent", "ReplicaStatesEvent",
-           "NodeJoinedEvent", "QuarantineEvent"]
+           "NodeJoinedEvent", "QuarantineEvent", "JobFailureEvent", "FAILURE_KINDS",
+           "ReportedEvent", "REPORTED_NAME_MAX"]
 
 EXPERT_OUTCOMES = ("ok", "timeout", "failed", "rejected")
 MARKETS = ("spot", "on_demand")
@@ -232,6 +233,48 @@ class QuarantineEvent:
         _label("reason", self.reason)
 
 
+FAILURE_KINDS = ("replica", "checkpoint")
+
+
+@dataclass(frozen=True)
+class JobFailureEvent:
+    """A failure the job counts against its bounds (``jobs/controller/reconcile.py`` rule
+    6): a replica whose loop raised (``replica``), or a checkpoint save that failed
+    (``checkpoint``). Sent by the elastic controller."""
+
+    kind: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAILURE_KINDS:
+            raise ValueError(f"kind must be one of {FAILURE_KINDS}, got {self.kind!r}")
+
+
+REPORTED_NAME_MAX = 200  # characters of a reported metric's name
+
+
+@dataclass(frozen=True)
+class ReportedEvent:
+    """What a training loop reported (``Session.report``): ``rows`` of ``(name, step,
+    value)``, the last value of each name since the replica's previous event, with the
+    global step it was reported at. Sent by the replica (``actors/replica/step_manager``)."""
+
+    peer_id: str
+    rows: tuple[tuple[str, int, float], ...]
+
+    def __post_init__(self) -> None:
+        _label("peer_id", self.peer_id)
+        for row in self.rows:
+            if not (isinstance(row, tuple) and len(row) == 3):
+                raise ValueError(f"rows must hold (name, step, value) triples, got {row!r}")
+            name, step, value = row
+            if not (isinstance(name, str) and 0 < len(name) <= REPORTED_NAME_MAX):
+                raise ValueError(f"reported name must be a string of 1 to "
+                                 f"{REPORTED_NAME_MAX} characters, got {name!r}")
+            _count("reported step", step)
+            if not (isinstance(value, float) and math.isfinite(value)):
+                raise ValueError(f"reported {name!r} must be a finite float, got {value!r}")
+
+
 Event = Union[RoundEvent, NoticeEvent, NodeLostEvent, RebalanceEvent, JoinEvent,
               ExpertCallEvent, LaunchEvent, CapacityEvent, ReplicaStatesEvent, NodeJoinedEvent,
-              QuarantineEvent]
+              QuarantineEvent, JobFailureEvent, ReportedEvent]

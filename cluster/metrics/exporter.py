@@ -34,9 +34,12 @@ from moshray.cluster.metrics.events import (
     NodeJoinedEvent,
     NodeLostEvent,
     NoticeEvent,
+    FAILURE_KINDS,
+    JobFailureEvent,
     QuarantineEvent,
     RebalanceEvent,
     ReplicaStatesEvent,
+    ReportedEvent,
     RoundEvent,
 )
 from moshray.cluster.metrics.state import Prices, TrainingState
@@ -199,6 +202,20 @@ class MetricsExporter:
         self.quarantines = Counter(
             PREFIX + "quarantines", "Peers excluded from plans after repeated rejected "
             "contributions, by the rejection reason.", ["reason"], registry=r)
+        self.job_failures = Counter(
+            PREFIX + "job_failures", "Failures counted against the job's bounds: replicas "
+            "whose loop raised, checkpoint saves that failed.", ["kind"], registry=r)
+        # What training loops reported (Session.report): the user's own names go in a
+        # label, so any name is safe; the newest step's value wins.
+        self.reported = Gauge(
+            PREFIX + "reported", "Last value a training loop reported, by name "
+            "(session.report).", ["name"], registry=r)
+        self.reported_step = Gauge(
+            PREFIX + "reported_step", "Global step of the last reported value, by name.",
+            ["name"], registry=r)
+        self._reported_at: dict[str, int] = {}
+        for kind in FAILURE_KINDS:
+            self.job_failures.labels(kind)
         for state in REPLICA_STATES:
             self.replicas.labels(state)
         for outcome in EXPERT_OUTCOMES:  # export zeros so rate() works from the start
@@ -218,6 +235,8 @@ class MetricsExporter:
             ReplicaStatesEvent: self._replica_states,
             NodeJoinedEvent: lambda e: self.nodes_joined.labels(e.market).inc(),
             QuarantineEvent: lambda e: self.quarantines.labels(e.reason).inc(),
+            JobFailureEvent: lambda e: self.job_failures.labels(e.kind).inc(),
+            ReportedEvent: self._reported,
         }
 
     # events
@@ -247,6 +266,14 @@ class MetricsExporter:
             self.failed_rounds.inc()
         for reason, count in e.rejected:
             self.rejected.labels(reason).inc(count)
+
+    def _reported(self, e: ReportedEvent) -> None:
+        with self._lock:
+            for name, step, value in e.rows:
+                if step >= self._reported_at.get(name, -1):
+                    self._reported_at[name] = step
+                    self.reported.labels(name).set(value)
+                    self.reported_step.labels(name).set(step)
 
     def _expert_call(self, e: ExpertCallEvent) -> None:
         self.expert_calls.labels(e.outcome).inc()

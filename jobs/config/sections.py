@@ -36,8 +36,9 @@ from moshray.jobs.config.fields import (
 if TYPE_CHECKING:
     from moshray.jobs.examples.lm.model import ModelConfig
 
-# The step strategies registered in actors/replica/strategies.py (``@register``), by name.
-Mode = Literal[strategy_names()]  # type: ignore[valid-type]
+# The step strategies registered in actors/replica/strategies.py (``@register``), by name,
+# and ``auto`` (the job picks one at start-up: actors/replica/mode_choice.py).
+Mode = Literal[(*strategy_names(), "auto")]  # type: ignore[valid-type]
 OuterOptimizer = Literal["none", "nesterov"]
 # "auto" or a codec name registered in cluster/collective/codecs.py (checked in _validate
 # against the registry, so a plug-in codec is accepted once its module is imported)
@@ -134,28 +135,29 @@ class TrainingSection(_Section):
     ``mode``: ``collaborative`` accumulates ``target_batch_size`` samples
     across replicas per optimizer step; ``local_sgd`` takes ``local_steps``
     local steps between averaging rounds, optionally followed by an outer
-    Nesterov step (``outer_optimizer``). ``grad_clip = 0`` disables clipping.
-    ``max_steps`` / ``max_seconds`` of ``None`` mean unbounded. ``compression`` is the
-    wire codec of the averaging: ``auto`` sends fp16 gradients in collaborative mode
-    (within the bound documented in ``cluster/collective/codecs.py``) and full precision when
-    local SGD averages parameters. ``max_group``: largest Moshpit group (a swarm of more
-    peers averages over a multi-round grid). ``step_grace_s``: how long a full batch waits
-    for a replica still applying the previous step before the step is planned without it.
-    ``overlap`` (collaborative mode): average step k's gradients while the replica
-    accumulates step k+1's (one step of delay); ``auto`` turns it on for replicas that
-    train on a GPU (where compute and the averaging's CPU work do not compete) and off on
-    CPUs (see ``overlaps``). ``min_part``: fewest values a part owner of an averaging group
-    gets (``RoundPlan.min_part``; default 262144: a small model's tensor has one owner, fewer
-    transfers per round; owners take turns step by step, see ``partition.owner_shares``);
-    1: every member owns a part. ``lr_scaling`` (collaborative mode): ``lr`` is the rate for
-    a step of ``target_batch_size`` samples; a step that averaged more (replicas keep
-    computing while its plan forms) or fewer scales it by ``sqrt(samples / target)``,
-    within [1/4, 2] (``sqrt``, the square-root rule for Adam-type optimizers), or not at
-    all (``none``); see ``actors/strategies.lr_scale``. ``max_failures``: replicas whose
-    loop raised (anything but a ``UserError``, which stops the job at once) are replaced
-    this many times across the job; one more ends it with that error (the same error from
-    two nodes ends it at once). ``max_checkpoint_failures``: checkpoint saves failing in a
-    row before the job ends (see ``jobs/controller/reconcile.py``, rule 6).
+    Nesterov step (``outer_optimizer``). ``grad_clip = 0`` (default) clips nothing.
+    ``max_steps`` / ``max_seconds`` / ``max_epochs`` of ``None`` mean unbounded.
+    ``compression`` is the wire codec of the averaging: ``auto`` sends fp16 gradients in
+    collaborative mode (within the bound documented in ``cluster/collective/codecs.py``) and
+    full precision when local SGD averages parameters. ``max_group``: largest Moshpit group
+    (a swarm of more peers averages over a multi-round grid). ``step_grace_s``: how long a
+    full batch waits for a replica still applying the previous step before the step is
+    planned without it. ``overlap`` (collaborative mode): average step k's gradients while
+    the replica accumulates step k+1's (one step of delay); ``auto`` turns it on for
+    replicas that train on a GPU (where compute and the averaging's CPU work do not compete)
+    and off on CPUs (see ``overlaps``). ``min_part``: fewest values a part owner of an
+    averaging group gets (``RoundPlan.min_part``; default 262144: a small model's tensor has
+    one owner, fewer transfers per round; owners take turns step by step, see
+    ``partition.owner_shares``); 1: every member owns a part. ``lr_scaling`` (collaborative
+    mode): ``lr`` is the rate for a step of ``target_batch_size`` samples; a step that
+    averaged more (replicas keep computing while its plan forms) or fewer scales it by
+    ``sqrt(samples / target)``, within [1/4, 2] (``sqrt``, the square-root rule for
+    Adam-type optimizers), or not at all (``none``, the default); see
+    ``actors/replica/strategies.lr_scale``. ``max_failures``: replicas whose loop raised
+    (anything but a ``UserError``, which stops the job at once) are replaced this many times
+    across the job; one more ends it with that error (the same error from two nodes ends it
+    at once). ``max_checkpoint_failures``: checkpoint saves failing in a row before the job
+    ends (see ``jobs/controller/reconcile.py``, rule 6).
     """
 
     _section = "training"
@@ -163,7 +165,10 @@ class TrainingSection(_Section):
     mode: Mode = "collaborative"
     """``collaborative`` (DeDLOC): gradients accumulate across replicas until the swarm has
     target_batch_size samples, then one averaged step; ``local_sgd`` (Moshpit SGD): local
-    steps, parameters averaged every local_steps."""
+    steps, parameters averaged every local_steps; ``auto``: the job measures the spot
+    nodes' links and the model's step at start-up and picks collaborative where averaging
+    is cheap, else local_sgd with DiLoCo's outer Nesterov step (it prints one line saying
+    which and why; see actors/replica/mode_choice.py)."""
     target_batch_size: int = 256
     """Global samples per collaborative step (a minimum: replicas keep computing while the
     step's plan forms)."""
@@ -173,8 +178,12 @@ class TrainingSection(_Section):
     """Learning rate of a step of target_batch_size samples (see lr_scaling)."""
     weight_decay: float = 0.0
     """Built-in LM: AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Gradient-norm clip; 0 disables clipping."""
+    grad_clip: float = 0.0
+    """Gradient-norm clip of each optimizer step moshray takes; 0 (default): none, the loop
+    clips if it wants (between loss.backward() and opt.step()). Off because clipping is a
+    choice of the model's recipe, not of the averaging: torch, DDP, hivemind.Optimizer and
+    torchft clip nothing unless asked, and a hidden clip at 1.0 changed users' training
+    (issue 45)."""
     local_steps: int = 8
     """``local_sgd``: local steps between averaging rounds."""
     outer_optimizer: OuterOptimizer = "none"
@@ -190,6 +199,13 @@ class TrainingSection(_Section):
     """Stop after this many global steps; none: no bound."""
     max_seconds: float | None = None
     """Stop after this many seconds; none: no bound."""
+    max_epochs: int | None = None
+    """Stop once every shard of this many passes over the data source has been handed out
+    (the driver checks the Coordinator's data position against max_epochs x num_shards at
+    every poll, twice a second; replicas stop at their next micro-batch, so the last shards
+    may be read in part, and shards read in well under a second overshoot by what the
+    replicas read meanwhile); none: no bound. moshray.fit defaults to 1 when no other bound
+    is given."""
     seed: int = 0
     """Seed of the initial parameters and the data order."""
     compression: Compression = "auto"
@@ -207,9 +223,14 @@ class TrainingSection(_Section):
     min_part: int = 262144  # partition.MIN_PART
     """Fewest values a part owner of an averaging group gets; 1: every member owns a
     part."""
-    lr_scaling: LrScaling = "sqrt"
-    """Collaborative mode: ``sqrt`` scales lr by sqrt(samples / target_batch_size) for a
-    step that averaged more or fewer samples, within [1/4, 2]; ``none`` keeps lr."""
+    lr_scaling: LrScaling = "none"
+    """Collaborative mode: ``none`` (default) keeps the optimizer's lr for every step;
+    ``sqrt`` scales it by sqrt(samples / target_batch_size) for a step that averaged more
+    or fewer samples, within [1/4, 2]. Off because no one rule fits every optimizer: the
+    square-root rule is derived for Adam-type optimizers (Malladi et al. 2022, "On the SDEs
+    and Scaling Rules for Adaptive Gradient Algorithms"), SGD wants the linear rule (Goyal
+    et al. 2017), and hivemind.Optimizer and torchft leave the rate to the user's
+    scheduler."""
     max_failures: int = 3
     """Replicas whose loop raised that are replaced across the job; one more failure ends
     it (a ``UserError``, or the same error on two nodes, ends it at once)."""
@@ -255,6 +276,8 @@ class TrainingSection(_Section):
             _positive_int(self._path("max_steps"), self.max_steps)
         if self.max_seconds is not None:
             _positive(self._path("max_seconds"), self.max_seconds)
+        if self.max_epochs is not None:
+            _positive_int(self._path("max_epochs"), self.max_epochs)
         _check(isinstance(self.max_failures, int) and self.max_failures >= 0,
                self._path("max_failures"), "must be an integer >= 0", self.max_failures)
         _positive_int(self._path("max_checkpoint_failures"), self.max_checkpoint_failures)
@@ -316,7 +339,8 @@ class ClusterSection(_Section):
     """Embedded cluster: GPUs declared on each node (GPU placement on a CPU machine)."""
     trace: str | None = None
     """Embedded cluster: spot trace to replay (a file or a shipped trace's name); ``moshray
-    train`` replays the shipped AWS trace unless it is ``off``."""
+    train`` replays the shipped AWS trace unless it is ``off``; ``moshray.fit`` replays none
+    unless one is named."""
     time_scale: float = 60.0  # trace seconds per wall second
     """Trace seconds per wall second."""
     min_nodes: int = 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 log = logging.getLogger("moshray.train")
 
@@ -38,20 +39,38 @@ def _cause(exc: BaseException) -> str:
     return ((str(exc).strip().splitlines() or [""])[-1])[:300]
 
 
-def checkpoint_through_replica(uri: str, controller) -> str | None:
-    """Have the first staying replica that answers write a checkpoint to ``uri``; its
-    location, or None (each failure logged)."""
+@dataclass(frozen=True)
+class Saved:
+    """A checkpoint save: ``path`` written (None: not written) after ``tried`` replicas
+    were asked (0: no staying replica to ask, which is no failure of the save)."""
+
+    path: str | None
+    tried: int
+
+    @property
+    def failed(self) -> bool:
+        return self.tried > 0 and self.path is None
+
+
+def checkpoint_through_replica(uri: str, controller, timeout_s: float = 60.0) -> Saved:
+    """Have the first staying replica that answers write a checkpoint to ``uri`` (each
+    asked for at most ``timeout_s``); never raises (each failure logged)."""
     import ray
 
+    tried = 0
     for peer_id, handle in _staying(controller):
+        tried += 1
         try:
-            path = ray.get(handle.save_checkpoint.remote(uri), timeout=60)
-            log.info("checkpoint %s written by %s", path, peer_id)
-            return path
+            result = ray.get(handle.save_checkpoint.remote(uri), timeout=timeout_s)
+            if not result.ok:  # a checkpoint.SaveResult: full disk, storage error, ...
+                log.warning("checkpoint through %s failed: %s", peer_id, result)
+                continue
+            log.info("checkpoint %s written by %s", result.location, peer_id)
+            return Saved(result.location, tried)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             log.warning("checkpoint through %s failed: %s %s", peer_id, type(exc).__name__,
                         _cause(exc))
-    return None
+    return Saved(None, tried)
 
 
 def final_state(controller, steps: int) -> dict | None:

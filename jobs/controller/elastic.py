@@ -15,7 +15,10 @@ cloud, or the embedded cluster playing the cloud).
 Failure behaviour: a failed call to Ray or the Coordinator during a tick is logged and the
 tick is skipped (the next one observes again); with fewer than ``cluster.min_nodes`` nodes
 and nothing training it prints one line and waits at most ``cluster.wait_for_nodes_s``,
-then raises ``NoCapacityError``.
+then raises ``NoCapacityError``. A replica's ``UserError`` is raised at once; other errors
+its loop raises are counted (``reconcile.py`` rule 6, ``training.max_failures``) and when
+the policy fails the job ``step`` raises ``JobFailed`` carrying the user's exception with
+its remote traceback; failed checkpoint saves are reported through ``checkpoint_saved``.
 """
 
 from __future__ import annotations
@@ -30,13 +33,22 @@ import ray
 from moshray.actors.errors import find_user_error
 from moshray.cluster import metrics
 
-from moshray.jobs.controller.observations import Memory, Observation, ReplicaView, RunOutcome, node_view
+from moshray.jobs.controller.observations import (
+    Memory,
+    Observation,
+    ReplicaError,
+    ReplicaView,
+    RunOutcome,
+    node_view,
+)
 from moshray.jobs.controller.reconcile import (
     Decision,
+    FailJob,
     NodeFailure,
     NodeJoined,
     NodeLost,
     Policy,
+    ReplicaFailed,
     RequestCapacity,
     SetState,
     StartReplica,
@@ -53,6 +65,27 @@ RPC_TIMEOUT_S = 30.0
 class NoCapacityError(RuntimeError):
     """No worker node came within ``cluster.wait_for_nodes_s``."""
 
+
+class JobFailed(RuntimeError):
+    """The failure policy ended the job (``reconcile.FailJob``). ``reason``: one line;
+    ``error``: the exception the user's loop raised, as ``ray.get`` gave it (an instance of
+    the user's exception class whose ``str()`` holds the remote traceback), or None when no
+    replica error caused it (checkpoints failing). ``moshray.fit`` re-raises ``error``."""
+
+    def __init__(self, reason: str, error: BaseException | None = None):
+        super().__init__(reason)
+        self.reason, self.error = reason, error
+
+    def __reduce__(self):
+        return (type(self), (self.reason, self.error))
+
+
+def replica_error(exc: BaseException) -> ReplicaError:
+    """The ``ReplicaError`` of what a replica's ``run()`` raised (``ray.get``'s
+    ``RayTaskError``, whose ``cause`` is the user's exception when it unpickled)."""
+    cause = getattr(exc, "cause", None) or exc
+    message = " ".join(str(cause).split())
+    return ReplicaError(type(cause).__name__, message[:500], str(exc))
 
 def capacity_requested() -> tuple[dict, ...]:
     """The bundles standing in Ray's autoscaler from ``request_resources`` (any driver's; one
@@ -83,14 +116,19 @@ class ElasticController:
 
     ``spec`` is what every replica shares; ``experts`` (optional) is the ExpertSupervisor,
     registered with each node's watcher for the hand-off on a notice. ``clock`` is injected.
+    ``lease`` (optional, ``jobs/controller/lease.py``): renewed every tick with the job's
+    state, so that the swarm outlives this driver and a later one can ``adopt`` it.
     """
 
     def __init__(self, config, spec: ReplicaSpec, experts=None, out=sys.stdout,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, lease=None):
         c = config.cluster
         self.config, self.spec, self.experts, self.out = config, spec, experts, out
         self.coordinator = spec.coordinator
-        self.policy = Policy(c.min_nodes, c.max_nodes, c.replicas_per_node)
+        t = config.training
+        self.policy = Policy(c.min_nodes, c.max_nodes, c.replicas_per_node,
+                             max_failures=t.max_failures,
+                             max_checkpoint_failures=t.max_checkpoint_failures)
         self.clock = clock
         self.t0 = clock()
         self.records: dict[str, ReplicaRecord] = {}
@@ -98,12 +136,18 @@ class ElasticController:
         self.outcomes: dict[str, RunOutcome] = {}
         self.known_nodes: dict[str, float] = {}
         self.failures: dict[str, tuple[int, float]] = {}
+        self.errors: dict[str, tuple[ReplicaError, BaseException]] = {}  # replica -> its error
+        self.job_failures: list[tuple[str, str, ReplicaError]] = []
+        self.checkpoint_failures = 0  # in a row (the policy's bound)
+        self.checkpoint_failures_total = 0
         self.requested: int | None = None
         self._asked = False  # a capacity request of this job may stand in Ray's autoscaler
         self.watchers: dict[str, object] = {}
         self.own_watchers: set[str] = set()  # nodes whose watcher this controller started
         self.hosts: set[str] = set()  # every machine (node address) seen alive
-        self.lost_at: list[float] = []  # seconds since start of each node lost
+        # seconds since start of each node lost: the run's preemptions are counted here,
+        # by the driver (``preemptions``), not by the Coordinator
+        self.lost_at: list[float] = []
         self.joined_at: list[float] = []
         self.hard_losses = 0
         self.waiting_since: float | None = None
@@ -113,6 +157,58 @@ class ElasticController:
         self._cost_shown: tuple | None = None
         self._count = 0
         self._ticks = 0
+        self.lease = lease
+        self.last_checkpoint = 0  # the newest checkpoint's step (the driver sets it)
+        self._renewal = None  # the last renew call's ref
+
+    # -- a swarm that outlives its driver (jobs/controller/lease.py) ----------------------------
+
+    def adopt(self, record) -> list[str]:
+        """Take over the replicas of ``record`` (a ``JobRecord`` whose driver is gone): each
+        one still standing is watched through ``wait_run`` and re-enters the state machine
+        at ``starting`` (the first tick moves it on to where it is); replica ids go on from
+        the record's count. Returns the ids adopted."""
+        from moshray.cluster.placement import NAMESPACE
+        from moshray.jobs.controller.lease import replica_actor_name
+
+        self._count = max(self._count, record.count)
+        self.last_checkpoint = record.last_checkpoint
+        adopted = []
+        for replica_id, node_id, num_gpus in record.replicas:
+            try:
+                handle = ray.get_actor(replica_actor_name(record.run_id, replica_id),
+                                       namespace=NAMESPACE)
+            except ValueError:
+                continue  # gone with its node meanwhile
+            self.runs[replica_id] = (handle, handle.wait_run.remote())
+            self.records[replica_id] = ReplicaRecord(replica_id, node_id, num_gpus,
+                                                     self.clock() - self.t0)
+            adopted.append(replica_id)
+        self.own_watchers.update(record.own_watchers)
+        return adopted
+
+    def renew_lease(self) -> None:
+        """Renew the lease with the job's state (fire-and-forget); raises ``JobFailed`` if
+        the previous renewal found the lease ended (its reaper ended the swarm)."""
+        if self.lease is None:
+            return
+        if self._renewal is not None:
+            ready, _ = ray.wait([self._renewal], timeout=0)
+            if ready:
+                try:
+                    alive = ray.get(self._renewal, timeout=RPC_TIMEOUT_S)
+                except (ray.exceptions.RayError, TimeoutError):
+                    alive = True  # a lease restarting: renewed again next tick
+                if not alive:
+                    raise JobFailed("the job's lease ended (the swarm was stopped)")
+        replicas = tuple((r.replica_id, r.node_id, r.num_gpus)
+                         for r in self.records.values() if not r.state.terminal)
+        try:
+            self._renewal = self.lease.renew.remote(replicas, self._count,
+                                                    tuple(self.own_watchers),
+                                                    self.last_checkpoint)
+        except ray.exceptions.RayError as exc:
+            log.warning("lease not renewed: %r", exc)
 
     # -- observe -----------------------------------------------------------------------------
 
@@ -129,8 +225,8 @@ class ElasticController:
             user_error = find_user_error(exc)
             if user_error is not None:  # the same code fails on every node: stop the job
                 raise user_error from None
-            cause = (str(exc).strip().splitlines() or [""])[-1]
-            log.warning("replica %s failed: %s", replica_id, cause[:300])
+            self.errors[replica_id] = (replica_error(exc), exc)
+            log.warning("replica %s failed: %s", replica_id, self.errors[replica_id][0])
             outcome = RunOutcome.RAISED
         except ray.exceptions.RayError as exc:
             log.warning("replica %s lost: %s", replica_id, type(exc).__name__)
@@ -152,7 +248,7 @@ class ElasticController:
         draining_peers = set(view["draining"])
         replicas = tuple(
             ReplicaView(rid, self._outcome(rid, run), rid in members, rid in ready,
-                        rid in draining_peers)
+                        rid in draining_peers, self.errors.get(rid, (None,))[0])
             for rid, (_, run) in self.runs.items())
         return Observation(self.clock() - self.t0, nodes, replicas,
                            frozenset(view["noticed_nodes"]))
@@ -163,7 +259,9 @@ class ElasticController:
                            for r in self.records.values() if not r.state.terminal),
             known_nodes=tuple(self.known_nodes.items()), failures=dict(self.failures),
             requested_nodes=self.requested,
-            started_at_s={r.replica_id: r.started_at_s for r in self.records.values()})
+            started_at_s={r.replica_id: r.started_at_s for r in self.records.values()},
+            job_failures=tuple(self.job_failures),
+            checkpoint_failures=self.checkpoint_failures)
 
     # -- act ---------------------------------------------------------------------------------
 
@@ -183,7 +281,9 @@ class ElasticController:
             record.to(action.state, obs.now_s, action.reason)
             if action.state is ReplicaState.GONE:
                 self.coordinator.leave.remote(action.replica_id)
-                self.runs.pop(action.replica_id, None)
+                handle = self.runs.pop(action.replica_id, (None,))[0]
+                if handle is not None:  # a run that ended leaves its actor idle: remove it
+                    ray.kill(handle, no_restart=True)
         elif isinstance(action, StopReplica):
             handle = self.runs.get(action.replica_id, (None,))[0]
             log.info("stopping replica %s: %s", action.replica_id, action.reason)
@@ -194,6 +294,14 @@ class ElasticController:
             self._joined(action.node_id, obs)
         elif isinstance(action, NodeLost):
             self._lost(action, obs)
+        elif isinstance(action, ReplicaFailed):
+            self.job_failures.append((action.replica_id, action.node_id, action.error))
+            self.coordinator.record.remote((metrics.JobFailureEvent("replica"),))
+            print(f"replica {action.replica_id} failed (failure {len(self.job_failures)} of "
+                  f"the job; training.max_failures={self.policy.max_failures}): "
+                  f"{action.error}", file=self.out, flush=True)
+        elif isinstance(action, FailJob):
+            pass  # raised by step() once every other action is carried out
         elif isinstance(action, NodeFailure):
             count, _ = self.failures.get(action.node_id, (0, 0.0))
             self.failures[action.node_id] = (count + 1, obs.now_s)
@@ -251,7 +359,6 @@ class ElasticController:
         self.lost_at.append(obs.now_s)
         self.hard_losses += int(not action.with_notice)
         self.coordinator.record.remote((metrics.NodeLostEvent(action.with_notice),))
-        self.coordinator.note_preemption.remote()
         log.info("node %s lost (%s notice)", action.node_id[:12],
                  "with" if action.with_notice else "without")
 
@@ -294,7 +401,9 @@ class ElasticController:
     # -- the loop ----------------------------------------------------------------------------
 
     def step(self) -> Decision | None:
-        """One observe -> decide -> act tick; None if the observation failed."""
+        """One observe -> decide -> act tick (the lease renewed first); None if the
+        observation failed."""
+        self.renew_lease()
         try:
             obs = self.observe()
         except (ray.exceptions.RayError, TimeoutError) as exc:
@@ -304,6 +413,10 @@ class ElasticController:
         decision = decide(obs, self.memory(), self.policy)
         self.act(decision, obs)
         self._ticks += 1
+        if decision.failed is not None:
+            failed = decision.failed
+            error = self.errors.get(failed.replica_id or "", (None, None))[1]
+            raise JobFailed(failed.reason, error)
         self._wait_bound(decision, obs)
         return decision
 
@@ -328,6 +441,20 @@ class ElasticController:
                 f"{waiting.needed}); check the autoscaler's logs (ray status) or start nodes "
                 f"with the 'spot' resource")
 
+    def checkpoint_saved(self, ok: bool) -> None:
+        """Count one checkpoint save (``ok``: it was written); a failure is a metrics event
+        and counts toward ``training.max_checkpoint_failures`` in a row (the next ``step``
+        fails the job at the bound)."""
+        if ok:
+            self.checkpoint_failures = 0
+            return
+        self.checkpoint_failures += 1
+        self.checkpoint_failures_total += 1
+        try:
+            self.coordinator.record.remote((metrics.JobFailureEvent("checkpoint"),))
+        except Exception as exc:  # noqa: BLE001 - a metric never stops the job
+            log.info("checkpoint failure not recorded: %r", exc)
+
     def prices(self) -> dict | None:
         """The cost at the last report that had worker nodes, for the run's summary:
         ``{"dollars_per_hour": the nodes' total, "sources": {price source: nodes}}``
@@ -342,6 +469,11 @@ class ElasticController:
     def live(self) -> list[tuple[str, object, object]]:
         """``(replica_id, handle, run_ref)`` of every replica not gone."""
         return [(rid, h, run) for rid, (h, run) in self.runs.items()]
+
+    @property
+    def preemptions(self) -> int:
+        """Worker nodes lost so far (with a notice or without): the summary's count."""
+        return len(self.lost_at)
 
     def leaving(self) -> set[str]:
         return {r.replica_id for r in self.records.values()

@@ -1,8 +1,8 @@
 """What the elastic controller sees, as plain frozen data (no Ray in here).
 
 The controller's shell (``jobs/controller/elastic.py``) reads Ray's node table, the Coordinator's
-membership and the replicas' run refs into an ``Observation``; ``jobs/controller/reconcile.py`` decides
-from it. ``node_view`` turns one row of ``ray.nodes()`` into a ``NodeView`` (pure, so the
+membership and the replicas' run refs into an ``Observation``;
+``jobs/controller/reconcile.py`` decides from it. ``node_view`` turns one row of ``ray.nodes()`` into a ``NodeView`` (pure, so the
 parsing is tested with plain dicts).
 """
 
@@ -52,6 +52,24 @@ class NodeView:
     zone: str = ""  # e.g. us-east-1a
 
 
+@dataclass(frozen=True)
+class ReplicaError:
+    """What a replica's ``run()`` raised (not a ``UserError``, which stops the job at once):
+    the exception's class name, its message on one line, and the remote traceback as Ray
+    reported it. ``signature`` is what "the same failure" means: class and message."""
+
+    type_name: str
+    message: str
+    traceback: str = ""
+
+    @property
+    def signature(self) -> tuple[str, str]:
+        return self.type_name, self.message
+
+    def __str__(self) -> str:
+        return f"{self.type_name}: {self.message}" if self.message else self.type_name
+
+
 class RunOutcome(str, enum.Enum):
     RUNNING = "running"  # run() has not returned
     FINISHED = "finished"  # run() returned (told to stop)
@@ -68,6 +86,7 @@ class ReplicaView:
     member: bool = False  # registered with the Coordinator (not left, not expired)
     ready: bool = False  # holds the swarm's state: takes part in the next plan
     draining: bool = False  # the Coordinator excludes it (its node got a notice)
+    error: ReplicaError | None = None  # what run() raised (outcome RAISED)
 
 
 @dataclass(frozen=True)
@@ -124,7 +143,10 @@ class Memory:
     ``replicas``: ``(replica_id, node_id, state, num_gpus)`` of every replica not yet gone;
     ``known_nodes``: worker nodes seen alive and not yet reported lost, with the time first
     seen; ``failures``: per node, ``(count, last_at_s)`` of replicas that failed while it
-    stayed up; ``requested_nodes``: the last capacity request (None: none made yet).
+    stayed up; ``requested_nodes``: the last capacity request (None: none made yet);
+    ``job_failures``: ``(replica_id, node_id, error)`` of every replica whose ``run()``
+    raised, across the job (``training.max_failures`` bounds them); ``checkpoint_failures``:
+    checkpoint saves that failed since the last one that succeeded.
     """
 
     replicas: tuple[tuple[str, str, str, float], ...] = ()
@@ -132,3 +154,5 @@ class Memory:
     failures: Mapping[str, tuple[int, float]] = field(default_factory=dict)
     requested_nodes: int | None = None
     started_at_s: Mapping[str, float] = field(default_factory=dict)  # replica -> start time
+    job_failures: tuple[tuple[str, str, ReplicaError], ...] = ()
+    checkpoint_failures: int = 0

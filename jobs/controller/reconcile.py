@@ -30,13 +30,23 @@ Rules, in order:
    if the number changes). The shell withdraws the request when the job ends.
 5. Waiting. With fewer than ``min_nodes`` active nodes and no replica training, the
    decision says it waits for nodes (the shell bounds the wait).
+6. Failures (Ray Train's ``FailureConfig(max_failures)``, made elastic). A replica whose
+   ``run()`` raised (anything but a ``UserError``, which the shell raises at once) is a
+   job failure (``ReplicaFailed``); a replica that *died* (its node or process killed) is
+   the elasticity's business and is not. The job fails (``FailJob``, and nothing new is
+   started or asked for) when: the same error (class and message) came from
+   ``same_failure_nodes`` distinct nodes (the code or the data is wrong, not a machine:
+   fail fast); or more than ``max_failures`` replicas raised across the job; or
+   ``max_checkpoint_failures`` checkpoint saves failed in a row; or no replica is left and
+   every active node reached ``max_failures_per_node`` (the job would otherwise idle, its
+   nodes paid for, forever).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moshray.jobs.controller.observations import Memory, Observation, RunOutcome
+from moshray.jobs.controller.observations import Memory, Observation, ReplicaError, RunOutcome
 from moshray.jobs.controller.replica_states import ReplicaState, path_between
 
 S = ReplicaState
@@ -52,6 +62,9 @@ class Policy:
     max_failures_per_node: int = 3
     failure_backoff_s: float = 15.0
     start_timeout_s: float = 600.0
+    max_failures: int = 3  # replicas that raised, across the job, before it fails
+    same_failure_nodes: int = 2  # the same error from this many nodes fails the job at once
+    max_checkpoint_failures: int = 3  # failed saves in a row before the job fails
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_nodes <= self.max_nodes:
@@ -59,6 +72,11 @@ class Policy:
                              f"{self.max_nodes}")
         if self.replicas_per_node < 0:
             raise ValueError(f"replicas_per_node must be >= 0, got {self.replicas_per_node}")
+        if self.max_failures < 0:
+            raise ValueError(f"max_failures must be >= 0, got {self.max_failures}")
+        if self.same_failure_nodes < 1 or self.max_checkpoint_failures < 1:
+            raise ValueError(f"same_failure_nodes and max_checkpoint_failures must be >= 1, "
+                             f"got {self.same_failure_nodes}, {self.max_checkpoint_failures}")
 
 
 # -- actions --------------------------------------------------------------------------------
@@ -122,8 +140,27 @@ class WaitForNodes:
     needed: int
 
 
+@dataclass(frozen=True)
+class ReplicaFailed:
+    """``replica_id``'s ``run()`` raised ``error`` on ``node_id``: one job failure
+    (the shell remembers it in ``Memory.job_failures``)."""
+
+    replica_id: str
+    node_id: str
+    error: ReplicaError
+
+
+@dataclass(frozen=True)
+class FailJob:
+    """The job ends: ``reason`` says why in one line; ``replica_id`` is the replica whose
+    error the driver re-raises (None: no replica error, e.g. checkpoints failing)."""
+
+    reason: str
+    replica_id: str | None = None
+
+
 Action = (StartReplica | StopReplica | SetState | NodeJoined | NodeLost | NodeFailure
-          | RequestCapacity | WaitForNodes)
+          | RequestCapacity | WaitForNodes | ReplicaFailed | FailJob)
 
 
 @dataclass(frozen=True)
@@ -137,6 +174,11 @@ class Decision:
     @property
     def waiting(self) -> WaitForNodes | None:
         found = self.of(WaitForNodes)
+        return found[0] if found else None
+
+    @property
+    def failed(self) -> FailJob | None:
+        found = self.of(FailJob)
         return found[0] if found else None
 
 
@@ -234,6 +276,9 @@ def decide(obs: Observation, memory: Memory, policy: Policy) -> Decision:
             actions.append(NodeFailure(node_id))
             count, _ = failures.get(node_id, (0, 0.0))
             failures[node_id] = (count + 1, obs.now_s)
+        if target is S.GONE and view is not None and view.outcome is RunOutcome.RAISED:
+            error = view.error or ReplicaError("Exception", "")
+            actions.append(ReplicaFailed(replica_id, node_id, error))
         if target not in (S.GONE, S.LEAVING):
             holding.setdefault(node_id, []).append(num_gpus)
     for node_id in active:
@@ -249,4 +294,43 @@ def decide(obs: Observation, memory: Memory, policy: Policy) -> Decision:
     training = any(S(state) is S.TRAINING for _, _, state, _ in memory.replicas)
     if len(active) < policy.min_nodes and not training:
         actions.append(WaitForNodes(len(active), policy.min_nodes))
+    failed = _job_failure(memory, tuple(actions), active, holding, failures, policy)
+    if failed is not None:  # nothing new is started or asked for: the job ends
+        actions = [a for a in actions if not isinstance(a, (StartReplica, RequestCapacity))]
+        actions.append(failed)
     return Decision(tuple(actions), active)
+
+
+def _job_failure(memory: Memory, actions: tuple, active: tuple[str, ...],
+                 holding: dict[str, list[float]], failures: dict[str, tuple[int, float]],
+                 policy: Policy) -> FailJob | None:
+    """Rule 6: whether the job fails now, and with which replica's error."""
+    seen = list(memory.job_failures) + [(a.replica_id, a.node_id, a.error)
+                                        for a in actions if isinstance(a, ReplicaFailed)]
+    nodes_by_error: dict[tuple[str, str], set[str]] = {}
+    for replica_id, node_id, error in seen:
+        nodes_by_error.setdefault(error.signature, set()).add(node_id)
+        if len(nodes_by_error[error.signature]) >= policy.same_failure_nodes:
+            return FailJob(f"the same error on {len(nodes_by_error[error.signature])} nodes: "
+                           f"{_short(error)}", replica_id)
+    if len(seen) > policy.max_failures:
+        replica_id, _, error = seen[-1]
+        return FailJob(f"replicas failed {len(seen)} times, more than training.max_failures="
+                       f"{policy.max_failures}; the last: {_short(error)}", replica_id)
+    if memory.checkpoint_failures >= policy.max_checkpoint_failures:
+        return FailJob(f"{memory.checkpoint_failures} checkpoint saves failed in a row "
+                       f"(training.max_checkpoint_failures={policy.max_checkpoint_failures})")
+    exhausted = [n for n in active
+                 if failures.get(n, (0, 0.0))[0] >= policy.max_failures_per_node]
+    if active and len(exhausted) == len(active) and not any(holding.values()):
+        last = seen[-1] if seen else None
+        return FailJob(f"no replica left and each of the {len(active)} nodes had "
+                       f"{policy.max_failures_per_node} replicas fail"
+                       + (f"; the last: {_short(last[2])}" if last else ""),
+                       last[0] if last else None)
+    return None
+
+
+def _short(error: ReplicaError) -> str:
+    text = str(error)
+    return text if len(text) <= 200 else text[:197] + "..."

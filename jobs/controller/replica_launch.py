@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moshray.actors.replica.build_check import installed_build
+from moshray.cluster.collective.auth import new_job_key
 from moshray.cluster.placement import SLOT_LABEL
 
 
@@ -22,30 +23,66 @@ class ReplicaSpec:
     """What every replica of a job shares: the config dict, the job (the user's loop and
     data source, ``actors.replica.Job``), the Coordinator and the optional initial state
     (a checkpoint, as ``[ObjectRef]``). ``build``: the driver's moshray build, read where the
-    spec is made (``actors/replica/build_check.py``); a replica whose installed build differs refuses
-    to run, which stops the job (None: no check)."""
+    spec is made (``actors/replica/build_check.py``); a replica whose installed build
+    differs refuses to run, which stops the job (None: no check). ``run_id``: the training
+    job's run (see ``jobs/controller/lease.py``): its replicas are detached named actors
+    that outlive the driver; None (tests, benchmarks): replicas owned by the driver,
+    unnamed. ``job_key``: the secret the job's replicas sign and check contributions with
+    (``cluster/collective/auth.py``), made here on the driver and handed to each replica as
+    a constructor argument only (never an environment variable or a named place); a driver
+    that adopts a running swarm must reuse its key (``adopted_job_key``)."""
 
     config: dict
     job: Any
     coordinator: Any
     init_state_ref: list | None = None
     build: str | None = field(default_factory=installed_build)
+    run_id: str | None = None
+    job_key: bytes = field(default_factory=new_job_key, repr=False)
 
 
 def launch_replica(spec: ReplicaSpec, peer_id: str, node_id: str,
                    num_gpus: float) -> tuple[Any, Any]:
     """Start ``peer_id`` on ``node_id``; returns ``(handle, run_ref)``. Never blocks: a node
-    that died meanwhile shows up as a failed ``run_ref``."""
+    that died meanwhile shows up as a failed ``run_ref``. Detached and named when
+    ``spec.run_id`` is set (the caller kills it when it is done with it)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from moshray.actors.replica.actor import ReplicaActor
 
+    from moshray.cluster.placement import NAMESPACE
+    from moshray.jobs.controller.lease import replica_actor_name
+
+    lifetime = {} if spec.run_id is None else {
+        "name": replica_actor_name(spec.run_id, peer_id), "namespace": NAMESPACE,
+        "lifetime": "detached"}
     handle = ReplicaActor.options(
         num_cpus=1, num_gpus=num_gpus, max_concurrency=16,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **lifetime,
     ).remote(peer_id, spec.config, spec.job, spec.coordinator, spec.init_state_ref,
-              build=spec.build)
+              build=spec.build, job_key=spec.job_key)
     return handle, handle.run.remote()
+
+
+def adopted_job_key(handles, timeout_s: float = 30.0) -> bytes | None:
+    """The job key of a running swarm (for a driver that adopts it): read out of the first
+    replica of ``handles`` that answers, through Ray's ``__ray_call__`` (the power anyone
+    with the cluster's token has: see ``cluster/collective/auth.py``). None if none
+    answers (the swarm is gone: a fresh key is right then)."""
+    import ray
+
+    def key_of(actor):
+        auth = actor.manager.averager.auth
+        return None if auth is None else auth._key
+
+    for handle in handles:
+        try:
+            key = ray.get(handle.__ray_call__.remote(key_of), timeout=timeout_s)
+        except ray.exceptions.RayError:  # gone, or not a replica (no averager)
+            continue
+        if key is not None:
+            return key
+    return None
 
 
 def slot_node_id(slot: int) -> str:
@@ -70,6 +107,7 @@ class ReplicaSupervisor:
         self.replicas: dict[int, tuple[str, object, object]] = {}  # slot -> (id, handle, run)
         self.generation = 0
         self.hard_losses = 0
+        self.preemptions = 0  # replicas lost (``lost``): the driver counts them
         self.lock = threading.Lock()
 
     def start(self, slot: int, node_id: str | None = None) -> None:
@@ -87,7 +125,7 @@ class ReplicaSupervisor:
             self.hard_losses += int(hard and entry is not None)
         if entry is not None:
             self.coordinator.leave.remote(entry[0])
-            self.coordinator.note_preemption.remote()
+            self.preemptions += 1
 
     def handles(self) -> list[tuple[str, object, object]]:
         with self.lock:

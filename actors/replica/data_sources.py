@@ -20,9 +20,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from moshray.actors.errors import UserError
+
+if TYPE_CHECKING:
+    import pyarrow.fs as pafs
 
 DEFAULT_SHARDS = 64
 
@@ -86,6 +89,29 @@ def _record_batches(batches, transform) -> Iterator[Any]:
             yield transform(rb)
 
 
+def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """``(filesystem, path)`` for a local path or a ``scheme://`` URI (pyarrow's
+    filesystems: local, ``s3://``, ``gs://``...). Raises pyarrow's error for a URI whose
+    scheme it cannot open."""
+    import os
+
+    import pyarrow.fs as pafs
+
+    if "://" in uri:
+        return pafs.FileSystem.from_uri(uri)
+    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+
+
+def as_uri(fs: pafs.FileSystem, path: str, original: str) -> str:
+    """Re-attach the scheme that ``FileSystem.from_uri`` stripped off ``path``."""
+    import pyarrow.fs as pafs
+
+    if isinstance(fs, pafs.LocalFileSystem):
+        return path
+    scheme = original.split("://", 1)[0]
+    return f"{scheme}://{path}"
+
+
 @dataclass(frozen=True)
 class ParquetSource:
     """Row groups of Parquet files, each a shard, streamed ``batch_size`` rows at a time."""
@@ -108,10 +134,9 @@ class ParquetSource:
     def open(self, shard: int, seed: int) -> Iterator[Any]:
         import pyarrow.parquet as pq
 
-        from moshray.jobs.examples.lm.corpus import _filesystem
 
         uri, row_group = self.fragments[shard]
-        fs, path = _filesystem(uri)
+        fs, path = filesystem(uri)
         with fs.open_input_file(path) as handle:
             reader = pq.ParquetFile(handle)
             batches = reader.iter_batches(batch_size=self.batch_size, row_groups=[row_group],
@@ -128,13 +153,12 @@ def parquet(uris: str | Sequence[str], batch_size: int, columns: Sequence[str] |
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
-    from moshray.jobs.examples.lm.corpus import _as_uri, _filesystem
 
     if int(batch_size) < 1:
         raise UserError("data", f"batch_size must be at least 1, got {batch_size}")
     fragments: list[tuple[str, int]] = []
     for uri in [uris] if isinstance(uris, str) else list(uris):
-        fs, path = _filesystem(uri)
+        fs, path = filesystem(uri)
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.Directory:
             infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
@@ -146,7 +170,7 @@ def parquet(uris: str | Sequence[str], batch_size: int, columns: Sequence[str] |
         for p in paths:
             with fs.open_input_file(p) as handle:
                 groups = pq.ParquetFile(handle).metadata.num_row_groups
-            fragments += [(_as_uri(fs, p, uri), g) for g in range(groups)]
+            fragments += [(as_uri(fs, p, uri), g) for g in range(groups)]
     if not fragments:
         raise UserError("data", f"no Parquet row groups found in {uris}")
     return ParquetSource(tuple(fragments), int(batch_size),

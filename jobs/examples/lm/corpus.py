@@ -24,6 +24,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
+from moshray.actors.replica.data_sources import as_uri, filesystem
+
 __all__ = [
     "ByteBatches",
     "DATA_SUFFIXES",
@@ -163,21 +165,6 @@ def build_default_corpus(
 # --------------------------------------------------------------------------- resolving
 
 
-def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    """``(filesystem, path)`` for a local path or a ``scheme://`` URI."""
-    if "://" in uri:
-        return pafs.FileSystem.from_uri(uri)
-    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
-
-
-def _as_uri(fs: pafs.FileSystem, path: str, original: str) -> str:
-    """Re-attach the scheme that ``FileSystem.from_uri`` stripped off ``path``."""
-    if isinstance(fs, pafs.LocalFileSystem):
-        return path
-    scheme = original.split("://", 1)[0]
-    return f"{scheme}://{path}"
-
-
 def resolve_data(uris: list[str] | None, cache_dir: str) -> list[str]:
     """Expand data locations into a sorted, de-duplicated list of data files.
 
@@ -195,14 +182,14 @@ def resolve_data(uris: list[str] | None, cache_dir: str) -> list[str]:
         return build_default_corpus(cache_dir)
     found: set[str] = set()
     for uri in uris:
-        fs, path = _filesystem(uri)
+        fs, path = filesystem(uri)
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
             raise FileNotFoundError(f"data path not found: {uri}")
         if info.type == pafs.FileType.File:
             if not path.endswith(DATA_SUFFIXES):
                 raise ValueError(f"data file {uri} is neither .parquet nor .txt")
-            found.add(_as_uri(fs, path, uri))
+            found.add(as_uri(fs, path, uri))
             continue
         matches = [
             entry.path
@@ -211,7 +198,7 @@ def resolve_data(uris: list[str] | None, cache_dir: str) -> list[str]:
         ]
         if not matches:
             raise FileNotFoundError(f"no .parquet or .txt files under data path {uri}")
-        found.update(_as_uri(fs, m, uri) for m in matches)
+        found.update(as_uri(fs, m, uri) for m in matches)
     return sorted(found)
 
 
@@ -256,7 +243,7 @@ def _read_bytes(uri: DataFile) -> bytes:
         if not uri.name.endswith(".parquet"):
             return bytes(raw)
         return _parquet_text(pa.BufferReader(raw), uri.name)
-    fs, path = _filesystem(uri)
+    fs, path = filesystem(uri)
     if path.endswith(".parquet"):
         with fs.open_input_file(path) as handle:
             return _parquet_text(handle, uri)

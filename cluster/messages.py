@@ -57,6 +57,9 @@ class RejectReason(str, enum.Enum):
     # above the bounds derived from the step (``partition.ContributionBounds``)
     VALUE_OUT_OF_BOUNDS = "value_out_of_bounds"  # |value| above the step's value bound
     WEIGHT_OUT_OF_BOUNDS = "weight_out_of_bounds"  # weight above the step's weight bound
+    # no tag, or one that the job's key did not make for these fields (``collective/auth.py``);
+    # a forger can claim any sender, so this never counts toward that sender's quarantine
+    UNAUTHENTICATED = "unauthenticated"
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,11 @@ class Contribution:
     weight: float
     numel: int
     part_refs: tuple[Payload, ...]
+    # SHA-256 of each part's encoded bytes (b"" for a part not sent) and the HMAC over the
+    # fields above and these digests with the job's key (``collective/auth.py``); empty
+    # when the averager has no key
+    digests: tuple[bytes, ...] = ()
+    tag: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)
@@ -194,6 +202,8 @@ class PartResult:
     total_weight: float
     contributors: tuple[str, ...]
     ref: Payload  # an ObjectRef, or Inline for a small part
+    digest: bytes = b""  # SHA-256 of the encoded result (``collective/auth.py``)
+    tag: bytes = field(default=b"", repr=False)  # HMAC with the job's key; b"": no key
 
 
 @dataclass(frozen=True)

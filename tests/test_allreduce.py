@@ -2,6 +2,8 @@
 
 Peers are AveragingPeer actors spread over the spot nodes; plans come from the real
 Membership / Coordinator. Failures are real: a peer process that exits, a raylet removed.
+Every peer signs and checks with one job key (``collective/auth.py``), as replicas do; an
+outsider with another key is rejected as unauthenticated.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import ray
 
 import moshray.cluster.coordinator.actor as coordinator_mod
+from moshray.cluster.collective.auth import new_job_key
 from moshray.cluster.collective.averager import CONTRIBUTION_FRACTION
 from moshray.cluster.collective.codecs import max_abs_error_bound
 from moshray.cluster.coordinator.membership import Membership, MembershipConfig
@@ -24,17 +27,18 @@ pytestmark = pytest.mark.cluster
 
 TIMEOUT = 15.0
 MARGIN = 4.0  # re-reduction and scheduling slack on a loaded 2-core machine
+JOB_KEY = new_job_key()  # every peer's, unless a test gives one another
 
 
-def spawn(n: int, prefix: str, slots=None):
-    """n fresh peers round-robin over the given node slots."""
+def spawn(n: int, prefix: str, slots=None, job_key: bytes = JOB_KEY):
+    """n fresh peers round-robin over the given node slots, signing with ``job_key``."""
     slots = slots or [0, 1, 2, 3]
     peers = {}
     for i in range(n):
         slot = slots[i % len(slots)]
         peers[f"{prefix}{i}"] = AveragingPeer.options(
             num_cpus=0, resources={f"slot-{slot}": 0.01}
-        ).remote(f"{prefix}{i}")
+        ).remote(f"{prefix}{i}", job_key)
     ray.get([p.node_id.remote() for p in peers.values()], timeout=120)
     return peers
 
@@ -241,19 +245,23 @@ def test_bad_contributions_rejected_with_reason(pool):
     # The last user of the pool: the faults below only change what the bad peers send.
     peers = take(pool, 8)
     names = list(peers)
+    outsider = spawn(1, "outsider-", job_key=new_job_key())  # not of this job: another key
     rng = np.random.default_rng(3)
     arrays = {p: rng.normal(size=12000).astype(np.float32) for p in peers}
     weights = {p: 1.0 + i for i, p in enumerate(peers)}
     # A first clean round moves every peer to its epoch, so labels 1000 epochs older are stale.
     warm = make_plan(peers, epoch=next(_epochs))
     ray.get(list(run(peers, warm, arrays, weights).values()), timeout=60)
-    plan = make_plan(peers, epoch=next(_epochs))
+    plan = make_plan(peers | outsider, epoch=next(_epochs))
+    arrays["outsider-0"], weights["outsider-0"] = arrays[names[0]] * 10, 1.0
+    refs = run(outsider, plan, arrays, weights, timeout=8.0)
     faults = {names[2]: "nan", names[3]: "wrong_shape", names[4]: "wrong_dtype",
               names[5]: "stale_epoch", names[6]: "huge_values", names[7]: "huge_weight"}
-    refs = run(peers, plan, arrays, weights, faults=faults, timeout=8.0)
+    refs |= run(peers, plan, arrays, weights, faults=faults, timeout=8.0)
     good = names[:2]
     results = ray.get([refs[p] for p in good], timeout=60)
-    ray.get([refs[p] for p in faults], timeout=60)  # the bad ones also finish
+    ray.get([refs[p] for p in [*faults, *outsider]], timeout=60)  # the bad ones finish too
+    kill_all(outsider)
     expected = weighted(arrays, weights, good)
     reasons = {}
     for out, report in results:
@@ -266,9 +274,11 @@ def test_bad_contributions_rejected_with_reason(pool):
     assert RejectReason.STALE_EPOCH in reasons[names[5]]
     assert RejectReason.VALUE_OUT_OF_BOUNDS in reasons[names[6]]  # 3e38: finite, poisoned
     assert RejectReason.WEIGHT_OUT_OF_BOUNDS in reasons[names[7]]  # weight 1e30
+    assert reasons["outsider-0"] == {RejectReason.UNAUTHENTICATED}  # a forger's, any part
     counts = ray.get(peers[names[0]].rejection_counts.remote(), timeout=30)
     assert counts["non_finite"] >= 1 and counts["stale_epoch"] >= 1
     assert counts["value_out_of_bounds"] >= 1 and counts["weight_out_of_bounds"] >= 1
+    assert counts["unauthenticated"] >= 1
 
 
 def test_an_owner_with_nothing_valid_hands_on_no_junk(cluster):

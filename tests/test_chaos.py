@@ -218,3 +218,62 @@ def test_local_cloud_records_a_dead_slot_as_a_fault_that_did_not_happen(caplog):
         ("add", 2, "node-2-new", True)]
     assert heard[2].reason == "slot 1 has no live node" and cloud.events == heard
     assert "remove of slot 1 not done: slot 1 has no live node" in caplog.text
+
+
+def test_production_code_has_no_fault_hooks():
+    """Faults come from the bench's wrappers (``chaos_faults``), not from parameters or
+    attributes of the strategies and the step manager."""
+    import inspect
+
+    from moshray.actors.replica.step_manager import StepManager
+    from moshray.actors.replica.strategies import STRATEGIES, Strategy
+
+    for cls in (Strategy, *STRATEGIES.values()):
+        for method in ("after_backward", "contribution", "global_step"):
+            assert "fault" not in inspect.signature(getattr(cls, method)).parameters
+    manager = StepManager("p0", None, None, "n0", round_timeout_s=1.0)
+    assert not hasattr(manager, "fault")
+
+
+@pytest.mark.parametrize("fault,reason", [("nan", "non_finite"), ("shape", "shape_mismatch")])
+def test_a_faulty_averager_sends_bad_contributions_through_the_real_round(fault, reason):
+    """``FaultyAverager`` (what ``set_replica_fault`` installs in a replica) changes only
+    what the wrapped averager is given: the others reject it with the fault's reason, the
+    wrapped one gets back tensors shaped as it passed them, and the transport calls reach
+    the wrapped averager."""
+    import asyncio
+
+    import numpy as np
+    import torch
+
+    from moshray.cluster.collective.averager import Averager
+    from moshray.cluster.collective.auth import new_job_key
+    from moshray.cluster.coordinator.membership import Membership, MembershipConfig
+    from moshray.cluster.collective.transport import LocalNetwork
+    from moshray.cluster.messages import PeerInfo
+    from moshray.jobs.bench.chaos_faults import FaultyAverager
+
+    network, key = LocalNetwork(), new_job_key()
+    membership = Membership(MembershipConfig(max_group=16, min_part=1))
+    averagers = {}
+    for pid in ("p0", "p1", "p2"):
+        averagers[pid] = Averager(pid, transport=network.transport(pid), job_key=key)
+        membership.register(PeerInfo(pid, pid), now=0.0)
+    averagers["p2"] = FaultyAverager(averagers["p2"], fault)
+    for pid, averager in averagers.items():
+        network.add(pid, averager)  # its deliver_* calls go through the wrapper
+    plan = membership.plan(now=0.0)
+    tensors = {p: [torch.full((40,), float(i + 1)), torch.ones(3)]
+               for i, p in enumerate(averagers)}
+
+    async def run():
+        return await asyncio.gather(*(a.all_reduce(tensors[p], 1.0, plan, 2.0)
+                                      for p, a in averagers.items()))
+
+    (good, rep0), _, (bad, _) = asyncio.run(run())
+    assert {r.reason.value for r in rep0.rejections if r.sender == "p2"} == {reason}
+    assert torch.allclose(good[0], torch.full((40,), 1.5))  # the mean of p0 and p1
+    assert [t.shape for t in bad] == [t.shape for t in tensors["p2"]]
+    assert all(np.isfinite(t.numpy()).all() for t in bad)
+    with pytest.raises(ValueError, match="unknown fault"):
+        FaultyAverager(averagers["p0"], "bogus")

@@ -77,7 +77,7 @@ def _micro_batches(model, opt, strategy, shift: float, n: int) -> None:
     for _ in range(n):
         x = torch.randn(8, 3, generator=g) * (1 + shift) + shift
         torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
-        strategy.after_backward(model, opt, None)
+        strategy.after_backward(model, opt)
 
 
 def _mean(contributions: list[list[torch.Tensor]], weights: list[float]) -> list:
@@ -94,7 +94,7 @@ def _two_replicas_step(strategy_of, optimizer_of):
     for i, (m, o, s) in enumerate(zip(models, opts, strategies)):
         _micro_batches(m, o, s, shift=float(i * 3), n=2 + i)  # different data, counts
     assert not torch.equal(models[0][1].running_mean, models[1][1].running_mean)
-    contributions = [s.contribution(m, 2 + i, None)
+    contributions = [s.contribution(m, 2 + i)
                      for i, (m, s) in enumerate(zip(models, strategies))]
     averaged = _mean(contributions, [16.0, 24.0])
     for m, o, s in zip(models, opts, strategies):
@@ -145,7 +145,7 @@ def test_a_snapshot_and_the_loops_end_carry_the_buffers_as_of_the_last_step():
     state = TrainState(model, opt, None, None, {})
     state.keep_step_buffers()
     _micro_batches(model, opt, strategy, 1.0, 2)
-    strategy.apply(model, opt, strategy.contribution(model, 2, None), 16.0)
+    strategy.apply(model, opt, strategy.contribution(model, 2), 16.0)
     state.commit(1)
     at_step = [b.clone() for b in averaged_buffers(model)]
     digest_at_step = state.full_checksum()
@@ -170,7 +170,8 @@ def test_a_new_strategy_is_one_registered_class():
     from moshray.jobs.config.sections import Mode
 
     assert strategy_names()[:2] == ("collaborative", "local_sgd")
-    assert set(get_args(Mode)) == set(strategy_names())  # the config reads the registry
+    # the config reads the registry, plus "auto" (the job picks one: mode_choice.py)
+    assert set(get_args(Mode)) == {*strategy_names(), "auto"}
     with pytest.raises(ConfigError, match="training.mode: must be one of 'collaborative'"):
         TrainConfig.from_dict({"training": {"mode": "sgd"}})
 
@@ -181,13 +182,13 @@ def test_a_new_strategy_is_one_registered_class():
         def from_config(cls, training, model, device=None):
             return cls()
 
-        def after_backward(self, model, optimizer, fault):
+        def after_backward(self, model, optimizer):
             optimizer.zero_grad()
 
         def zero_grad_allowed(self):
             return True
 
-        def contribution(self, model, micro, fault):
+        def contribution(self, model, micro):
             return []
 
         def apply(self, model, optimizer, averaged, total_weight):

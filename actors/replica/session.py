@@ -1,35 +1,62 @@
 """What the user's training loop holds inside each replica: ``Session`` and ``ElasticOptimizer``.
 
-The loop is a plain function ``loop(session)`` that the replica runs in a thread::
+The loop is a plain function ``loop(session)`` that the replica runs in a thread, written
+in torch's idiom::
 
     def loop(session):
         torch.manual_seed(session.seed)
         model = Net()
         opt = session.prepare(model, torch.optim.Adam(model.parameters(), 1e-3))
         for x, y in session.batches():
-            opt.step(F.cross_entropy(model(x), y))
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()                      # moshray decides when a global step happens
+            opt.zero_grad()
+            session.report({"loss": loss})  # the console, the summary, TensorBoard
 
 ``prepare`` moves the model to the replica's device, joins the swarm (the model, the
 optimizer, the user's extra state dict, the data position and the RNG states are copied
 from a live replica or the checkpoint) and returns the optimizer wrapper. ``batches()``
 yields the batches of the shards this replica is handed, on its device, until the job
-stops. ``opt.step(loss)`` runs the backward pass and lets the step strategy
-(``strategies.py``: ``training.mode`` names one) decide whether a global step happens now
-(it returns True when one did). Bad input raises a
-``UserError`` naming what to fix, which stops the job.
+stops. Between ``loss.backward()`` and ``opt.step()`` the gradients are the user's:
+clip them, unscale them (``torch.amp.GradScaler``: ``scaler.step(opt)`` works), inspect
+them. ``opt.step()`` hands this micro-batch's gradient to the step strategy
+(``strategies.py``: ``training.mode`` names one), which decides whether a global step
+happens now (it returns True when one did); moshray itself clips nothing and rescales no
+learning rate unless ``training.grad_clip`` / ``training.lr_scaling`` say so (off by
+default). ``opt.step(loss)``, the older shorthand, still works: it runs
+``loss.backward()`` first (and records the loss); after a ``loss.backward()`` of the
+user's it raises ``UserError`` (that would backpropagate twice). ``opt.step()`` with no
+gradient since the last one raises ``UserError`` too (a missing ``loss.backward()``).
+
+``session.report(metrics)`` records the loop's own metrics at the current global step
+(the run summary's ``reported``, Prometheus, TensorBoard, the ``fit(on_report=...)``
+callback); ``session.is_leader`` is true on exactly one live replica at a time (the ready
+replica with the lowest peer id, handed over when it leaves: ``leader_of``), for work that
+must happen once, such as evaluation. Bad input raises a ``UserError`` naming what to fix,
+which stops the job.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
+import re
+from collections.abc import Iterable
 from typing import Any
 
+import ray
 import torch
 
 from moshray.actors.errors import UserError
 from moshray.actors.replica.state import TrainState
 from moshray.actors.replica.shard_feed import ShardFeed
 from moshray.actors.replica.strategies import make_strategy
+
+log = logging.getLogger(__name__)
+
+LEADER_TIMEOUT_S = 30.0  # one membership read for ``is_leader`` (a restarting Coordinator)
 
 
 def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
@@ -55,8 +82,14 @@ def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
 
 
 def check_loss(loss: Any) -> torch.Tensor:
+    """``loss`` if it is a scalar tensor that depends on the parameters; else ``UserError``."""
+    if callable(loss):
+        raise UserError("loss", "opt.step(closure) is not supported (a step averaged across "
+                        "replicas cannot re-evaluate the loss): call loss.backward(); "
+                        "opt.step()")
     if not isinstance(loss, torch.Tensor):
-        raise UserError("loss", f"opt.step(loss) needs a tensor, got {type(loss).__name__}")
+        raise UserError("loss", f"opt.step(loss) needs a tensor, got {type(loss).__name__}: "
+                        f"write loss.backward(); opt.step()")
     if loss.dim() != 0:
         raise UserError("loss", f"must be a scalar, got shape {tuple(loss.shape)}: reduce it "
                         f"(e.g. .mean())")
@@ -87,34 +120,106 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def _has_grad(model: torch.nn.Module) -> bool:
+    return any(p.grad is not None for p in model.parameters())
+
+
 class ElasticOptimizer:
-    """Wraps the user's optimizer; ``step(loss)`` once per micro-batch (see module doc)."""
+    """Wraps the user's optimizer (see module docstring): ``loss.backward(); opt.step();
+    opt.zero_grad()`` once per micro-batch. ``param_groups`` and ``state_dict`` are the
+    wrapped optimizer's (``GradScaler.unscale_`` and ``step`` use them); ``optimizer`` is
+    the wrapped one itself (for learning-rate schedulers)."""
 
     def __init__(self, session: "Session", optimizer: torch.optim.Optimizer):
         self.session, self.optimizer = session, optimizer
 
-    def step(self, loss: torch.Tensor, samples: int | None = None) -> bool:
-        """Backward, then the strategy's local part and, if the Coordinator planned one, a
-        global step. ``samples`` defaults to the size of the last batch. True if a global
-        step happened."""
+    def step(self, loss: torch.Tensor | None = None, samples: int | None = None) -> bool:
+        """Hand this micro-batch's gradients (as the loop left them) to the step strategy
+        and, if the Coordinator planned one, take a global step; True if one happened.
+        ``samples`` defaults to the size of the last batch. ``loss`` (the older shorthand):
+        run ``loss.backward()`` here first. ``UserError`` if there is no gradient since the
+        last step (no ``loss.backward()``), or if ``loss`` is given after the loop's own
+        ``loss.backward()`` (a second backward pass)."""
         s = self.session
-        check_loss(loss).backward()
-        s.strategy.after_backward(s.state.model, self.optimizer, s.manager.fault)
+        model = s.state.model
+        value = None
+        if loss is not None:
+            loss = check_loss(loss)
+            if _has_grad(model):
+                raise UserError("optimizer", "loss.backward() was called and opt.step(loss) "
+                                "would backpropagate again: write loss.backward(); "
+                                "opt.step(); opt.zero_grad()")
+            loss.backward()
+            value = float(loss.detach())
+        elif not _has_grad(model):
+            raise UserError("optimizer", "opt.step() found no gradients: call "
+                            "loss.backward() before each opt.step()")
+        s.strategy.after_backward(model, self.optimizer)
         n = samples if samples is not None else s.last_batch_size
-        return s.call(s.manager.after_micro_batch(n, float(loss.detach())))
+        return s.call(s.manager.after_micro_batch(n, value))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """In collaborative mode gradients accumulate until the global step (which clears
-        them): this does nothing then. In local SGD it clears them."""
-        if self.session.strategy.zero_grad_allowed():
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+        """The wrapped optimizer's ``zero_grad``: ``step`` has taken the gradients it
+        counts already, so this clears only what a step skipped (``GradScaler`` found an
+        inf) or nothing."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @property
     def param_groups(self):
         return self.optimizer.param_groups
 
+    @property
+    def state(self):
+        return self.optimizer.state
+
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
+
+
+def _natural_key(peer_id: str) -> tuple:
+    """``replica-2`` before ``replica-10``: digits compare as numbers."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part)
+                 for part in re.split(r"(\d+)", peer_id) if part)
+
+
+def leader_of(ready: Iterable[str], leaving: Iterable[str] = ()) -> str | None:
+    """The leader of a swarm: the ready peer with the lowest id (digits compared as
+    numbers) among those not ``leaving`` (draining); None if there is none. Pure: every
+    replica that reads the same membership picks the same one, and when the leader leaves
+    the next lowest takes over."""
+    gone = set(leaving)
+    candidates = [p for p in ready if p not in gone]
+    return min(candidates, key=_natural_key) if candidates else None
+
+
+def metric_values(metrics: Any) -> tuple[tuple[str, float], ...]:
+    """``session.report``'s argument as ``(name, value)`` pairs; ``UserError`` unless it is
+    a dict of non-empty string names (at most ``REPORTED_NAME_MAX`` characters) to numbers
+    or one-element tensors. Non-finite values are left out (logged): a NaN loss is a
+    training problem, not a reason to stop the job."""
+    from moshray.cluster.metrics import REPORTED_NAME_MAX
+
+    if not isinstance(metrics, dict):
+        raise UserError("report", f"expected a dict of name -> number, got "
+                        f"{type(metrics).__name__}")
+    values = []
+    for name, value in metrics.items():
+        if not (isinstance(name, str) and 0 < len(name) <= REPORTED_NAME_MAX):
+            raise UserError("report", f"metric names must be strings of 1 to "
+                            f"{REPORTED_NAME_MAX} characters, got {name!r}")
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise UserError("report", f"{name!r} is a tensor of shape "
+                                f"{tuple(value.shape)}: report a number (e.g. .mean())")
+            value = value.detach().item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError("report", f"{name!r} must be a number, got {type(value).__name__}")
+        value = float(value)
+        if not math.isfinite(value):
+            log.warning("report: %r is %s, left out", name, value)
+            continue
+        values.append((name, value))
+    return tuple(values)
 
 
 class Session:
@@ -123,7 +228,8 @@ class Session:
     Attributes: ``peer_id``, ``config`` (the ``TrainConfig``), ``device`` (the GPU Ray
     gave this replica, else the CPU; ``prepare`` moves the model there, ``batches`` the
     data), ``seed``, ``coordinator`` (handle, for DMoE layers), ``epoch`` (global steps so
-    far). ``autocast()``: mixed precision on that device."""
+    far), ``is_leader``. ``report(metrics)``: the loop's own metrics. ``autocast()``:
+    mixed precision on that device."""
 
     def __init__(self, peer_id: str, config, device: torch.device, manager, source,
                  loop: asyncio.AbstractEventLoop, coordinator):
@@ -183,6 +289,34 @@ class Session:
             self.last_batch_size = batch_size_of(batch)
             yield to_device(batch, self.device)
 
+    def report(self, metrics: dict) -> None:
+        """Record the loop's own metrics (``{name: number or one-element tensor}``) at the
+        current global step (``epoch``): the last value of each name per step reaches the
+        run summary (``summary["reported"][name]`` = ``{"value", "step"}``, the newest
+        step's), the Prometheus gauge ``moshray_reported{name=...}``, TensorBoard event
+        files in the run directory and ``fit``'s ``on_report`` callback (on the driver).
+        Every replica's reports are kept: report evaluation results where
+        ``is_leader``. ``"loss"`` is also the loss the console and ``final_loss`` show
+        (the mean of the values reported between two global steps). Fire-and-forget;
+        ``UserError`` for a bad argument (see ``metric_values``)."""
+        values = metric_values(metrics)
+        if values:
+            self._loop.call_soon_threadsafe(self.manager.note_reported, values, self.epoch)
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this replica is the swarm's leader now (``leader_of`` the Coordinator's
+        ready, not draining peers): true on one live replica at a time, handed over when
+        it leaves (once the Coordinator sees it gone: a notice, or its heartbeats expire).
+        One call to the Coordinator: ask where you act (every N steps), not per batch.
+        False if the Coordinator cannot be read (it is restarting)."""
+        try:
+            view = self.coordinator.peer_view.remote().future().result(LEADER_TIMEOUT_S)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            log.warning("is_leader: membership not read (%s)", type(exc).__name__)
+            return False
+        return leader_of(view["ready"], view["draining"]) == self.peer_id
+
     def record(self, events: tuple) -> None:
         """Metrics events (``moshray.cluster.metrics``) to the Coordinator, fire-and-forget."""
         self._loop.call_soon_threadsafe(self.manager.record, tuple(events))
@@ -191,12 +325,19 @@ class Session:
         """``torch.autocast`` on this replica's device: the forward pass in ``dtype``
         (bf16) where it pays. ``enabled`` None: on for a CUDA device that supports bf16,
         off on the CPU; True forces it on (CPU autocast on a CPU replica). Use it around the
-        forward pass and the loss, not around ``opt.step``::
+        forward pass and the loss, not around the backward pass or ``opt.step``::
 
             with session.autocast():
                 loss = model.loss(x, y)
-            opt.step(loss)
-        """
+            loss.backward()
+            opt.step()
+
+        fp16 (``dtype=torch.float16``) wants a ``torch.amp.GradScaler``:
+        ``scaler.scale(loss).backward(); scaler.unscale_(opt)`` (then clip if you like)
+        ``; scaler.step(opt); scaler.update(); opt.zero_grad()``. Each replica scales its
+        own micro-batches; ``opt.step()`` hands on the unscaled gradients, and a
+        micro-batch whose gradients were not finite is skipped by the scaler (not
+        counted)."""
         if enabled is None:
             enabled = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.autocast(self.device.type, dtype=dtype, enabled=bool(enabled))

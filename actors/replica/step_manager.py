@@ -13,8 +13,11 @@ history is kept in ``protocol``), and whether a plan is taken is decided in one 
 It lives on the replica actor's event loop; the training loop's thread calls
 ``after_micro_batch`` once per micro-batch (through the ``Session``) and waits for it.
 Failures of other peers never raise here (the averager's deadlines bound every round);
-a Coordinator that is briefly away is retried by Ray (its calls have task retries) and
-reports that fail are dropped (the next one carries the same progress).
+a step whose averaging errored (``AveragingError``: the weighted mean was not finite) is
+committed with nothing applied, counted in ``errored_steps``, and training goes on (a
+replica whose parameters then differ from the swarm's is resynced by the Coordinator's
+checksum vote); a Coordinator that is briefly away is retried by Ray (its calls have task
+retries) and reports that fail are dropped (the next one carries the same progress).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from dataclasses import dataclass
 import ray
 
 from moshray.cluster import metrics
-from moshray.cluster.collective.averager import Averager
-from moshray.cluster.messages import RoundPlan
+from moshray.cluster.collective.averager import Averager, AveragingError
+from moshray.cluster.messages import RejectReason, RoundPlan
 from moshray.cluster.coordinator.progress import ProgressReport
 from moshray.cluster.coordinator.step_profile import PhaseClock
 
@@ -57,20 +60,29 @@ HISTORY = 256  # protocol transitions kept (two per step)
 
 @dataclass
 class Tally:
-    """The micro-batches since the last step (or state copy): what a contribution weighs."""
+    """The micro-batches since the last step (or state copy): what a contribution weighs,
+    and the losses the loop gave (``add``'s, or reported as ``"loss"``: ``note_loss``)."""
 
     samples: int = 0
     micro: int = 0
     loss_sum: float = 0.0
+    loss_weight: float = 0.0
 
-    def add(self, samples: int, loss: float) -> None:
+    def add(self, samples: int, loss: float | None = None) -> None:
         self.samples += samples
         self.micro += 1
-        self.loss_sum += loss * samples
+        if loss is not None:
+            self.loss_sum += loss * samples
+            self.loss_weight += samples
+
+    def note_loss(self, loss: float) -> None:
+        """A loss the loop reported (``session.report({"loss": ...})``): one vote."""
+        self.loss_sum += loss
+        self.loss_weight += 1
 
     @property
     def mean_loss(self) -> float | None:
-        return self.loss_sum / self.samples if self.samples else None
+        return self.loss_sum / self.loss_weight if self.loss_weight else None
 
 
 @dataclass(frozen=True)
@@ -89,18 +101,22 @@ class StepManager:
     ``clock`` times the protocol's transitions and the join (monotonic seconds)."""
 
     def __init__(self, peer_id: str, coordinator, handle, node_id: str, round_timeout_s: float,
-                 init_state_ref: list | None = None, clock=time.monotonic):
+                 init_state_ref: list | None = None, clock=time.monotonic,
+                 job_key: bytes | None = None):
         self.peer_id, self.coordinator, self.handle = peer_id, coordinator, handle
         self.node_id, self.round_timeout_s = node_id, round_timeout_s
         self._clock = clock
         self.protocol = StateMachine(TABLE, peer_id, Phase.JOINING, clock, keep=HISTORY)
-        self.averager = Averager(peer_id)
+        # signs and checks contributions with the job's key (collective/auth.py)
+        self.averager = Averager(peer_id, job_key=job_key)
         self.state: TrainState | None = None
         self.strategy: Strategy | None = None
         self.tally = Tally()
         self.own_rejections = 0  # steps with this replica's contribution rejected
+        self.errored_steps = 0  # steps committed with nothing applied (AveragingError)
+        # what the loop reported since the last flush: name -> (global step, value)
+        self._reported: dict[str, tuple[int, float]] = {}
         self.consecutive_bad = 0
-        self.fault: str | None = None
         self.lock = asyncio.Lock()  # held while the state changes (steps, loads)
         self.started_at = clock()  # join time is measured from here
         self.joined = False  # contributed to an averaged step yet?
@@ -201,6 +217,7 @@ class StepManager:
     async def _load(self, loaded: dict, from_donor: bool) -> None:
         async with self.lock:
             self.state.load(loaded, from_donor)
+            self.strategy.discard_pending()
             self.tally = Tally()
 
     async def snapshot(self) -> dict:
@@ -240,6 +257,7 @@ class StepManager:
             self.protocol.to(Phase.CLOSED)
         if self.state is not None:
             await self._serve_snapshots()
+        self.flush_reported()
         self.record((), flush=True)
 
     # -- progress --------------------------------------------------------------------------
@@ -291,7 +309,7 @@ class StepManager:
                 self.receive_plan(reply.plan)
         return verdict
 
-    async def after_micro_batch(self, samples: int, loss: float) -> bool:
+    async def after_micro_batch(self, samples: int, loss: float | None = None) -> bool:
         """Count one micro-batch and act on what the Coordinator said; True if a global step
         was applied. Enters ``stopping`` when the Coordinator says stop. An overlapped step
         (``strategy.overlap``) is started here and applied at the first sync point after
@@ -302,7 +320,7 @@ class StepManager:
         finally:
             self.phases.leave()
 
-    async def _after_micro_batch(self, samples: int, loss: float) -> bool:
+    async def _after_micro_batch(self, samples: int, loss: float | None) -> bool:
         self.tally.add(samples, loss)
         applied = await self._finish_overlapped(wait=False)
         await self._serve_snapshots()
@@ -339,7 +357,7 @@ class StepManager:
         """Start ``plan``'s averaging on what was accumulated so far and let the loop go on
         (its next micro-batches count toward the step after)."""
         s = self.state
-        tensors = self.strategy.contribution(s.model, self.tally.micro, self.fault)
+        tensors = self.strategy.contribution(s.model, self.tally.micro)
         task = asyncio.ensure_future(self.strategy.average(
             self.averager, tensors, plan, self.tally.samples, self.round_timeout_s))
         self.protocol.to(Phase.OVERLAPPING, f"step {plan.epoch}")
@@ -354,6 +372,12 @@ class StepManager:
             return False
         try:
             averaged, report = await pending.task
+        except AveragingError as exc:
+            self._overlapped = None
+            async with self.lock:
+                self._errored(pending.plan, exc)
+            self.protocol.to(Phase.TRAINING, f"step {pending.plan.epoch} errored")
+            return True
         finally:
             self._overlapped = None
         s = self.state
@@ -372,32 +396,72 @@ class StepManager:
 
     async def global_step(self, plan: RoundPlan) -> None:
         """One synchronous step (``training -> stepping -> training``): average, apply,
-        commit."""
+        commit (an errored averaging: commit, nothing applied)."""
         s = self.state
         self.phases.step_begins()
         self.protocol.to(Phase.STEPPING, f"step {plan.epoch}")
         async with self.lock:
-            report = await self.strategy.global_step(
-                s.model, s.optimizer, self.averager, plan, self.tally.samples,
-                self.tally.micro, self.round_timeout_s, self.fault)
-            self._commit(plan)
-            self._profiled = self.phases.step_ends(plan.epoch, report.seconds,
-                                                   self.tally.samples, self.tally.micro,
-                                                   round_phases=report.phases)
+            try:
+                report = await self.strategy.global_step(
+                    s.model, s.optimizer, self.averager, plan, self.tally.samples,
+                    self.tally.micro, self.round_timeout_s)
+            except AveragingError as exc:
+                report = None
+                self._errored(plan, exc)
+            else:
+                self._commit(plan)
+                self._profiled = self.phases.step_ends(plan.epoch, report.seconds,
+                                                       self.tally.samples, self.tally.micro,
+                                                       round_phases=report.phases)
             self.tally = Tally()
+        if report is None:
+            self.protocol.to(Phase.TRAINING, f"step {plan.epoch} errored")
+            return
         self.protocol.to(Phase.TRAINING, f"step {plan.epoch} committed")
         await self._after_round(plan, report)
 
     def _commit(self, plan: RoundPlan) -> None:
         self.state.commit(plan.epoch)
 
+    def _errored(self, plan: RoundPlan, exc: AveragingError) -> None:
+        """The step's averaging errored: commit it with nothing applied (every member of
+        the errored group does the same; see module docstring) and count it."""
+        self.errored_steps += 1
+        log.warning("%s: step %d errored, nothing applied (%s; %d errored so far)",
+                    self.peer_id, plan.epoch, exc.detail, self.errored_steps)
+        self._commit(plan)
+        self.flush_reported()
+
+    # -- what the loop reports (session.report) ------------------------------------------------
+
+    def note_reported(self, values: tuple, step: int) -> None:
+        """The loop reported ``values`` (``(name, float)`` pairs) at global ``step``; kept
+        until the next flush (the last value per name). ``"loss"`` also goes into the
+        progress tally (the loss the console and the summary show). Event loop only."""
+        for name, value in values:
+            self._reported[name] = (step, value)
+            if name == "loss":
+                self.tally.note_loss(value)
+
+    def flush_reported(self) -> None:
+        """Send what was reported since the last flush (``metrics.ReportedEvent``)."""
+        if not self._reported:
+            return
+        rows = tuple((name, step, value) for name, (step, value) in self._reported.items())
+        self._reported.clear()
+        self.record((metrics.ReportedEvent(self.peer_id, rows),))
+
     async def _after_round(self, plan: RoundPlan, report) -> None:
-        """Metrics, rejections for the Coordinator, and a resync after too many of our own
-        contributions were rejected in a row."""
+        """Metrics (what the loop reported during the step too), rejections for the
+        Coordinator, and a resync after too many of our own contributions were rejected in
+        a row."""
+        self.flush_reported()
         self._record(report)
         self._saw_rejections.extend((r.sender, r.reason.value, plan.epoch, r.numel)
                                     for r in report.rejections if r.sender != self.peer_id)
-        mine = [r for r in report.rejections if r.sender == self.peer_id]
+        # a forger can name us (``UNAUTHENTICATED``): that says nothing about our values
+        mine = [r for r in report.rejections if r.sender == self.peer_id
+                and r.reason is not RejectReason.UNAUTHENTICATED]
         if not mine:
             self.consecutive_bad = 0
             return
@@ -438,6 +502,7 @@ class StepManager:
     async def _beat(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            self.flush_reported()  # (a loop whose steps are rare shows its reports anyway)
             self.record((), flush=True)
             try:
                 generation = self._generation

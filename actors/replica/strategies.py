@@ -8,8 +8,10 @@ applies. A new strategy is one ``Strategy`` subclass with ``@register``; the con
   bitwise identical (parameters, buffers and optimizer state).
 - ``LocalSGD`` (``"local_sgd"``, Moshpit SGD / DiLoCo): every micro-batch is a local
   optimizer step; a global step averages the parameters, optionally followed by an outer
-  Nesterov step on the averaged delta (``OuterNesterov``). The inner optimizers' state
-  stays each replica's own (as in DiLoCo); the outer optimizer's is shared.
+  Nesterov step on the averaged delta (``OuterNesterov``; with it the wire carries each
+  replica's outer gradient ``anchor - params``, so an 8- or 4-bit codec quantises the small
+  delta rather than the weights). The inner optimizers' state stays each replica's own
+  (as in DiLoCo); the outer optimizer's is shared.
 
 Both average the model's floating-point buffers (BatchNorm running statistics, ...) in
 every global step, weighted like the rest of the contribution (DDP broadcasts them from
@@ -19,8 +21,14 @@ passes: they are neither averaged (a wire codec such as fp16 cannot carry large 
 nor part of the digests. Buffers go through the round's wire codec like the gradients.
 
 A global step runs on the replica's event loop while the training loop's thread waits;
-``after_backward`` runs in that thread. A fault injected for tests (``"nan"``,
-``"shape"``) corrupts what this replica contributes; its peers reject it.
+``after_backward`` runs in that thread, inside the loop's ``opt.step()``: the user has run
+``loss.backward()`` and may have clipped, unscaled (``GradScaler``) or inspected the
+gradients since. Strategies hold no fault-injection hook: the chaos bench corrupts what a
+replica contributes by wrapping its averager (``jobs/bench/chaos_faults.py``).
+
+Nothing is clipped and no learning rate is rescaled unless the config turns it on
+(``training.grad_clip``, ``training.lr_scaling``: both off by default; their docstrings in
+``jobs/config/sections.py`` give the evidence).
 
 torch is imported where it is used, so that the config can read ``strategy_names``
 without loading it (every process that runs a step has loaded it already).
@@ -82,21 +90,6 @@ def clip(model, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
-def corrupt_grads(model, fault: str | None) -> None:
-    if fault == "nan":
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.fill_(float("nan"))
-
-
-def _with_fault(tensors: list, fault: str | None) -> list:
-    if fault == "shape":  # one element too many: peers reject it as a shape mismatch
-        import torch
-
-        return tensors + [torch.zeros(1)]
-    return tensors
-
-
 def averaged_buffers(model) -> list:
     """The buffers a global step averages: the floating-point ones, in ``model.buffers()``
     order (the same on every replica of one model)."""
@@ -146,15 +139,19 @@ class Strategy(abc.ABC):
         """The strategy for the config's ``training`` section, on ``device``."""
 
     @abc.abstractmethod
-    def after_backward(self, model, optimizer, fault: str | None) -> None:
-        """The local part of a micro-batch, right after its backward pass (loop thread)."""
+    def after_backward(self, model, optimizer) -> None:
+        """The local part of a micro-batch (loop thread, in the loop's ``opt.step()``): the
+        parameters' ``grad`` holds this micro-batch's gradient as the user left it (clipped,
+        unscaled, ...). It leaves no gradient behind that a later micro-batch would add to,
+        so the loop's ``opt.zero_grad()`` is the user's own (it clears what a step skipped
+        by ``GradScaler`` left)."""
+
+    def discard_pending(self) -> None:
+        """Forget what was accumulated toward the next step (the state was replaced by a
+        donor's or a checkpoint's)."""
 
     @abc.abstractmethod
-    def zero_grad_allowed(self) -> bool:
-        """Whether the loop's ``opt.zero_grad()`` clears the gradients."""
-
-    @abc.abstractmethod
-    def contribution(self, model, micro: int, fault: str | None) -> list:
+    def contribution(self, model, micro: int) -> list:
         """The tensors this replica averages for a step after ``micro`` micro-batches;
         their order and shapes are the same on every replica of the model."""
 
@@ -179,10 +176,10 @@ class Strategy(abc.ABC):
         return await averager.all_reduce(tensors, samples, plan, timeout_s)
 
     async def global_step(self, model, optimizer, averager: "Averager", plan: RoundPlan,
-                          samples: int, micro: int, timeout_s: float, fault: str | None):
+                          samples: int, micro: int, timeout_s: float):
         """One whole global step; returns the round's report."""
         averaged, report = await self.average(
-            averager, self.contribution(model, micro, fault), plan, samples, timeout_s)
+            averager, self.contribution(model, micro), plan, samples, timeout_s)
         self.apply(model, optimizer, averaged, report.total_weight)
         return report
 
@@ -229,15 +226,17 @@ def make_strategy(training, model, device=None) -> Strategy:
 class Collaborative(Strategy):
     """DeDLOC steps (see module docstring).
 
-    ``contribution`` takes the mean gradient out of the parameters (and the buffers);
-    ``apply`` is one optimizer step with the average. With ``overlap`` the replica's step
-    manager runs the averaging in the background while the loop accumulates the next
-    step's gradients on the parameters of the step before (one step of delay, as in
-    hivemind's delayed parameter updates); ``apply`` then puts the new accumulation back
-    after the optimizer step, and the buffers' average (taken when the step began)
-    replaces what the forward passes in between changed. Every replica applies the same
-    average to the same parameters, so they stay bitwise identical either way (the
-    buffers as of the last step travel and end the loop: ``TrainState.step_buffers``)."""
+    Each micro-batch's gradient is added to a sum the strategy holds (``accum``: the
+    loop's ``opt.step()`` moves it there, so the user's clipping or unscaling acts on one
+    micro-batch, as in torch); ``contribution`` takes the mean gradient out of that sum
+    (and the buffers); ``apply`` is one optimizer step with the average. With ``overlap``
+    the replica's step manager runs the averaging in the background while the loop
+    accumulates the next step's gradients on the parameters of the step before (one step
+    of delay, as in hivemind's delayed parameter updates), and the buffers' average (taken
+    when the step began) replaces what the forward passes in between changed. Every
+    replica applies the same average to the same parameters, so they stay bitwise
+    identical either way (the buffers as of the last step travel and end the loop:
+    ``TrainState.step_buffers``)."""
 
     name = "collaborative"
     can_overlap = True
@@ -248,6 +247,7 @@ class Collaborative(Strategy):
         self.grad_clip = grad_clip
         self.overlap = overlap
         self.lr_scaling, self.target_batch_size = lr_scaling, target_batch_size
+        self.accum: list | None = None  # the micro-batches' gradient sum, per parameter
 
     @classmethod
     def from_config(cls, training, model, device=None) -> "Collaborative":
@@ -257,28 +257,35 @@ class Collaborative(Strategy):
         return cls(training.grad_clip, training.overlaps(cuda), training.lr_scaling,
                    training.target_batch_size)
 
-    def after_backward(self, model, optimizer, fault: str | None) -> None:
-        corrupt_grads(model, fault)
-
-    def zero_grad_allowed(self) -> bool:
-        """Gradients accumulate until the global step: the loop's ``zero_grad`` waits."""
-        return False
-
-    @staticmethod
-    def take_gradients(model, micro: int) -> list:
-        """This replica's mean gradient over ``micro`` micro-batches, taken out of the
-        parameters (their ``grad`` is None after), so that the loop may accumulate again.
-        Call at a sync point of the loop."""
+    def after_backward(self, model, optimizer) -> None:
+        """Add the micro-batch's gradient (as the user left it) to the step's sum and take
+        it out of the parameters (their ``grad`` is None after)."""
         params = list(model.parameters())
-        grads = [(p.grad / max(micro, 1)) if p.grad is not None else p.detach().new_zeros(p.shape)
-                 for p in params]
-        for p in params:
+        if self.accum is None:
+            self.accum = [None] * len(params)
+        for i, p in enumerate(params):
+            if p.grad is None:
+                continue
+            if self.accum[i] is None:
+                self.accum[i] = p.grad
+            else:
+                self.accum[i].add_(p.grad)
             p.grad = None
-        return grads
 
-    def contribution(self, model, micro: int, fault: str | None) -> list:
+    def discard_pending(self) -> None:
+        self.accum = None
+
+    def take_gradients(self, model, micro: int) -> list:
+        """This replica's mean gradient over ``micro`` micro-batches (zeros for a parameter
+        that got none); the sum starts over. Call at a sync point of the loop."""
+        params = list(model.parameters())
+        accum, self.accum = self.accum or [None] * len(params), None
+        return [(a / max(micro, 1)) if a is not None else p.detach().new_zeros(p.shape)
+                for p, a in zip(params, accum)]
+
+    def contribution(self, model, micro: int) -> list:
         buffers = [b.detach().clone() for b in averaged_buffers(model)]
-        return _with_fault(self.take_gradients(model, micro) + buffers, fault)
+        return self.take_gradients(model, micro) + buffers
 
     def apply(self, model, optimizer, averaged: list, total_weight: float) -> None:
         n = len(list(model.parameters()))
@@ -287,9 +294,10 @@ class Collaborative(Strategy):
 
     def finish_step(self, model, optimizer, averaged: list, samples: float = 0.0) -> None:
         """One optimizer step with ``averaged`` gradients (the mean over ``samples``, the
-        report's ``total_weight``: it scales the rates, see ``lr_scale``); gradients
-        accumulated since ``take_gradients`` are kept for the next step. Call at a sync
-        point of the loop."""
+        report's ``total_weight``: it scales the rates if ``lr_scaling`` says so, see
+        ``lr_scale``); clipped to ``grad_clip`` if that is on. The sum accumulated since
+        ``take_gradients`` (an overlapped step's) is untouched; a gradient the loop left
+        on a parameter is put back after. Call at a sync point of the loop."""
         params = list(model.parameters())
         pending = [p.grad for p in params]
         for p, g in zip(params, averaged):
@@ -352,30 +360,37 @@ class LocalSGD(Strategy):
                  if training.outer_optimizer == "nesterov" else None)
         return cls(training.grad_clip, outer)
 
-    def after_backward(self, model, optimizer, fault: str | None) -> None:
-        corrupt_grads(model, fault)
+    def after_backward(self, model, optimizer) -> None:
+        """One local optimizer step with the micro-batch's gradient (clipped to
+        ``grad_clip`` if that is on); the gradients are cleared after."""
         clip(model, self.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-
-    def zero_grad_allowed(self) -> bool:
-        return True
 
     def shared_optimizers(self, optimizer) -> tuple:
         """Only the outer optimizer: the inner ones step on each replica's own batches."""
         return (self.outer_state.optimizer,) if self.outer_state is not None else ()
 
-    def contribution(self, model, micro: int, fault: str | None) -> list:
-        tensors = [p.detach() for p in model.parameters()] + averaged_buffers(model)
-        return _with_fault([t.detach() for t in tensors], fault)
+    def contribution(self, model, micro: int) -> list:
+        """The parameters, or with the outer step DiLoCo's outer gradient ``anchor - p``
+        (the anchor is the same on every replica, so averaging it is averaging the
+        parameters; a lossy wire codec then quantises small deltas, not whole weights),
+        then the floating-point buffers."""
+        params = [p.detach() for p in model.parameters()]
+        if self.outer_state is not None:
+            params = [a - p for a, p in zip(self.outer_state.anchor, params)]
+        return [t.detach() for t in params + averaged_buffers(model)]
 
     def apply(self, model, optimizer, averaged: list, total_weight: float) -> None:
         import torch
 
         params = list(model.parameters())
         with torch.no_grad():
-            for p, a in zip(params, averaged):
-                p.copy_(a)
-            if self.outer_state is not None:
+            if self.outer_state is None:
+                for p, a in zip(params, averaged):
+                    p.copy_(a)
+            else:  # averaged outer gradient: p = anchor - delta, then the Nesterov step
+                for p, anchor, delta in zip(params, self.outer_state.anchor, averaged):
+                    p.copy_(anchor - delta)
                 self.outer_state.step(params)
         load_buffers(model, averaged[len(params):])

@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"default {LINK_LOCAL_URL})")
     parser.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     parser.add_argument("--node-id", default=None, help="Ray node id to watch (default: this node)")
-    parser.add_argument("--pool", default="", help="capacity pool of this node, for metrics")
+    parser.add_argument("--pool", default="",
+                        help="capacity pool of this node, for metrics (default: none)")
     parser.add_argument("--poll-s", type=float, default=1.0, help="seconds per poll (default 1)")
     parser.add_argument("--gcp-notice-s", type=float, default=GCP_NOTICE_S,
                         help="seconds GCP gives between the notice and the stop (default 30)")

@@ -29,6 +29,12 @@ Contract of ``all_reduce``:
   above the step's bounds: ``partition.ContributionBounds``, derived from this peer's own
   input and weight) are rejected, logged and counted in ``rejection_counts`` and in the
   report; every result is checked (finite, within the value bound) before it is used;
+- with a job key (``job_key``), every contribution and result is signed and checked
+  (``auth.py``): one with no tag, a tag the key did not make (a forger's, or a sender name
+  changed after signing) or bytes that differ from the signed digest is rejected as
+  ``UNAUTHENTICATED`` and counted like the other reasons, before it can take the claimed
+  sender's place in a round; the Coordinator's quarantine does not count it against the
+  claimed sender (a forger can name anyone);
 - if a weighted mean still comes out non-finite (only possible with bounds loosened past
   float32's range), ``all_reduce`` raises ``AveragingError``: the step errored and its
   values must not be applied (none are returned).
@@ -47,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from moshray.cluster.collective.auth import JobAuth
 from moshray.cluster.collective.codecs import max_abs, warm_up
 from moshray.cluster.collective.deadline import DeadlinePolicy, RoundTimes
 from moshray.cluster.collective.mailbox import GroupMailbox, RoundKey
@@ -126,7 +133,10 @@ class Averager:
     ``bounds``: how each step's value and weight limits are derived (the defaults suit
     gradients and parameters; see ``ContributionBounds``). ``deadline``: how round
     deadlines adapt to observed round times (``deadline.DeadlinePolicy``; None: every
-    round waits the ``timeout`` passed to ``all_reduce``).
+    round waits the ``timeout`` passed to ``all_reduce``). ``job_key``: the job's secret
+    (``auth.new_job_key()``, the same for every peer of the job; see ``auth.py`` for what
+    it protects against); None: messages are neither signed nor checked (single-process
+    tests and benchmarks whose peers all start from one driver).
     """
 
     def __init__(
@@ -136,8 +146,10 @@ class Averager:
         transport: Transport | None = None,
         bounds: ContributionBounds = ContributionBounds(),
         deadline: DeadlinePolicy | None = DeadlinePolicy(),
+        job_key: bytes | None = None,
     ):
         self.peer_id = peer_id
+        self.auth = JobAuth(job_key) if job_key is not None else None
         self.clock = clock
         self.transport = transport or RayTransport()
         self.bounds = bounds
@@ -178,6 +190,11 @@ class Averager:
             elif c.epoch >= self._floor_epoch - 1:
                 self._asked.setdefault(key, set()).add(c.requester)
             return
+        if self.auth is not None:  # first: only an authentic message names its sender
+            problem = self.auth.check_contribution(c)
+            if problem is not None:
+                self._record(Rejection(c.sender, -1, RejectReason.UNAUTHENTICATED, problem))
+                return
         key = (c.epoch, c.round_index, c.group_index)
         if c.epoch < self._floor_epoch:
             self._record(Rejection(c.sender, -1, RejectReason.STALE_EPOCH,
@@ -193,6 +210,12 @@ class Averager:
         box.notify()
 
     def deliver_result(self, r: PartResult) -> None:
+        if self.auth is not None:  # a forged result must not take the owner's place
+            problem = self.auth.check_result(r)
+            if problem is not None:
+                self._record(Rejection(r.owner, r.part, RejectReason.UNAUTHENTICATED,
+                                       f"result: {problem}"))
+                return
         key = (r.epoch, r.round_index, r.group_index)
         if r.epoch < self._floor_epoch or key in self._done:
             return  # a result nobody waits for any more
@@ -250,7 +273,7 @@ class Averager:
                                   t0 + FINAL_FRACTION * limit)
             runner = GroupRound(self.peer_id, plan, r, g, group, box, send, self.transport,
                                 self.clock, hold=functools.partial(self._hold, key),
-                                limits=limits)
+                                limits=limits, auth=self.auth)
             outcome = await runner.run(flat, weight, deadlines)
             self.round_times.record(r, self.clock() - t0)
             self._finish(key)

@@ -4,7 +4,8 @@ Training replicas embed an ``Averager`` the same way; this actor is the minimal 
 two transport methods, ``all_reduce`` on arrays it is given or generates itself (so that a
 benchmark never ships 100 MB through the driver), and fault injection through
 ``faults.apply`` (a wrapper that corrupts inputs or kills the process, never a change to
-the averager's code path).
+the averager's code path). ``job_key``: the key its ``Averager`` signs and checks messages
+with (``auth.py``; the same for every peer of one run), None: unsigned.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ def synthetic(numel: int, peer_index: int) -> np.ndarray:
 
 @ray.remote
 class AveragingPeer:
-    def __init__(self, peer_id: str):
+    def __init__(self, peer_id: str, job_key: bytes | None = None):
         self.peer_id = peer_id
-        self.averager = Averager(peer_id)
+        self.averager = Averager(peer_id, job_key=job_key)
         self._synthetic: dict[tuple[int, int], np.ndarray] = {}
 
     async def receive_contribution(self, c: Contribution, *chunks) -> None:

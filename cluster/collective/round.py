@@ -31,6 +31,12 @@ Protocol (group of members M = (m_0..m_{k-1}) plus receivers):
    them (finite, within its value bound); a result that fails is re-reduced like a dead
    owner's.
 
+With a job key (``auth.py``) every ``Contribution`` and ``PartResult`` is signed (an HMAC
+over its fields and the SHA-256 of each part's encoded bytes); the ``Averager`` drops a
+message whose tag is missing or wrong on arrival, and here an owner rejects a part whose
+bytes differ from the digest its sender signed (``UNAUTHENTICATED``), and a peer re-reduces
+a result whose bytes differ from its owner's signed digest.
+
 The numeric work is staged so that the event loop only ever waits: as soon as a
 contribution's bytes arrive, a worker thread validates them and turns them into their term
 of the mean (``WeightedMean.term``: widened from the wire format into a float32 buffer of
@@ -72,6 +78,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import moshray.cluster.collective.codecs as comp
+from moshray.cluster.collective.auth import JobAuth, payload_digest
 from moshray.cluster.collective.mailbox import GroupMailbox
 from moshray.cluster.collective.partition import (UNBOUNDED, Limits, WeightedMean,
                                                   check_contribution, group_part_sizes,
@@ -143,8 +150,12 @@ class GroupRound:
     send)`` keeps ``send`` (a contribution's delivery to a member that owns no part) for a
     ``CopyRequest`` from that peer (None: such contributions are sent at once); ``limits``:
     what a contribution or result may hold (``ContributionBounds.limits``; default:
-    unbounded, finiteness only). The round never raises for another peer's failure; it
-    returns a ``RoundOutcome``. One object per round: ``run`` once.
+    unbounded, finiteness only). ``auth``: the job's key (``auth.JobAuth``): our messages
+    are signed with it and every part or result whose bytes do not match its sender's
+    signed digest is rejected (``UNAUTHENTICATED``) or re-reduced; the ``Averager`` checks
+    the tags on arrival. None: nothing is signed or checked. The round never raises for
+    another peer's failure; it returns a ``RoundOutcome``. One object per round: ``run``
+    once.
     """
 
     def __init__(
@@ -160,8 +171,10 @@ class GroupRound:
         clock: Callable[[], float] = time.monotonic,
         hold: Callable[[str, Callable[[], object]], None] | None = None,
         limits: Limits = UNBOUNDED,
+        auth: JobAuth | None = None,
     ):
         self.me, self.plan, self.group, self.box = me, plan, group, box
+        self.auth = auth
         self.hold = hold
         self.round_index, self.group_index = round_index, group_index
         self.send, self.transport, self.clock = transport_send, transport, clock
@@ -357,9 +370,11 @@ class GroupRound:
                 enc = comp.encode(flat[s], self.codec)  # none: a view, put copies it once
                 self.bytes_sent += enc.nbytes
                 encs.append(enc)
-            return encs
+            # signed below: each receiver hashes only the part it reduces (auth.py)
+            digests = tuple(payload_digest(e) for e in encs) if self.auth else ()
+            return encs, digests
 
-        encs = await off_loop(flat.nbytes, encode_parts)
+        encs, digests = await off_loop(flat.nbytes, encode_parts)
         if all(enc is None for enc in encs):
             # Nothing for anyone (the sole owner: its own part stays here): the others
             # would only keep it for re-reducing a part we own, and that dies with us.
@@ -383,10 +398,15 @@ class GroupRound:
             def payloads(j: int) -> tuple:
                 return refs
 
+        tag = b"" if self.auth is None else self.auth.contribution_tag(
+            self.plan.epoch, self.round_index, self.group_index, self.me, float(weight),
+            flat.size, digests)
+
         def message(j: int) -> Contribution:
             return Contribution(epoch=self.plan.epoch, round_index=self.round_index,
                                 group_index=self.group_index, sender=self.me,
-                                weight=float(weight), numel=flat.size, part_refs=payloads(j))
+                                weight=float(weight), numel=flat.size, part_refs=payloads(j),
+                                digests=digests, tag=tag)
 
         for j, peer in enumerate(members):
             if peer == self.me:
@@ -411,6 +431,12 @@ class GroupRound:
             return  # a group of one (a single replica): nobody to send the result to
         ref = Inline(enc) if enc.nbytes <= INLINE_MAX_BYTES else \
             await off_loop(values.nbytes, self.transport.put, enc)
+        digest = tag = b""
+        if self.auth is not None:
+            digest = await off_loop(values.nbytes, payload_digest, enc)
+            tag = self.auth.result_tag(self.plan.epoch, self.round_index, self.group_index,
+                                       part, self.me, self.numel, total, tuple(contributors),
+                                       digest)
         result = PartResult(
             epoch=self.plan.epoch,
             round_index=self.round_index,
@@ -421,6 +447,8 @@ class GroupRound:
             total_weight=total,
             contributors=tuple(contributors),
             ref=ref,
+            digest=digest,
+            tag=tag,
         )
         for peer in others:
             self.bytes_sent += enc.nbytes
@@ -433,9 +461,13 @@ class GroupRound:
         of the mean; or the reason it is rejected (NaN, wrong shape, bad weight, bounds)."""
         return self._term(comp.encode(local, self.codec), size, weight)
 
-    def _accept(self, enc: comp.Encoded, size: int, weight: float):
-        """A fetched part as a term of the mean, or a ``(reason, detail)`` rejection."""
+    def _accept(self, enc: comp.Encoded, size: int, weight: float, digest: bytes | None):
+        """A fetched part as a term of the mean, or a ``(reason, detail)`` rejection.
+        ``digest``: what its sender signed for it (None: no key, nothing to check)."""
         codec = self.codec
+        if digest is not None and not JobAuth.digest_matches(enc, digest):
+            return (RejectReason.UNAUTHENTICATED,
+                    "the part's bytes do not match the digest its sender signed")
         if not isinstance(enc, comp.Encoded):
             return RejectReason.DTYPE_MISMATCH, f"payload of type {type(enc).__name__}"
         if enc.data.dtype != codec.wire_dtype or enc.codec != codec.name:
@@ -449,7 +481,7 @@ class GroupRound:
 
     def _term(self, enc: comp.Encoded, size: int, weight: float):
         data = enc.data
-        if data.ndim != 1 or data.shape[0] != size or enc.numel != size:
+        if data.ndim != 1 or data.shape[0] != self.codec.wire_length(size) or enc.numel != size:
             return check_contribution(data, size, data.dtype, weight, self.limits) or (
                 RejectReason.SHAPE_MISMATCH, f"payload of {enc.numel} values, expected {size}")
         values = self.codec.decode(enc)
@@ -525,8 +557,10 @@ class GroupRound:
                     continue
                 self.bytes_received += getattr(enc, "nbytes", 0)
                 weight_of = box.contributions[sender].weight
+                digest = None if self.auth is None else \
+                    box.contributions[sender].digests[part]
                 future = asyncio.ensure_future(
-                    off_loop(nbytes, timed, self._accept, enc, size, weight_of))
+                    off_loop(nbytes, timed, self._accept, enc, size, weight_of, digest))
                 future.add_done_callback(lambda _: box.notify())
                 preparing[sender] = future
             for sender, future in list(preparing.items()):
@@ -621,8 +655,13 @@ class GroupRound:
             log.warning("result of part %d from %s could not be fetched: %r", part, owner, exc)
             return None
         self.bytes_received += getattr(enc, "nbytes", 0)
+        if self.auth is not None and not await off_loop(
+                dest.nbytes, JobAuth.digest_matches, enc, result.digest):
+            self.reject(owner, part, RejectReason.UNAUTHENTICATED,
+                        "the result's bytes do not match the digest its owner signed")
+            return None
         if not isinstance(enc, comp.Encoded) or enc.codec != self.codec.name \
-                or enc.numel != size or enc.data.shape != (size,):
+                or enc.numel != size or enc.data.shape != (self.codec.wire_length(size),):
             log.warning("result of part %d from %s is malformed (%s, %s values); "
                         "re-reducing", part, owner, getattr(enc, "codec", type(enc).__name__),
                         getattr(enc, "numel", "?"))

@@ -8,12 +8,20 @@ The public API (this file is the ``moshray`` package itself)::
         model = Net()
         opt = session.prepare(model, torch.optim.Adam(model.parameters(), 1e-3))
         for x, y in session.batches():       # this replica's shards, until the job stops
-            opt.step(loss_fn(model(x), y))   # moshray decides when a global step happens
+            loss = loss_fn(model(x), y)
+            loss.backward()                  # clip / unscale / inspect gradients here
+            stepped = opt.step()             # True when moshray took a global step
+            opt.zero_grad()
+            session.report({"loss": loss})   # summary, Prometheus, TensorBoard
+            if stepped and session.epoch % 100 == 0 and session.is_leader:
+                evaluate(model)              # once per swarm, not once per replica
 
-    result = moshray.fit(loop, moshray.data.from_fn(my_batches), max_nodes=4)
+    result = moshray.fit(loop, moshray.data.from_fn(my_batches), max_nodes=4, max_epochs=3)
 
-- ``fit``, ``Result``, ``build_config``: ``moshray.jobs.fit``.
-- ``Session``, ``ElasticOptimizer``: ``moshray.actors.replica.session``.
+- ``fit`` (``help(moshray.fit)``: every argument, its default and the stop rule),
+  ``Result``, ``build_config``: ``moshray.jobs.fit``.
+- ``Session`` (``report``, ``is_leader``, ``autocast``), ``ElasticOptimizer``:
+  ``moshray.actors.replica.session``.
 - ``data``: sources (``from_fn``, ``parquet``, ``from_dataset``): ``moshray.actors.replica.data_sources``.
 - ``TrainConfig``, ``ConfigError``, ``UserError``: settings and the two kinds of bad input.
 - ``moe``: Decentralized Mixture-of-Experts layers for your model (``moshray.actors.moe.layer``).

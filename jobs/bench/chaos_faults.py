@@ -4,9 +4,10 @@ The production ``ReplicaActor`` has no fault-injection method. A harness reaches
 replica's process through Ray's generic ``__ray_call__`` (a function run on the actor
 instance, as an operator's debugger would) or wraps the user's loop before the job starts:
 
-- ``set_replica_fault(handle, "nan" | "shape" | None)``: the replica's step manager feeds
-  NaN gradients or one-element-too-long contributions into the unmodified collective
-  (``actors/replica/strategies.py`` applies it) until reset to None;
+- ``set_replica_fault(handle, "nan" | "shape" | None)``: the replica's averager is wrapped
+  in a ``FaultyAverager`` (defined here, never in production code) that feeds NaN values
+  or one-element-too-long contributions into the unmodified collective until reset to
+  None (the wrapper is taken off again);
 - ``chaos_job(job)``: the same ``Job`` whose loop raises ``ChaosUserError`` from
   ``session.batches()`` once ``order_user_error(handle)`` was called on that replica (a bug
   in the user's loop or data, as a user's code would raise it);
@@ -18,6 +19,13 @@ instance, as an operator's debugger would) or wraps the user's loop before the j
 
 Every call is bounded by ``timeout_s`` and raises what Ray raises (``RayActorError`` for a
 dead actor, ``GetTimeoutError``); ``ValueError`` for an unknown fault.
+
+What ``__ray_call__`` means for the threat model: anyone who holds the cluster's token can
+run any code in any actor (read its memory, its job key, replace its objects, as these
+helpers do); Ray offers no per-actor access control. The job key
+(``cluster/collective/auth.py``) protects a job's collective against processes that can
+reach its actors and the object store but do not hold the key, not against the cluster's
+operator.
 """
 
 from __future__ import annotations
@@ -42,14 +50,46 @@ def _call(handle, fn, timeout_s: float):
     return ray.get(handle.__ray_call__.remote(fn), timeout=timeout_s)
 
 
+class FaultyAverager:
+    """A replica's ``Averager`` whose ``all_reduce`` sends ``fault`` contributions (test
+    only): ``"nan"``: every value NaN; ``"shape"``: one extra element (peers reject it as a
+    shape mismatch; the extra value is dropped from what comes back). Everything else,
+    the transport methods included, goes to the wrapped averager unchanged, so the round
+    under test is the production one. ``inner``: the wrapped averager."""
+
+    def __init__(self, inner, fault: str):
+        if fault not in REPLICA_FAULTS or fault is None:
+            raise ValueError(f"unknown fault {fault!r}: use 'nan' or 'shape'")
+        self.inner, self.fault = inner, fault
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def all_reduce(self, tensors, weight, plan, timeout):
+        import torch
+
+        tensors = list(tensors)
+        if self.fault == "nan":
+            tensors = [torch.full_like(torch.as_tensor(t), float("nan")) for t in tensors]
+        else:
+            tensors.append(torch.zeros(1))
+        averaged, report = await self.inner.all_reduce(tensors, weight, plan, timeout)
+        if self.fault == "shape":
+            averaged = averaged[:-1]
+        return averaged, report
+
+
 def set_replica_fault(handle, fault: str | None, timeout_s: float = 30.0) -> None:
     """Make the replica behind ``handle`` send ``fault`` contributions from its next step
-    on (None: healthy again)."""
+    on (None: healthy again), by wrapping its averager in a ``FaultyAverager`` (or taking
+    the wrapper off)."""
     if fault not in REPLICA_FAULTS:
         raise ValueError(f"unknown fault {fault!r}: use 'nan', 'shape' or None")
 
     def apply(actor):
-        actor.manager.fault = fault
+        manager = actor.manager
+        inner = getattr(manager.averager, "inner", manager.averager)
+        manager.averager = inner if fault is None else FaultyAverager(inner, fault)
 
     _call(handle, apply, timeout_s)
 

@@ -1,0 +1,185 @@
+"""Contributions and results carry an HMAC with the job's key (``collective/auth.py``):
+honest rounds with a key give the same bits as without, and a forged, unsigned, renamed or
+tampered message is rejected as ``UNAUTHENTICATED``, counted, and leaves the honest peers'
+result as it would be without it. Driven without Ray (``transport.LocalNetwork``), as
+``test_allreduce_local.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from moshray.cluster.collective.auth import JobAuth, new_job_key, payload_digest
+from moshray.cluster.collective.codecs import encode, get_codec
+from moshray.cluster.collective.transport import LocalTransport
+from moshray.cluster.coordinator.quarantine import Quarantine
+from moshray.cluster.messages import Contribution, Inline, PartResult, RejectReason
+from tests.test_allreduce_local import inputs, reduce_all, swarm, weighted
+
+KEY = new_job_key()
+UNAUTH = RejectReason.UNAUTHENTICATED
+
+
+def _unauth(report) -> list:
+    return [r for r in report.rejections if r.reason is UNAUTH]
+
+
+@pytest.mark.parametrize("n,max_group,compression,size", [
+    (3, 16, "none", 1000), (9, 3, "none", 1000), (4, 16, "fp16", 1000),
+    (3, 16, "none", 300_000),  # parts over INLINE_MAX_BYTES travel as refs
+], ids=["one-group", "grid-3x3", "fp16", "refs"])
+def test_a_signed_round_gives_the_same_bits_as_an_unsigned_one(n, max_group, compression,
+                                                                size):
+    arrays, weights = inputs(n, size=size)
+    _, plain, plan = swarm(n, max_group, compression=compression)
+    _, signed, signed_plan = swarm(n, max_group, compression=compression, job_key=KEY)
+    want = asyncio.run(reduce_all(plain, plan, arrays, weights))
+    got = asyncio.run(reduce_all(signed, signed_plan, arrays, weights))
+    for pid, (out, report) in got.items():
+        assert np.array_equal(out, want[pid][0]), pid
+        assert np.array_equal(out, got["p0"][0]), pid
+        assert report.rejections == () and report.complete
+    if compression == "none":
+        np.testing.assert_allclose(got["p0"][0], weighted(arrays, weights, arrays),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def _forgeries(plan, arrays, weights) -> list[Contribution]:
+    """Contributions naming p1 (a member) for epoch ``plan.epoch``, round 0, group 0, with
+    the right shape and weight: unsigned, signed with another key, and p2's genuine
+    signature with the sender renamed to p1."""
+    codec = get_codec(plan.compression)
+    enc = encode(np.full(arrays["p1"].size, 1e3, dtype=np.float32), codec)
+    parts = (Inline(enc),) * len(plan.participants)
+    digests = (payload_digest(enc),) * len(parts)
+    base = Contribution(plan.epoch, 0, 0, "p1", weights["p1"], enc.numel, parts, digests)
+    other = JobAuth(new_job_key())
+    genuine_p2 = JobAuth(KEY).contribution_tag(plan.epoch, 0, 0, "p2", weights["p1"],
+                                               enc.numel, digests)
+    return [
+        base,  # no tag
+        dataclasses.replace(base, tag=other.contribution_tag(
+            plan.epoch, 0, 0, "p1", weights["p1"], enc.numel, digests)),  # wrong key
+        dataclasses.replace(base, tag=genuine_p2),  # p2 signed it; it claims to be p1
+    ]
+
+
+def test_forged_contributions_are_rejected_counted_and_change_nothing():
+    n = 4
+    arrays, weights = inputs(n, seed=3)
+    _, plain, plan = swarm(n)
+    want = asyncio.run(reduce_all(plain, plan, arrays, weights))
+    _, averagers, signed_plan = swarm(n, job_key=KEY)
+    forged = _forgeries(signed_plan, arrays, weights)
+
+    async def attack_then_reduce():
+        for pid in ("p0", "p2", "p3"):  # before p1's honest one: it must not be blocked
+            for c in forged:
+                averagers[pid].deliver_contribution(c)
+        return await reduce_all(averagers, signed_plan, arrays, weights)
+
+    got = asyncio.run(attack_then_reduce())
+    for pid, (out, report) in got.items():
+        assert np.array_equal(out, want[pid][0]), pid  # as if nothing had been sent
+        assert report.contributors == tuple(sorted(arrays)), pid
+        if pid == "p1":
+            assert _unauth(report) == []
+            continue
+        bad = _unauth(report)
+        assert [r.sender for r in bad] == ["p1"] * 3, pid
+        assert {r.detail for r in bad} >= {"no authentication tag"}
+        assert averagers[pid].rejection_counts[UNAUTH.value] == 3
+
+
+def test_a_member_with_the_wrong_key_is_left_out_and_the_others_agree():
+    n = 4
+    arrays, weights = inputs(n, seed=4)
+    network, averagers, plan = swarm(n, job_key=KEY)
+    outsider = type(averagers["p3"])("p3", transport=network.transport("p3"),
+                                     job_key=new_job_key())
+    averagers["p3"] = outsider
+    network.add("p3", outsider)
+    got = asyncio.run(reduce_all(averagers, plan, arrays, weights))
+    honest = ["p0", "p1", "p2"]
+    first = got["p0"][0]
+    np.testing.assert_allclose(first, weighted(arrays, weights, honest), rtol=1e-5, atol=1e-6)
+    for pid in honest:
+        out, report = got[pid]
+        assert np.array_equal(out, first), pid
+        assert "p3" not in report.contributors
+        senders = {r.sender for r in _unauth(report)}
+        assert senders == {"p3"}, pid  # its contribution and its part's result
+        assert report.failed_owners == ("p3",)  # its part was re-reduced by the honest
+
+
+class TamperingTransport(LocalTransport):
+    """Flips one value in every inline part a peer sends, after it was signed (what a
+    man in the middle without the key could do)."""
+
+    def send(self, handle, method, message):
+        if isinstance(message, Contribution):
+            def flip(p):
+                if not isinstance(p, Inline):
+                    return p
+                data = p.value.data.copy()
+                data[0] += 1
+                return Inline(dataclasses.replace(p.value, data=data))
+            message = dataclasses.replace(message,
+                                          part_refs=tuple(map(flip, message.part_refs)))
+        return super().send(handle, method, message)
+
+
+def test_bytes_changed_after_signing_are_rejected_by_their_digest():
+    n = 3
+    arrays, weights = inputs(n, seed=5)
+    network, averagers, plan = swarm(n, job_key=KEY)
+    averagers["p1"].transport = TamperingTransport(network, "p1")
+    got = asyncio.run(reduce_all(averagers, plan, arrays, weights))
+    for pid in ("p0", "p2"):
+        out, report = got[pid]
+        bad = _unauth(report)
+        assert [r.sender for r in bad] == ["p1"], pid
+        assert "digest" in bad[0].detail
+        assert np.array_equal(out, got["p0"][0])
+    assert np.array_equal(got["p1"][0], got["p0"][0])  # everyone applies the same bits
+
+
+def test_a_forged_result_is_rejected_and_does_not_block_the_owners():
+    n = 3
+    arrays, weights = inputs(n, seed=6)
+    _, plain, plan = swarm(n)
+    want = asyncio.run(reduce_all(plain, plan, arrays, weights))
+    _, averagers, signed_plan = swarm(n, job_key=KEY)
+    enc = encode(np.zeros(arrays["p0"].size // n + 1, dtype=np.float32), get_codec("none"))
+    fake = PartResult(signed_plan.epoch, 0, 0, 1, "p1", arrays["p0"].size, 1.0, ("p1",),
+                      Inline(enc), payload_digest(enc), b"")
+
+    async def attack_then_reduce():
+        averagers["p0"].deliver_result(fake)  # unsigned
+        averagers["p0"].deliver_result(dataclasses.replace(
+            fake, tag=JobAuth(new_job_key()).result_tag(
+                signed_plan.epoch, 0, 0, 1, "p1", fake.numel, 1.0, ("p1",), fake.digest)))
+        return await reduce_all(averagers, signed_plan, arrays, weights)
+
+    got = asyncio.run(attack_then_reduce())
+    assert np.array_equal(got["p0"][0], want["p0"][0])
+    assert got["p0"][1].failed_owners == ()
+    assert [(r.sender, r.part) for r in _unauth(got["p0"][1])] == [("p1", 1)] * 2
+    assert averagers["p0"].rejection_counts[UNAUTH.value] == 2
+
+
+def test_unauthenticated_rejections_never_quarantine_the_named_sender():
+    q = Quarantine(threshold=1)
+    for reporter in ("p0", "p2", "p3"):
+        assert q.note(reporter, "p1", UNAUTH.value, epoch=5, now=1.0) is None
+    assert q.records == []
+    assert q.note("p0", "p1", RejectReason.NON_FINITE.value, epoch=5, now=1.0) is not None
+
+
+@pytest.mark.parametrize("key", [b"short", "a string key of enough length", None])
+def test_a_bad_key_is_refused_with_what_to_use(key):
+    with pytest.raises(ValueError, match="new_job_key"):
+        JobAuth(key)

@@ -20,6 +20,11 @@ the bound for given values:
 - ``uint8``: uniform 8-bit over [min(v), max(v)]: absolute error <= (max - min) / 510.
 - ``blockwise8``: uniform 8-bit per block of ``BLOCK`` values: absolute error <=
   (block max - block min) / 510, so one outlier only hurts its own block.
+- ``blockwise4``: uniform 4-bit per block of ``BLOCK4`` values, two values packed per byte
+  (``data`` holds ``ceil(numel / 2)`` bytes: ``wire_length``): absolute error <=
+  (block max - block min) / 30. Meant for DiLoCo's outer gradients (the averaged
+  parameter delta of ``local_sgd`` with ``outer_optimizer = "nesterov"``), which tolerate
+  coarse quantisation where per-step gradients would not.
 
 Non-finite inputs are not "fixed" by a codec: they decode to non-finite values so the
 receiver's validation rejects them.
@@ -44,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 BLOCK = 4096
+BLOCK4 = 256  # 4-bit blocks are smaller: 16 levels leave less room for an outlier
 FP16_MAX = 65504.0
 
 # Received payloads are read-only object-store buffers, handed to torch's conversion
@@ -77,7 +83,8 @@ class Codec(ABC):
     ``error`` (the documented bound in words), and implement ``encode``, ``decode`` and
     ``error_bound``. Contracts: ``encode`` never modifies its input and returns an
     ``Encoded`` with ``codec == name``, ``numel == values.size`` and ``data`` of
-    ``wire_dtype`` and shape ``(numel,)``; ``decode`` returns ``numel`` float32 values and
+    ``wire_dtype`` and shape ``(wire_length(numel),)`` (``numel`` unless the codec packs
+    several values per element); ``decode`` returns ``numel`` float32 values and
     raises ``ValueError`` (or ``TypeError`` / ``IndexError``) for a payload it cannot
     read, which the round rejects as the sender's; non-finite inputs decode non-finite."""
 
@@ -97,6 +104,11 @@ class Codec(ABC):
     def error_bound(self, values: np.ndarray) -> float:
         """The documented worst-case absolute error of one encode/decode of ``values``
         (a finite, 1-d float32 vector)."""
+
+    def wire_length(self, numel: int) -> int:
+        """Elements of ``Encoded.data`` for ``numel`` values (the round checks payloads
+        against it); ``numel`` unless the codec packs several values per element."""
+        return numel
 
     def received_values(self, enc: Encoded) -> np.ndarray:
         """The values of ``enc`` for arithmetic, equal to ``decode(enc)`` value for value;
@@ -390,3 +402,69 @@ NONE = register_codec(NoneCodec())
 FP16 = register_codec(Fp16Codec())
 UINT8 = register_codec(EightBitCodec("uint8", None))
 BLOCKWISE8 = register_codec(EightBitCodec("blockwise8", BLOCK))
+
+
+class FourBitCodec(Codec):
+    """Uniform 4-bit quantisation per block of ``block`` values, two values per byte (the
+    first of each pair in the low nibble); ``meta`` holds each block's (min, step)."""
+
+    wire_dtype = np.dtype(np.uint8)
+
+    def __init__(self, name: str, block: int):
+        if block < 2 or block % 2:
+            raise ValueError(f"a 4-bit block must be an even number >= 2, got {block}")
+        self.name, self.block = name, block
+        self.error = f"absolute <= (max - min) / 30 over the block of {block} values"
+
+    def wire_length(self, numel: int) -> int:
+        return (numel + 1) // 2
+
+    def _blocks(self, values: np.ndarray) -> np.ndarray:
+        """``values`` padded with its last value to whole blocks: (blocks, block)."""
+        n, block = values.size, self.block
+        blocks = -(-n // block)
+        padded = np.full(blocks * block, values[-1] if n else 0.0, dtype=np.float32)
+        padded[:n] = values
+        return padded.reshape(blocks, block)
+
+    def encode(self, values: np.ndarray) -> Encoded:
+        n = values.size
+        if n == 0:
+            return Encoded(self.name, 0, np.zeros(0, np.uint8), _EMPTY)
+        view = self._blocks(values)
+        lo, hi = view.min(axis=1), view.max(axis=1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            scale = (hi - lo) / np.float32(15.0)
+            safe = np.where(scale > 0, scale, np.float32(1.0))
+            q = np.rint((view - lo[:, None]) / safe[:, None])
+        q = np.clip(np.nan_to_num(q, nan=0.0), 0, 15).astype(np.uint8).reshape(-1)
+        q = q[: 2 * self.wire_length(n)]  # an even count (the block is even)
+        packed = q[0::2] | (q[1::2] << 4)
+        meta = np.stack([lo, scale], axis=1).astype(np.float32)
+        return Encoded(self.name, n, packed, meta)
+
+    def decode(self, enc: Encoded) -> np.ndarray:
+        n = enc.numel
+        if enc.data.shape != (self.wire_length(n),):
+            raise ValueError(f"4-bit payload of {enc.data.shape} bytes for {n} values")
+        blocks = -(-n // self.block)
+        if enc.meta.shape != (blocks, 2):
+            raise ValueError(f"4-bit meta of shape {enc.meta.shape}, expected ({blocks}, 2)")
+        q = np.empty(blocks * self.block, dtype=np.float32)
+        q[: 2 * enc.data.size: 2] = enc.data & 0x0F
+        q[1: 2 * enc.data.size: 2] = enc.data >> 4
+        q[2 * enc.data.size:] = 0.0
+        view = q.reshape(blocks, self.block)
+        with np.errstate(invalid="ignore"):
+            view *= enc.meta[:, 1:2]
+            view += enc.meta[:, 0:1]
+        return q[:n]
+
+    def error_bound(self, values: np.ndarray) -> float:
+        view = self._blocks(values)
+        spread = view.max(axis=1) - view.min(axis=1)
+        # Half a quantisation step, plus float32 rounding of the reconstruction.
+        return float((spread / 30.0).max() + (spread.max() + np.abs(values).max()) * 2.0**-22)
+
+
+BLOCKWISE4 = register_codec(FourBitCodec("blockwise4", BLOCK4))

@@ -31,6 +31,11 @@ def test_backend_is_nccl_only_for_ranks_with_a_gpu_each():
         choose_backend("nccl", ["cuda:0", "cuda:0"], [("0",), ("0",)])
     with pytest.raises(ValueError, match="nccl needs one GPU"):
         choose_backend("nccl", ["cpu", "cpu"], [(), ()])
+    # FSDP2 over gloo on CUDA ranks crashed the rank (SIGSEGV on an H200): refused up front
+    assert choose_backend("auto", ["cpu", "cpu"], [(), ()], "fsdp") == "gloo"
+    assert choose_backend("auto", ["cuda:0", "cuda:0"], [("0",), ("1",)], "fsdp") == "nccl"
+    with pytest.raises(ValueError, match="fsdp on CUDA ranks needs nccl"):
+        choose_backend("auto", ["cuda:0", "cuda:0"], [("0",), ("0",)], "fsdp")
 
 
 def test_ranks_get_contiguous_equal_slices_of_the_global_batch():

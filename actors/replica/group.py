@@ -183,20 +183,28 @@ class GroupReport:
                 "peak_memory_bytes": [r.peak_memory_bytes for r in self.ranks]}
 
 
-def choose_backend(requested: str, devices: list[str], gpu_ids: list[tuple[str, ...]]) -> str:
+def choose_backend(requested: str, devices: list[str], gpu_ids: list[tuple[str, ...]],
+                   parallel: str = "ddp") -> str:
     """The process-group backend for ranks on ``devices`` (``"cpu"`` / ``"cuda..."``) holding
     the Ray GPU ids ``gpu_ids``. ``auto``: NCCL when every rank is on CUDA with a GPU no other
     rank holds, else gloo. Raises ``ValueError`` (one line) for NCCL on CPU ranks or on ranks
-    that share a GPU (NCCL refuses two ranks on one device)."""
+    that share a GPU (NCCL refuses two ranks on one device), and for FSDP over gloo on CUDA
+    ranks: gloo has no CUDA reduce-scatter / all-gather, and FSDP2 there crashed the rank
+    process with SIGSEGV (torch 2.11, H200, seen by ``moshray bench gpu``)."""
     on_cuda = all(d.startswith("cuda") for d in devices)
     flat = [g for ids in gpu_ids for g in ids]
     distinct = on_cuda and all(gpu_ids) and len(flat) == len(set(flat))
+    backend = requested
     if requested == "auto":
-        return "nccl" if distinct else "gloo"
-    if requested == "nccl" and not distinct:
+        backend = "nccl" if distinct else "gloo"
+    elif requested == "nccl" and not distinct:
         raise ValueError("GroupConfig.backend: nccl needs one GPU of its own per rank (ranks "
                          f"on {devices}, GPUs {gpu_ids}); use gloo or auto")
-    return requested
+    if parallel == "fsdp" and backend == "gloo" and any(d.startswith("cuda") for d in devices):
+        raise ValueError("GroupConfig.parallel: fsdp on CUDA ranks needs nccl (one GPU per "
+                         "rank); gloo has no CUDA reduce-scatter. Use ddp on a shared GPU, or "
+                         "CPU ranks")
+    return backend
 
 
 def rank_slice(batch: tuple, rank: int, world: int) -> tuple:
@@ -411,7 +419,8 @@ class ReplicaGroup:
             where = self._get([self.ranks[0].rendezvous.remote()], "rendezvous")[0]
             try:
                 backend = choose_backend(c.backend, [d["device"] for d in described],
-                                         [tuple(d["gpu_ids"]) for d in described])
+                                         [tuple(d["gpu_ids"]) for d in described],
+                                         c.parallel)
             except ValueError as exc:
                 raise GroupError(f"group {c.name}: {exc}") from None
             self._get([r.join.remote(where, backend) for r in self.ranks], "join")

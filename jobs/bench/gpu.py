@@ -263,7 +263,10 @@ def part_replicas(sizes: Sizes) -> dict:
 
 
 def part_group(sizes: Sizes) -> dict:
-    """(b): a replica group of 2 ranks sharing the GPU (gloo), FSDP2 then DDP."""
+    """(b): a replica group of 2 ranks sharing the GPU (gloo), FSDP2 then DDP. On one shared
+    GPU FSDP2 cannot run (NCCL refuses two ranks on one GPU; gloo has no CUDA reduce-scatter
+    and crashed the rank): there it is reported as refused with that reason, and FSDP2 is
+    checked on CPU ranks instead; DDP runs on the shared GPU."""
     import ray
     import torch
 
@@ -278,8 +281,13 @@ def part_group(sizes: Sizes) -> dict:
     errors = []
     try:
         for parallel in ("fsdp", "ddp"):
+            on_gpu = cuda and parallel == "ddp"
+            if cuda and parallel == "fsdp":
+                out["fsdp_shared_gpu"] = (
+                    "refused: fsdp on CUDA ranks needs nccl with one GPU per rank; "
+                    "gloo has no CUDA reduce-scatter (checked on CPU ranks instead)")
             group = ReplicaGroup(GroupConfig(world_size=2, parallel=parallel, backend="auto",
-                                             gpus_per_rank=0.5 if cuda else 0.0,
+                                             gpus_per_rank=0.5 if on_gpu else 0.0,
                                              timeout_s=60.0, name=parallel))
             try:
                 group.start()

@@ -75,6 +75,7 @@ class BaselineConfig:
     resize_interval_s: float = 10.0
     name: str = "raytrain-baseline"
     steady_seconds: float | None = None
+    gloo_ifname: str = "lo"  # the workers' interface (separate hosts: their "eth0")
 
     def __post_init__(self) -> None:
         if self.max_workers < 1:
@@ -269,7 +270,7 @@ def run_baseline(cfg: BaselineConfig):
         storage_path=cfg.storage_path,
         failure_config=FailureConfig(max_failures=-1),
         checkpoint_config=CheckpointConfig(num_to_keep=2),
-        worker_runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo",
+        worker_runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": cfg.gloo_ifname,
                                          "OMP_NUM_THREADS": "1"}},
     )
     trainer = TorchTrainer(train_loop_per_worker, train_loop_config=asdict(cfg),
@@ -305,6 +306,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recorder", default=None, help="name of the StepRecorder actor")
     parser.add_argument("--steady-seconds", type=float, default=None,
                         help="also stop this many seconds after the worker group's first step")
+    parser.add_argument("--gloo-ifname", default="lo",
+                        help="the workers' network interface for gloo (separate hosts: eth0)")
     add_config_arguments(parser)
 
 
@@ -313,7 +316,7 @@ def main(args: argparse.Namespace) -> int:
     import ray
 
     from moshray.jobs.examples.lm.corpus import resolve_data
-    from moshray.jobs.local.cluster import pin_loopback
+    from moshray.jobs.local.cluster import allow_cluster_addresses, pin_loopback
 
     config: TrainConfig = config_from_args(args)
     if not args.address:
@@ -327,7 +330,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"raytrain_baseline: --steady-seconds must be > 0, got {args.steady_seconds}",
               file=sys.stderr)
         return 2
-    pin_loopback()
+    if args.address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
+        pin_loopback()  # a loopback cluster stays on loopback
+    else:
+        allow_cluster_addresses()  # separate hosts: the driver is reached on the bridge
     files = resolve_data(list(config.data.paths) or None,
                          os.path.expanduser(config.data.cache_dir))
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False,
@@ -347,7 +353,8 @@ def main(args: argparse.Namespace) -> int:
         recorder=recorder, checkpoint_every=args.checkpoint_every,
         cpus_per_worker=args.cpus_per_worker, use_gpu=gpus_in_cluster(),
         elastic=not args.fixed, resize_interval_s=args.resize_interval,
-        name=f"raytrain-baseline-{uuid.uuid4().hex[:8]}", steady_seconds=args.steady_seconds)
+        name=f"raytrain-baseline-{uuid.uuid4().hex[:8]}", steady_seconds=args.steady_seconds,
+        gloo_ifname=args.gloo_ifname)
     print(json.dumps({"event": "started", "t0": t0, "recorder": recorder}), flush=True)
     error = None
     checkpoint_path = None

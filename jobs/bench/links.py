@@ -1,0 +1,490 @@
+"""`moshray bench links`: time to a loss over shaped links, moshray's modes against Ray
+Train DDP (gloo) on the same links.
+
+One embedded cluster in the separate-hosts mode (``LocalCluster(hosts="netns")``: one
+network namespace per spot node), its links shaped by a profile of
+``moshray.jobs.local.links`` (the rates follow from the model's fp16 gradient bytes and
+its step compute time measured here, so the compute-to-communication ratio is the real
+case's; the module docstring there gives the arithmetic). On that one cluster, one after
+another, each system trains the same model (the example LM, small) on the same data for
+the same wall time, each as a driver process of its own:
+
+- ``ddp``: Ray Train ``TorchTrainer`` (``jobs/bench/raytrain_baseline.py``), one worker per
+  spot node, so its gloo all-reduce runs inside the namespaces, on the shaped links
+  (``GLOO_SOCKET_IFNAME=eth0``, the namespace's side of its link);
+- ``collaborative``: moshray's collaborative steps, fp16 gradients on the wire;
+- ``diloco8`` / ``diloco4``: local SGD with DiLoCo's outer Nesterov step every
+  ``--local-steps`` inner steps, outer gradients (the averaged parameter delta) in
+  ``blockwise8`` / ``blockwise4``;
+- ``auto`` (only when ``--systems`` names it): ``training.mode = "auto"``, which measures
+  the links at start-up and prints its choice in the run's ``driver.log``.
+
+Not built: an overlapped / streaming DiLoCo variant (the outer average of round k
+travelling while round k+1's inner steps run); the JSON says so (``not_run``).
+
+Figures (pure functions below, tested with plain data): each run's loss curve is the mean
+training loss of each step's samples against seconds since its first step (start-up, which
+differs between the systems, is left out), smoothed over ``SMOOTH`` steps. The target is
+DDP's final smoothed loss; a run's ``time_to_target_s`` is when its smoothed curve first
+reaches it (None: never within the run). ``loss_at_equal_time`` compares every run at the
+shortest run's last time. Bytes sent per node are read from the host side of each node's
+link (``/sys/class/net/<veth>/statistics/rx_bytes``: everything the node sent, Ray's own
+traffic included) over the run, and prorated to the target by steps. Held-out loss is not
+measured here (the curves are training losses on each step's fresh batches).
+
+Prints one JSON line (``--json``; else a short table and the JSON) and writes
+``links-<profile>.png`` (loss against wall time, one line per run) and
+``links-<profile>.json`` under ``--out``. Every wait is bounded: each driver gets its
+duration plus ``STARTUP_S`` and ``FINISH_S``, then is killed with its process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+SMOOTH = 5  # steps in the moving mean of a loss curve
+STARTUP_S = 240.0  # a driver's start-up bound (Ray Train's worker group takes 25-50 s here)
+FINISH_S = 120.0
+MOSHRAY_STARTUP_S = 20.0  # added to a moshray run's max_seconds for its replicas' start-up
+SYSTEMS = ("ddp", "collaborative", "diloco8", "diloco4")
+OPTIONAL = ("auto",)  # training.mode = "auto" (its choice printed in its driver.log)
+NOT_RUN = {"streaming": "not built: the overlapped / streaming DiLoCo variant"}
+SHORT_MODEL = (
+    "model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=2",
+    "model.seq_len=64", "training.batch_size=8", "training.target_batch_size=32",
+    "training.round_timeout_s=20", "training.lr=3e-3",
+)
+FULL_MODEL = (
+    "model.n_layers=4", "model.d_model=128", "model.d_ff=512", "model.n_heads=4",
+    "model.seq_len=128", "training.batch_size=8", "training.target_batch_size=64",
+    "training.round_timeout_s=30", "training.lr=1e-3",
+)
+
+
+class LinksBenchError(RuntimeError):
+    """A run of the bench could not produce its figures (one line: which run, which log)."""
+
+
+# --------------------------------------------------------------------------- pure figures
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One run's loss against seconds since its first step (``points``: ``(t_s, loss)``,
+    in time order), its steps and the bytes each node sent during the run."""
+
+    name: str
+    points: tuple[tuple[float, float], ...]
+    bytes_per_node: float = 0.0
+
+
+def smoothed(points: Sequence[tuple[float, float]], window: int = SMOOTH
+             ) -> list[tuple[float, float]]:
+    """The moving mean of the last ``window`` losses at each point (fewer at the start).
+    ``ValueError`` for a window < 1."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    out, acc = [], []
+    for t, loss in points:
+        acc.append(loss)
+        if len(acc) > window:
+            acc.pop(0)
+        out.append((t, sum(acc) / len(acc)))
+    return out
+
+
+def time_to_target(points: Sequence[tuple[float, float]], target: float,
+                   window: int = SMOOTH) -> float | None:
+    """Seconds at which the smoothed curve first reaches ``target`` (<=), or None."""
+    for t, loss in smoothed(points, window):
+        if loss <= target:
+            return t
+    return None
+
+
+def steps_to_target(points: Sequence[tuple[float, float]], target: float,
+                    window: int = SMOOTH) -> int | None:
+    """How many points up to and including the first at which the smoothed curve reaches
+    ``target``, or None."""
+    for i, (_, loss) in enumerate(smoothed(points, window)):
+        if loss <= target:
+            return i + 1
+    return None
+
+
+def loss_at(points: Sequence[tuple[float, float]], t_s: float,
+            window: int = SMOOTH) -> float | None:
+    """The smoothed loss at the last point at or before ``t_s`` (None if none)."""
+    found = None
+    for t, loss in smoothed(points, window):
+        if t > t_s:
+            break
+        found = loss
+    return found
+
+
+def final_loss(points: Sequence[tuple[float, float]], window: int = SMOOTH) -> float | None:
+    """The smoothed loss at the last point (None for an empty curve)."""
+    curve = smoothed(points, window)
+    return curve[-1][1] if curve else None
+
+
+def figures(profile: str, curves: dict[str, Curve], rates: Sequence[float | None],
+            window: int = SMOOTH) -> dict:
+    """The bench's JSON object from its runs' curves (``curves["ddp"]`` required): the
+    target (DDP's final smoothed loss), each run's time and bytes to it, loss at the
+    shortest run's end, the best moshray mode and its time over DDP's (lower is better;
+    None where DDP or every moshray mode missed the target). ``ValueError`` without a DDP
+    curve with points."""
+    ddp = curves.get("ddp")
+    if ddp is None or not ddp.points:
+        raise ValueError("the DDP run recorded no step: no target to measure against")
+    target = final_loss(ddp.points, window)
+    equal_t = min(c.points[-1][0] for c in curves.values() if c.points)
+    modes: dict[str, dict] = {}
+    for name, c in curves.items():
+        tt = time_to_target(c.points, target, window)
+        steps = steps_to_target(c.points, target, window)
+        modes[name] = {
+            "time_to_target_s": None if tt is None else round(tt, 2),
+            "bytes_per_node_to_target": (None if steps is None or not c.points else
+                                         int(c.bytes_per_node * steps / len(c.points))),
+            "bytes_per_node": int(c.bytes_per_node),
+            "steps": len(c.points),
+            "wall_s": round(c.points[-1][0], 2) if c.points else 0.0,
+            "final_loss": None if not c.points else _round(final_loss(c.points, window)),
+            "loss_at_equal_time": (None if not c.points else
+                                   _round(loss_at(c.points, equal_t, window))),
+        }
+    ddp_t = modes["ddp"]["time_to_target_s"]
+    reached = {n: m["time_to_target_s"] for n, m in modes.items()
+               if n != "ddp" and m["time_to_target_s"] is not None}
+    best = min(reached, key=reached.get) if reached else None
+    if best is None:  # no mode reached it: the best is the lowest loss at equal time
+        others = {n: m["loss_at_equal_time"] for n, m in modes.items()
+                  if n != "ddp" and m["loss_at_equal_time"] is not None}
+        best = min(others, key=others.get) if others else None
+    best_t = reached.get(best) if best is not None else None
+    return {
+        "profile": profile, "link_mbit": list(rates), "target_loss": round(target, 4),
+        "equal_time_s": round(equal_t, 2),
+        "ddp_time_to_target_s": ddp_t, "moshray_time_to_target_s": best_t,
+        "moshray_mode": best,
+        "time_to_target_vs_ddp": (None if best_t is None or not ddp_t else
+                                  round(best_t / ddp_t, 3)),
+        "modes": modes, "not_run": dict(NOT_RUN),
+    }
+
+
+def _round(value: float | None) -> float | None:
+    """4 decimals; None for None or a non-finite loss (a diverged run: JSON has no NaN)."""
+    return None if value is None or not math.isfinite(value) else round(value, 4)
+
+
+# --------------------------------------------------------------------------- the edge
+
+
+def model_figures(sets: Sequence[str], nodes: int, repeats: int = 5) -> tuple[int, float]:
+    """(fp16 gradient bytes, compute seconds of one node's share of a global step) of the
+    model ``sets`` configures, measured here on one thread as a replica runs."""
+    import torch
+
+    from moshray.jobs.examples.lm.model import build_model
+
+    config = _config(sets)
+    torch.set_num_threads(1)
+    model = build_model(config.model.to_model_config(), seed=0)
+    params = sum(p.numel() for p in model.parameters())
+    t = config.training
+    x = torch.randint(0, config.model.vocab_size, (t.batch_size, config.model.seq_len))
+    model.loss(x, x).backward()  # warm-up
+    started = time.perf_counter()
+    for _ in range(repeats):
+        model.loss(x, x).backward()
+    micro_s = (time.perf_counter() - started) / repeats
+    accum = max(1, math.ceil(t.target_batch_size / (nodes * t.batch_size)))
+    return 2 * params, micro_s * accum
+
+
+def _config(sets: Sequence[str]):
+    from moshray.jobs.config import add_config_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    argv = [a for s in sets for a in ("--set", s)]
+    return config_from_args(parser.parse_args(argv))
+
+
+class LinkBytes:
+    """Bytes each spot node has sent on its link: the host side's ``rx_bytes``."""
+
+    def __init__(self, cluster, slots: Sequence[int]):
+        self.paths = [Path(f"/sys/class/net/{cluster.net.host(s).veth}/statistics/rx_bytes")
+                      for s in slots]
+
+    def read(self) -> list[int]:
+        return [int(p.read_text()) for p in self.paths]
+
+
+def _driver_env(cluster, home: Path) -> dict:
+    env = dict(os.environ, RAY_ADDRESS=cluster.address, RAY_AUTH_MODE="token",
+               RAY_AUTH_TOKEN_PATH=cluster.auth_token_path,
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", HOME=str(home))
+    for name in ("RAY_AUTH_TOKEN", "MOSHRAY_CHECKPOINT_URI"):
+        env.pop(name, None)
+    home.mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def _run_bounded(argv: list[str], env: dict, log_path: Path, out_path: Path | None,
+                 bound_s: float, cwd: Path) -> int:
+    """Run ``argv`` (a session of its own), stdout to ``out_path`` (or the log); kill its
+    process group after ``bound_s``. Returns its exit status (-9 if killed)."""
+    with open(log_path, "w") as err, open(out_path or os.devnull, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out if out_path else err, stderr=err, env=env,
+                                cwd=cwd, start_new_session=True, text=True)
+        try:
+            return proc.wait(timeout=bound_s)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                return proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with _quiet():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+                return -9
+        finally:
+            if proc.poll() is None:
+                with _quiet():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+class _quiet:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is not None and issubclass(exc[0], ProcessLookupError)
+
+
+def _relative(points: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    if not points:
+        return ()
+    t0 = points[0][0]
+    return tuple((round(t - t0, 3), loss) for t, loss in points)
+
+
+def run_ddp(cluster, sets: Sequence[str], nodes: int, seconds: float, run_dir: Path,
+            counter: LinkBytes) -> Curve:
+    """Ray Train DDP on the cluster's spot nodes for ``seconds`` after its worker group's
+    first step (``--steady-seconds``: its start-up is not part of the window)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "moshray.jobs.bench.raytrain_baseline",
+            "--address", cluster.address, "--duration", str(seconds + STARTUP_S),
+            "--steady-seconds", str(seconds),
+            "--max-workers", str(nodes), "--fixed", "--checkpoint-every", str(10**9),
+            "--storage-path", str(run_dir / "raytrain"), "--cpus-per-worker", "1",
+            "--recorder", f"links-recorder-{uuid.uuid4().hex[:8]}", "--gloo-ifname", "eth0",
+            "--set", f"run_dir={run_dir}", "--set", f"cluster.max_nodes={nodes}",
+            *[a for s in sets for a in ("--set", s)]]
+    before = counter.read()
+    out = run_dir / "stdout.jsonl"
+    status = _run_bounded(argv, _driver_env(cluster, run_dir / "home"),
+                          run_dir / "driver.log", out, seconds + STARTUP_S + FINISH_S, run_dir)
+    sent = [a - b for a, b in zip(counter.read(), before)]
+    summary = None
+    for line in out.read_text().splitlines():
+        if line.startswith("{") and '"finished"' in line:
+            summary = json.loads(line)
+    if summary is None:
+        raise LinksBenchError(f"ddp: the Ray Train driver exited {status} without a summary; "
+                              f"see {run_dir / 'driver.log'}")
+    steps = summary["records"]["steps"]  # [unix, step, samples, loss, world]
+    points = [(float(s[0]), float(s[3])) for s in steps if s[3] is not None]
+    return Curve("ddp", _relative(points), sum(sent) / len(sent))
+
+
+def run_moshray(name: str, cluster, sets: Sequence[str], extra: Sequence[str], nodes: int,
+                seconds: float, run_dir: Path, counter: LinkBytes) -> Curve:
+    """moshray's job (``moshray.jobs.train``) on the cluster for ``seconds`` plus
+    ``MOSHRAY_STARTUP_S`` (its replicas' start-up, 10-25 s here, is inside its
+    ``max_seconds``)."""
+    from moshray.jobs.local.cluster import free_ports
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "moshray.jobs.train", "--json", "--trace", "off",
+            "--max-seconds", str(seconds + MOSHRAY_STARTUP_S), "--metrics-port", str(free_ports(1)[0]),
+            "--max-nodes", str(nodes), "--set", f"run_dir={run_dir / 'run'}",
+            "--set", "checkpoint.optional=true",
+            *[a for s in (*sets, *extra) for a in ("--set", s)]]
+    before = counter.read()
+    status = _run_bounded(argv, _driver_env(cluster, run_dir / "home"), run_dir / "driver.log",
+                          run_dir / "stdout.jsonl", seconds + STARTUP_S + FINISH_S, run_dir)
+    sent = [a - b for a, b in zip(counter.read(), before)]
+    saved = run_dir / "run" / "summary.json"
+    try:
+        history = json.loads(saved.read_text())["history"]  # [epoch, at_s, samples, loss, peers]
+    except (OSError, ValueError, KeyError):
+        raise LinksBenchError(f"{name}: the job exited {status} without {saved}; see "
+                              f"{run_dir / 'driver.log'}") from None
+    points = [(float(h[1]), float(h[3])) for h in history if h[3] is not None]
+    return Curve(name, _relative(points), sum(sent) / len(sent))
+
+
+def mode_settings(local_steps: int) -> dict[str, tuple[str, ...]]:
+    """Each moshray system's ``--set`` overrides."""
+    diloco = ("training.mode=local_sgd", "training.outer_optimizer=nesterov",
+              f"training.local_steps={local_steps}")
+    return {"collaborative": ("training.mode=collaborative", "training.compression=fp16"),
+            "diloco8": (*diloco, "training.compression=blockwise8"),
+            "diloco4": (*diloco, "training.compression=blockwise4"),
+            "auto": ("training.mode=auto",)}
+
+
+def plot(path: Path, result: dict, curves: dict[str, Curve]) -> Path:
+    """Loss (smoothed) against seconds since the first step, one line per run."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from moshray.jobs.plots import save_png
+
+    fig = Figure(figsize=(7, 4.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for name, c in curves.items():
+        pts = smoothed(c.points)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], linewidth=1.2, label=name)
+    finite = [p[1] for c in curves.values() for p in smoothed(c.points) if math.isfinite(p[1])]
+    ddp_start = smoothed(curves["ddp"].points)[0][1] if curves["ddp"].points else None
+    if finite and ddp_start is not None:  # a diverging run leaves the frame, not the scale
+        ax.set_ylim(min(finite) - 0.1, max(ddp_start, result["target_loss"]) + 0.5)
+    ax.axhline(result["target_loss"], color="grey", linestyle="--", linewidth=0.8,
+               label="target (DDP's final loss)")
+    ax.set_xlabel("wall seconds since the first step")
+    ax.set_ylabel(f"training loss (mean of {SMOOTH} steps)")
+    ax.set_title(f"links: {result['profile']} ({result['link_mbit']} Mbit/s)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return save_png(fig, path)
+
+
+def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps: int,
+        out_dir: Path, systems: Sequence[str] = SYSTEMS) -> dict:
+    """The whole bench (see the module docstring); returns the JSON object."""
+    from moshray.actors.replica.mode_choice import choose_mode
+    from moshray.jobs.local import links, netns
+    from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig
+
+    profile = links.get_profile(profile_name)
+    why = netns.unavailable()
+    if why:
+        raise LinksBenchError(f"bench links needs separate hosts (network namespaces): {why}")
+    sets = SHORT_MODEL if short else FULL_MODEL
+    wire_bytes, compute_s = model_figures(sets, nodes)
+    rates = links.node_rates(profile, nodes, wire_bytes, compute_s)
+    slowest = min((r for r in rates if r is not None), default=None)
+    choice = choose_mode(slowest * 1e6 if slowest else 10e9, wire_bytes, compute_s)
+    print(f"bench links: {profile.name}: {profile.description}; model {wire_bytes / 1e3:.0f} "
+          f"kB fp16 gradients, {compute_s * 1e3:.0f} ms compute per node per step -> links "
+          f"{rates} Mbit/s", file=sys.stderr, flush=True)
+    print(choice.line, file=sys.stderr, flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    curves: dict[str, Curve] = {}
+    failed: dict[str, str] = {}  # a moshray mode that failed: its one line (DDP's is fatal)
+    settings = mode_settings(local_steps)
+    cluster = LocalCluster(LocalClusterConfig(spot_nodes=nodes, hosts="netns",
+                                              cpus_per_node=1, head_cpus=1,
+                                              object_store_bytes=100 * 1024 * 1024))
+    try:
+        links.apply(cluster, rates)
+        counter = LinkBytes(cluster, range(nodes))
+        for name in systems:
+            started = time.monotonic()
+            if name == "ddp":
+                curves[name] = run_ddp(cluster, sets, nodes, seconds, out_dir / name, counter)
+            else:
+                try:
+                    curves[name] = run_moshray(name, cluster, sets, settings[name], nodes,
+                                               seconds, out_dir / name, counter)
+                except LinksBenchError as exc:
+                    failed[name] = str(exc)
+                    print(f"bench links: {exc}", file=sys.stderr, flush=True)
+                    continue
+            print(f"bench links: {name}: {len(curves[name].points)} steps in "
+                  f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    finally:
+        cluster.shutdown()
+    result = figures(profile.name, curves, rates)
+    result.update(failed=failed, nodes=nodes, seconds_per_run=seconds, short=short, local_steps=local_steps,
+                  gradient_bytes_fp16=wire_bytes, step_compute_s=round(compute_s, 4),
+                  auto_choice={"mode": choice.mode, "local_steps": choice.local_steps,
+                               "reason": choice.reason})
+    result["plot"] = str(plot(out_dir / f"links-{profile.name}.png", result, curves))
+    (out_dir / f"links-{profile.name}.json").write_text(json.dumps(
+        {**result, "curves": {n: c.points for n, c in curves.items()}}))
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from moshray.jobs.local.links import PROFILES
+
+    parser.add_argument("--profile", default="slow", choices=tuple(PROFILES),
+                        help="link profile (jobs/local/links.py: the arithmetic)")
+    parser.add_argument("--nodes", type=int, default=3, help="spot nodes, each its own host")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="training seconds per run (default: 60 with --short, else 300)")
+    parser.add_argument("--local-steps", type=int, default=16,
+                        help="DiLoCo's inner steps between outer steps")
+    parser.add_argument("--short", action="store_true",
+                        help="a tiny model and 2 nodes unless --nodes: a few minutes")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"comma-separated, of {','.join(SYSTEMS + OPTIONAL)} (ddp "
+                             f"required; default: all but auto)")
+    parser.add_argument("--out", default="bench-links", help="directory for the PNG and JSON")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+
+
+def main(args: argparse.Namespace) -> int:
+    systems = tuple(s for s in args.systems.split(",") if s)
+    unknown = [s for s in systems if s not in SYSTEMS + OPTIONAL]
+    if unknown or "ddp" not in systems:
+        print(f"bench links: --systems must include ddp and name only "
+              f"{', '.join(SYSTEMS + OPTIONAL)}; "
+              f"got {args.systems!r}", file=sys.stderr)
+        return 2
+    nodes = args.nodes if not (args.short and args.nodes == 3) else 2
+    if not 2 <= nodes <= 8:
+        print(f"bench links: --nodes must be 2..8, got {nodes}", file=sys.stderr)
+        return 2
+    if args.local_steps < 1:
+        print(f"bench links: --local-steps must be >= 1, got {args.local_steps}",
+              file=sys.stderr)
+        return 2
+    seconds = args.seconds or (60.0 if args.short else 300.0)
+    try:
+        result = run(args.profile, nodes, seconds, args.short, args.local_steps,
+                     Path(args.out), systems)
+    except LinksBenchError as exc:
+        print(f"bench links: {exc}", file=sys.stderr)
+        return 1
+    if not args.json:
+        for name, m in result["modes"].items():
+            print(f"{name:>14}: to target {m['time_to_target_s']} s, "
+                  f"{m['bytes_per_node_to_target']} B/node to target, loss at "
+                  f"{result['equal_time_s']} s {m['loss_at_equal_time']}")
+    print(json.dumps(result), flush=True)
+    return 0

@@ -1,0 +1,248 @@
+"""Slow links as a benchmark dimension: the link profiles' arithmetic, the bench's pure
+figures (time to a loss from loss curves), the ``auto`` mode decision, the 4-bit codec,
+and a smoke run of ``moshray bench links --short`` on separate hosts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moshray.actors.replica.mode_choice import (
+    AMORTISED_SHARE,
+    MAX_LOCAL_STEPS,
+    MIN_LOCAL_STEPS,
+    choose_mode,
+)
+from moshray.cluster.collective.codecs import (
+    BLOCK4,
+    codec_names,
+    decode,
+    encode,
+    get_codec,
+    max_abs_error_bound,
+)
+from moshray.jobs.bench.links import (
+    Curve,
+    figures,
+    loss_at,
+    smoothed,
+    steps_to_target,
+    time_to_target,
+)
+from moshray.jobs.local import links
+
+# ----------------------------------------------------------------------- profiles
+
+
+def test_real_case_arithmetic() -> None:
+    # 1B parameters in fp16 over 2.5 Gbit/s: 16 Gbit / 2.5 Gbit/s = 6.4 s per exchange
+    assert links.REAL_WIRE_BYTES == 2e9
+    assert links.REAL_EXCHANGE_S == pytest.approx(6.4)
+    assert links.REAL_RATIO == pytest.approx(6.4)
+
+
+def test_rate_reproduces_the_ratio() -> None:
+    wire, compute = 200_000, 0.05
+    mbit = links.mbit_for_ratio(wire, compute, links.REAL_RATIO)
+    assert mbit == pytest.approx(5.0)  # 1.6 Mbit in 6.4 x 0.05 s
+    exchange_s = wire * 8 / (mbit * 1e6)
+    assert exchange_s / compute == pytest.approx(links.REAL_RATIO)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "3"])
+def test_rate_rejects_bad_input(bad) -> None:
+    with pytest.raises(ValueError, match="must be a positive number"):
+        links.mbit_for_ratio(bad, 0.05, 1.0)
+
+
+def test_profiles_shape_the_links() -> None:
+    wire, compute = 200_000, 0.05
+    assert links.node_rates(links.get_profile("fast"), 3, wire, compute) == (None,) * 3
+    slow = links.node_rates(links.get_profile("slow"), 3, wire, compute)
+    assert slow == (5.0, 5.0, 5.0)
+    straggler = links.node_rates(links.get_profile("straggler"), 3, wire, compute)
+    assert straggler[:2] == (50.0, 50.0) and straggler[2] == 5.0  # one link 10x slower
+    zones = links.node_rates(links.get_profile("zones"), 3, wire, compute)
+    assert zones == (None, None, 5.0)  # zone A not shaped, zone B behind the slow link
+    with pytest.raises(ValueError, match="unknown link profile 'lan'; choose one of fast"):
+        links.get_profile("lan")
+    with pytest.raises(ValueError, match="at least 1 node"):
+        links.get_profile("slow").node_ratios(0)
+
+
+# ----------------------------------------------------------------------- figures
+
+
+def _curve(losses, dt=1.0):
+    return tuple((i * dt, loss) for i, loss in enumerate(losses))
+
+
+def test_time_to_target_uses_the_smoothed_curve() -> None:
+    pts = _curve([5, 1, 5, 5, 2, 2, 2, 2])
+    assert smoothed(pts, 2)[1] == (1.0, 3.0)
+    # one lucky step (1.0) does not count; the mean of two reaches 2 at t=5
+    assert time_to_target(pts, 2.0, window=2) == 5.0
+    assert steps_to_target(pts, 2.0, window=2) == 6
+    assert time_to_target(pts, 0.5, window=2) is None
+    assert loss_at(pts, 4.5, window=1) == 2 and loss_at(pts, -1.0) is None
+    with pytest.raises(ValueError, match="window"):
+        smoothed(pts, 0)
+
+
+def test_figures_compare_against_ddp() -> None:
+    ddp = Curve("ddp", _curve([4, 3.5, 3, 2.5, 2, 2, 2, 2], dt=10.0), bytes_per_node=8e6)
+    fast = Curve("diloco8", _curve([4, 3, 2, 1.8, 1.7, 1.6], dt=5.0), bytes_per_node=6e5)
+    never = Curve("collaborative", _curve([4, 4, 4], dt=10.0), bytes_per_node=4e6)
+    out = figures("slow", {"ddp": ddp, "diloco8": fast, "collaborative": never},
+                  (5.0, 5.0), window=1)
+    assert out["target_loss"] == 2.0 and out["ddp_time_to_target_s"] == 40.0
+    assert out["moshray_mode"] == "diloco8" and out["moshray_time_to_target_s"] == 10.0
+    assert out["time_to_target_vs_ddp"] == 0.25
+    assert out["modes"]["collaborative"]["time_to_target_s"] is None
+    assert out["modes"]["diloco8"]["bytes_per_node_to_target"] == int(6e5 * 3 / 6)
+    assert out["equal_time_s"] == 20.0  # the shortest run's end
+    assert out["modes"]["ddp"]["loss_at_equal_time"] == 3.0
+    assert "streaming" in out["not_run"]
+    json.dumps(out)
+    with pytest.raises(ValueError, match="DDP run recorded no step"):
+        figures("slow", {"diloco8": fast}, (None,))
+
+
+# ----------------------------------------------------------------------- auto mode
+
+
+def test_auto_picks_collaborative_on_fast_links() -> None:
+    # 200 kB over 10 Gbit/s: 0.16 ms against 50 ms of compute
+    choice = choose_mode(10e9, 200_000, 0.05)
+    assert choice.mode == "collaborative" and choice.local_steps is None
+    assert "fast enough" in choice.line and "\n" not in choice.line
+
+
+def test_auto_picks_diloco_where_averaging_is_the_bottleneck() -> None:
+    # the real case: 2 GB over 2.5 Gbit/s = 6.4 s against 1 s of compute
+    choice = choose_mode(2.5e9, 2e9, 1.0)
+    assert choice.mode == "local_sgd"
+    assert choice.exchange_s == pytest.approx(6.4)
+    assert choice.sync_share == pytest.approx(6.4 / 7.4)
+    assert choice.local_steps == 64  # 6.4 s is a tenth of 64 steps' compute
+    assert choice.exchange_s / (choice.local_steps * 1.0) <= AMORTISED_SHARE
+    assert "bottleneck" in choice.line and "local_steps=64" in choice.line
+
+
+def test_auto_local_steps_are_bounded() -> None:
+    assert choose_mode(1e9, 5e6, 0.1).local_steps == MIN_LOCAL_STEPS  # share 29%: few steps
+    assert choose_mode(1e6, 2e9, 0.01).local_steps == MAX_LOCAL_STEPS
+
+
+@pytest.mark.parametrize("args", [(0, 1, 1), (1, -1, 1), (1, 1, float("inf"))])
+def test_auto_rejects_bad_input(args) -> None:
+    with pytest.raises(ValueError, match="must be a positive finite number"):
+        choose_mode(*args)
+
+
+# ----------------------------------------------------------------------- 4-bit codec
+
+
+@pytest.mark.parametrize("numel", [1, 2, 3, BLOCK4 - 1, BLOCK4, BLOCK4 + 1, 100_001])
+def test_blockwise4_round_trip_within_bound(numel: int) -> None:
+    x = np.random.default_rng(numel).standard_normal(numel).astype(np.float32)
+    enc = encode(x, "blockwise4")
+    assert enc.data.dtype == np.uint8 and enc.data.shape == ((numel + 1) // 2,)
+    assert enc.data.shape == (get_codec("blockwise4").wire_length(numel),)
+    y = decode(enc)
+    assert y.dtype == np.float32 and y.shape == x.shape
+    assert np.abs(y - x).max() <= max_abs_error_bound(x, "blockwise4")
+    blocks = -(-numel // BLOCK4)
+    assert enc.nbytes == (numel + 1) // 2 + 8 * blocks  # about half of blockwise8's bytes
+
+
+def test_blockwise4_is_registered_and_keeps_non_finite() -> None:
+    assert "blockwise4" in codec_names()
+    x = np.ones(600, np.float32)
+    x[300] = np.nan
+    y = decode(encode(x, "blockwise4"))
+    assert not np.isfinite(y[BLOCK4:2 * BLOCK4]).any()  # the NaN's block
+    assert np.isfinite(y[:BLOCK4]).all()
+    bad = encode(x, "blockwise4")
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="4-bit payload"):
+        decode(replace(bad, data=bad.data[:-1]))
+
+
+# ----------------------------------------------------------------------- smoke run
+
+
+def test_bench_links_short_smoke(tmp_path: Path) -> None:
+    """``moshray bench links --short`` on separate hosts, DDP against ``training.mode =
+    "auto"``: one JSON line with both runs, and the auto job's one line with its choice."""
+    from moshray.jobs.local import netns
+
+    why = netns.unavailable()
+    if why:
+        pytest.skip(f"separate hosts unavailable: {why}")
+    if os.environ.get("MOSHRAY_SKIP_LINKS_SMOKE"):
+        pytest.skip("MOSHRAY_SKIP_LINKS_SMOKE is set")
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moshray.jobs.cli", "bench", "links", "--profile", "slow",
+         "--short", "--seconds", "15", "--systems", "ddp,auto", "--out", str(tmp_path),
+         "--json"], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["profile"] == "slow" and result["nodes"] == 2
+    assert all(r is not None and r > 0 for r in result["link_mbit"])
+    assert result["modes"]["ddp"]["steps"] > 0 and result["modes"]["auto"]["steps"] > 0
+    assert result["modes"]["auto"]["bytes_per_node"] > 0
+    assert Path(result["plot"]).exists()
+    chosen = [line for line in (tmp_path / "auto" / "driver.log").read_text().splitlines()
+              if line.startswith("training.mode auto: ")]
+    assert len(chosen) == 1, chosen
+    # the slow profile makes averaging the bottleneck: the job measured that and chose DiLoCo
+    assert chosen[0].startswith("training.mode auto: local_sgd"), chosen
+
+
+def test_auto_choice_resolves_the_training_section() -> None:
+    from moshray.jobs.config import TrainConfig
+    from moshray.jobs.controller.mode_probe import probe_bytes, resolved
+
+    training = TrainConfig.from_dict({"training": {"mode": "auto"}}).training
+    slow = resolved(training, choose_mode(2.5e9, 2e9, 1.0))
+    assert (slow.mode, slow.local_steps, slow.outer_optimizer) == ("local_sgd", 64, "nesterov")
+    assert slow.wire_codec == "none"  # local SGD's default: full-precision parameters
+    fast = resolved(training, choose_mode(10e9, 2e5, 0.05))
+    assert fast.mode == "collaborative" and fast.wire_codec == "fp16"
+    assert probe_bytes(10) == 1 << 20 and probe_bytes(1e12) == 16 << 20
+    with pytest.raises(ValueError, match="training.mode: must be one of"):
+        TrainConfig.from_dict({"training": {"mode": "automatic"}})
+
+
+@pytest.mark.parametrize("n,max_group,size", [(3, 16, 1001), (4, 2, 10_001)],
+                         ids=["one-group-odd", "grid-2x2"])
+def test_blockwise4_through_the_round(n: int, max_group: int, size: int) -> None:
+    """The 4-bit codec (half a byte per value on the wire) through the real ``GroupRound``
+    without Ray: every peer ends with the same bits, within two encodings of the exact
+    weighted average, and no contribution is rejected (packed payload lengths pass)."""
+    import asyncio
+
+    from test_allreduce_local import inputs, reduce_all, swarm, weighted
+
+    _, averagers, plan = swarm(n, max_group=max_group, compression="blockwise4")
+    arrays, weights = inputs(n, size=size, seed=5)
+    results = asyncio.run(reduce_all(averagers, plan, arrays, weights))
+    expected = weighted(arrays, weights, arrays)
+    first = results["p0"][0]
+    spread = max(float(a.max() - a.min()) for a in arrays.values())
+    rounds = len(plan.grid.rounds)
+    for pid, (out, report) in results.items():
+        assert report.rejections == () and report.complete, (pid, report)
+        assert np.array_equal(out, first), pid
+        # each round encodes twice (contribution, result): half a step of 15 levels each
+        assert np.abs(out - expected).max() <= 2 * rounds * spread / 30 + 1e-3, pid

@@ -271,12 +271,17 @@ def shard_model(model: torch.nn.Module, parallel: str, device: torch.device):
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import fully_shard
 
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # The rank's own device type: without a mesh FSDP2 picks CUDA whenever it is visible,
+    # and would move a CPU rank's shards onto a GPU Ray never gave it.
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     for module in list(model.modules()):
         if isinstance(module, torch.nn.ModuleList):
             for child in module:
                 if any(True for _ in child.parameters()):
-                    fully_shard(child)
-    fully_shard(model)
+                    fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -32,7 +32,7 @@ raises ``NodeLaunchException`` (Ray shows it as a failed launch), and a first li
 fails raises (there is no earlier listing to fall back on).
 
 Node records and errors are in providers/records.py, pool placement (``create_node``,
-``release_on_demand``) in providers/placement.py; this module re-exports their names.
+``release_on_demand``) in providers/placement.py.
 """
 
 from __future__ import annotations
@@ -51,21 +51,9 @@ from ray.autoscaler.tags import NODE_KIND_HEAD
 from moshray.autoscaler.pools import EventKind, Market, Pool, PoolSelector
 import moshray.autoscaler.providers.metrics as provider_metrics
 from moshray.autoscaler.clouds.prices import Fetch, PriceConfig, SpotPrices
-from moshray.autoscaler.providers.config import (  # noqa: F401 - re-exported for the providers
-    NODE_POOLS_KEY,
-    PlacementConfig,
-    bootstrap_identity,
-    metrics_port,
-    optional,
-    require,
-)
+from moshray.autoscaler.providers.config import PlacementConfig, bootstrap_identity, metrics_port
 from moshray.autoscaler.providers.placement import SpotPlacementMixin
-from moshray.autoscaler.providers.records import (  # noqa: F401 - re-exported for the providers
-    LaunchError,
-    NodeRecord,
-    PoolHistory,
-    ProviderError,
-)
+from moshray.autoscaler.providers.records import LaunchError, NodeRecord, PoolHistory, ProviderError
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,6 @@ controller does: a node's watcher that someone else started is used, never remov
 
 from __future__ import annotations
 
-import sys
-
 from moshray.autoscaler.watch.watcher import (  # noqa: F401 - re-exported
     NoticeWatcher,
     deliver_notice,

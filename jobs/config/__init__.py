@@ -20,14 +20,14 @@ Example file (TOML)::
 
 from __future__ import annotations
 
-# The configuration is split by role; this module is its public face and keeps every name
-# importable from ``moshray.jobs.config``:
-#   config_fields.py    ConfigError, value coercion, range checks, the section mixin
-#   config_sections.py  the sections and TrainConfig (validated on construction)
-#   config_load.py      TOML / JSON files and dotted-key overrides -> TrainConfig
-#   config_cli.py       --config, --set, convenience flags, exit status 2 on a bad value
-# The Literal aliases (Mode, ...) are re-exported too, as they always lived here.
-from moshray.jobs.config.cli import add_config_arguments, config_from_args, exit_on_config_error, parse_set
+# The package's public names, from its modules (one role each):
+#   fields.py    ConfigError, value coercion, range checks, the section mixin
+#   sections.py  the sections and TrainConfig (validated on construction)
+#   load.py      TOML / JSON files and dotted-key overrides -> TrainConfig
+#   cli.py       --config, --set, convenience flags, exit status 2 on a bad value
+#   table.py     the README's settings table, generated from the schema
+from moshray.jobs.config.cli import (add_config_arguments, config_from_args,
+                                     exit_on_config_error, parse_set)
 from moshray.jobs.config.fields import ConfigError
 from moshray.jobs.config.load import load_config
 from moshray.jobs.config.sections import (

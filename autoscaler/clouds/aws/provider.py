@@ -58,14 +58,9 @@ import botocore.exceptions
 from moshray.autoscaler.pools import Market, Pool
 from moshray.autoscaler.clouds.aws.prices import ec2_spot_price_history
 from moshray.autoscaler.clouds.prices import Fetch
-from moshray.autoscaler.providers.api import (
-    NODE_POOLS_KEY,
-    LaunchError,
-    NodeRecord,
-    SpotNodeProviderBase,
-    optional,
-    require,
-)
+from moshray.autoscaler.providers.api import SpotNodeProviderBase
+from moshray.autoscaler.providers.config import NODE_POOLS_KEY, optional, require
+from moshray.autoscaler.providers.records import LaunchError, NodeRecord
 from moshray.autoscaler.tags import CLUSTER_TAG
 
 log = logging.getLogger(__name__)

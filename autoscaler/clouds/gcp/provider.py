@@ -72,14 +72,9 @@ from google.cloud import compute_v1
 from google.protobuf.json_format import ParseError
 
 from moshray.autoscaler.pools import Market, Pool
-from moshray.autoscaler.providers.api import (
-    NODE_POOLS_KEY,
-    LaunchError,
-    NodeRecord,
-    SpotNodeProviderBase,
-    optional,
-    require,
-)
+from moshray.autoscaler.providers.api import SpotNodeProviderBase
+from moshray.autoscaler.providers.config import NODE_POOLS_KEY, optional, require
+from moshray.autoscaler.providers.records import LaunchError, NodeRecord
 from moshray.autoscaler.tags import CLUSTER_TAG, POOL_TAG, ROLE_TAG
 
 log = logging.getLogger(__name__)

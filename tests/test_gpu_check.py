@@ -135,7 +135,7 @@ def test_a_partial_of_a_module_function_ships_to_the_replicas():
 
 
 def test_a_replica_without_a_gpu_from_ray_trains_on_the_cpu():
-    from moshray.jobs.examples.lm.model import pick_device
+    from moshray.actors.replica.device import pick_device
 
     assert pick_device([]).type == "cpu"  # Ray gave none, whatever CUDA shows
     assert pick_device(["0"]).type == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moshray.jobs.examples.lm.model import ByteTransformerLM, ModelConfig, build_model, pick_device
+from moshray.actors.replica.device import pick_device
+from moshray.jobs.examples.lm.model import ByteTransformerLM, ModelConfig, build_model
 
 TINY = ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64)
 

@@ -25,7 +25,7 @@ from moshray.cluster.messages import Contribution, PartResult, RoundPlan
 
 from moshray.actors.replica.build_check import build_mismatch, installed_build
 from moshray.actors.replica.checkpoint import SaveResult, job_run_id, save_to
-from moshray.jobs.examples.lm.model import pick_device
+from moshray.actors.replica.device import pick_device
 from moshray.actors.replica.state import extra_digest
 from moshray.actors.replica.session import Session
 from moshray.actors.replica.step_manager import StepManager

@@ -24,19 +24,7 @@ __all__ = [
     "ModelConfig",
     "build_model",
     "moe_layer_name",
-    "pick_device",
 ]
-
-
-def pick_device(gpu_ids=None) -> torch.device:
-    """``cuda`` when a CUDA device is available, else ``cpu``. Never raises.
-
-    ``gpu_ids``: the GPUs Ray gave the calling actor (``ray.get_gpu_ids()``); an empty list
-    means none, so ``cpu`` even where CUDA is visible (Ray does not hide the GPUs from an
-    actor that asked for none, and they belong to the actors that did)."""
-    if gpu_ids is not None and not list(gpu_ids):
-        return torch.device("cpu")
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @dataclass(frozen=True)
@@ -279,7 +267,7 @@ def build_model(config: ModelConfig, seed: int, experts=None) -> ByteTransformer
     Two calls with the same ``config`` and ``seed`` give bitwise-identical
     parameters. The caller's global torch RNG state is left untouched (the
     init runs inside ``torch.random.fork_rng``). The model is on CPU; move it
-    with ``.to(pick_device())``.
+    with ``.to(device)`` (a replica's: ``session.device``).
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -238,7 +238,8 @@ def test_replica_of_another_build_refuses_and_the_controller_stops_the_job(local
     from moshray.actors.errors import UserError
     from moshray.jobs.config import TrainConfig
     from moshray.jobs.controller.elastic import ElasticController
-    from moshray.jobs.controller.replica_launch import ReplicaSpec, launch_replica, slot_node_id
+    from moshray.jobs.controller.replica_launch import ReplicaSpec, launch_replica
+    from replica_supervisor import slot_node_id
 
     node = slot_node_id(0)
     spec = ReplicaSpec(TrainConfig().to_dict(), None, None, build="0.0.0+another.build")

@@ -17,7 +17,7 @@ import ray
 import moshray.cluster.coordinator.actor as coordinator_mod
 from moshray.cluster.coordinator.membership import MembershipConfig
 from moshray.jobs.config import add_config_arguments, config_from_args
-from moshray.jobs.controller.replica_launch import ReplicaSupervisor
+from replica_supervisor import ReplicaSupervisor
 from moshray.jobs.bench.chaos_faults import set_replica_fault
 
 pytestmark = pytest.mark.cluster

@@ -3,19 +3,17 @@
 ``launch_replica`` pins the ReplicaActor to its node with Ray's node-affinity scheduling
 (``soft=False``: it runs there or not at all; no shared custom resource decides where) and
 gives it ``num_gpus`` GPUs through Ray, then starts its ``run()``. The elastic controller
-uses it for every replica; ``ReplicaSupervisor`` is a small by-slot wrapper around it for
-tests and benchmarks that drive replicas on the embedded cluster directly.
+uses it for every replica (tests/replica_supervisor.py wraps it by slot for tests that
+drive replicas on the embedded cluster directly).
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from moshray.actors.replica.build_check import installed_build
 from moshray.cluster.collective.auth import new_job_key
-from moshray.cluster.placement import SLOT_LABEL
 
 
 @dataclass(frozen=True)
@@ -83,50 +81,3 @@ def adopted_job_key(handles, timeout_s: float = 30.0) -> bytes | None:
         if key is not None:
             return key
     return None
-
-
-def slot_node_id(slot: int) -> str:
-    """The node id of the embedded cluster's ``slot`` (by its ``moshray-slot`` label)."""
-    import ray
-
-    for n in ray.nodes():
-        if n.get("Alive") and (n.get("Labels") or {}).get(SLOT_LABEL) == str(slot):
-            return n["NodeID"]
-    raise LookupError(f"no live node carries {SLOT_LABEL}={slot}")
-
-
-class ReplicaSupervisor:
-    """One replica per embedded-cluster slot (tests and benchmarks that place replicas
-    themselves; the training job uses the elastic controller instead)."""
-
-    def __init__(self, config, files, coordinator, init_state_ref):
-        import moshray.jobs.examples.lm.example as lm
-        self.spec = ReplicaSpec(config.to_dict(), lm.job(config, files), coordinator,
-                                init_state_ref)
-        self.coordinator = coordinator
-        self.replicas: dict[int, tuple[str, object, object]] = {}  # slot -> (id, handle, run)
-        self.generation = 0
-        self.hard_losses = 0
-        self.preemptions = 0  # replicas lost (``lost``): the driver counts them
-        self.lock = threading.Lock()
-
-    def start(self, slot: int, node_id: str | None = None) -> None:
-        node_id = node_id or slot_node_id(slot)
-        with self.lock:
-            self.generation += 1
-            peer_id = f"replica-{slot}-{self.generation}"
-            handle, run = launch_replica(self.spec, peer_id, node_id, 0)
-            self.replicas[slot] = (peer_id, handle, run)
-
-    def lost(self, slot: int, hard: bool = False) -> None:
-        """``slot``'s replica is gone (``hard``: found dead, no notice came before)."""
-        with self.lock:
-            entry = self.replicas.pop(slot, None)
-            self.hard_losses += int(hard and entry is not None)
-        if entry is not None:
-            self.coordinator.leave.remote(entry[0])
-            self.preemptions += 1
-
-    def handles(self) -> list[tuple[str, object, object]]:
-        with self.lock:
-            return list(self.replicas.values())

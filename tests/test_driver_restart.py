@@ -46,10 +46,15 @@ def _wait(predicate, timeout_s: float, what: str, every_s: float = 2.0):
 
 
 def _named_actors(cluster) -> subprocess.CompletedProcess:
-    """The cluster's named actors, as a job of its own lists them."""
-    return _ray(cluster, "submit", "--", "python", "-c",
-                "import ray; ray.init(); print(sorted(a['name'] for a in "
-                "ray.util.list_named_actors(all_namespaces=True)))")
+    """The cluster's named actors, as a driver of its own (connected to the GCS) lists them."""
+    import os
+    import sys
+
+    env = {**(cluster.env or os.environ), "RAY_ADDRESS": cluster.gcs_address}
+    return subprocess.run(
+        [sys.executable, "-c", "import ray; ray.init(); print(sorted(a['name'] for a in "
+         "ray.util.list_named_actors(all_namespaces=True)))"],
+        capture_output=True, text=True, timeout=120, env=env)
 
 
 def _newest_checkpoint(root: Path) -> int:

@@ -1,8 +1,10 @@
 """Shared fixtures: one multi-node Ray cluster on 127.0.0.1 for the whole session, and moto's
 EC2 server (tests/fake_ec2.py), one per test that asks for it.
 
-Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when imported, so it is set here, before any
-test module imports Ray.
+Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER and RAY_ENABLE_AUTO_CONNECT when imported, so they
+are set here, before any test module imports Ray. Auto-connect is off: a Ray call from a test
+whose driver was disconnected fails at once instead of starting a stray local Ray instance
+that every later test would run beside.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 import pytest  # noqa: E402
 

@@ -5,7 +5,6 @@ the group's pure decisions (backend, batch slices, configuration errors)."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -69,17 +68,13 @@ def test_the_reference_run_is_deterministic_and_learns():
 
 # -- a real group on a local Ray ---------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def ray_local():
+@pytest.fixture
+def ray_local(local_cluster):
+    """The session's cluster (conftest.py): its driver connection is the process's only one."""
     import ray
 
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # as pin_loopback: 127.0.0.1 only
-    from ray._private import ray_constants
-
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield ray
-    ray.shutdown()
+    local_cluster.connect()
+    return ray
 
 
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])

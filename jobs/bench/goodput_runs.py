@@ -195,9 +195,7 @@ def run_raytrain(config, events, duration_s: float, options: RayTrainOptions,
             else:
                 error = f"driver exited with status {proc.returncode} without a summary"
             proc.wait(timeout=30)
-            import ray
-
-            ray.init(address=local.address, namespace="moshray", log_to_driver=False)
+            local.connect(namespace="moshray")
             raw = read_recorder(recorder)
             finished = {"records": raw, "checkpoint": None, "error": error}
         else:

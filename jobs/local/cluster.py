@@ -247,6 +247,7 @@ class LocalCluster:
 
         self.config = config
         self.net = None
+        self._connected = False  # whether connect() connected this process's driver
         # The head is this machine, which is no cloud instance: the clouds' SDK opt-outs keep
         # anything on it (a watcher with notice_source="auto") from probing this machine's
         # real 169.254.169.254. Restored at shutdown; spot nodes do not inherit them.
@@ -319,10 +320,25 @@ class LocalCluster:
         return f"http://{url}" if url else None
 
     def connect(self, namespace: str = "moshray", log_to_driver: bool = False) -> None:
+        """Connect this process's Ray driver to this cluster.
+
+        A no-op when the driver is already connected here. Raises RuntimeError when it is
+        connected to another cluster: one process has one driver, and silently keeping the
+        other connection would run this cluster's work elsewhere. Only a connection made here
+        is ended by ``shutdown()``: a cluster started beside a connected driver (a test's
+        own cluster next to the session's) leaves that driver connected.
+        """
         import ray
 
-        ray.init(address=self.address, namespace=namespace, ignore_reinit_error=True,
+        if ray.is_initialized():
+            current = ray.get_runtime_context().gcs_address
+            if current != self.address:
+                raise RuntimeError(f"this process's Ray driver is connected to {current}, not to "
+                                   f"this cluster ({self.address}); ray.shutdown() it first")
+            return
+        ray.init(address=self.address, namespace=namespace,
                  log_to_driver=log_to_driver, logging_level=logging.WARNING)
+        self._connected = True
 
     def add_node(self, slot: int | None = None) -> int:
         """Start a spot raylet for ``slot`` (next free slot if None); returns the slot."""
@@ -573,8 +589,9 @@ class LocalCluster:
     def shutdown(self) -> None:
         import ray
 
-        if ray.is_initialized():
+        if self._connected and ray.is_initialized():
             ray.shutdown()
+        self._connected = False
         with self._lock:
             nodes = [n for n in self.nodes.values() if n is not None]
             self.nodes = {}

@@ -601,7 +601,17 @@ class LocalCluster:
                 _end_group(node.proc, graceful=True, timeout_s=20)
         cluster = getattr(self, "cluster", None)
         if cluster is not None:
+            from ray.experimental import internal_kv
+
+            # Ray's Cluster.shutdown resets the process's internal-KV client and RAY_ADDRESS;
+            # a driver still connected (to another cluster: not ours) keeps both.
+            kept = internal_kv.global_gcs_client if ray.is_initialized() else None
+            address_env = os.environ.get("RAY_ADDRESS")
             cluster.shutdown()
+            if kept is not None and ray.is_initialized():
+                internal_kv._initialize_internal_kv(kept)
+                if address_env is not None:
+                    os.environ["RAY_ADDRESS"] = address_env
         for imds in servers:
             imds.close()
         if self.net is not None:

@@ -16,6 +16,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,67 @@ def test_long_schedule_has_at_least_50_faults_of_every_kind():
     assert draw_plan(SCHEDULES["long"], seed=5) != plan
 
 
+def test_network_faults_wait_out_their_windows_and_only_run_on_separate_hosts():
+    schedule = SCHEDULES["short"]
+    plan = draw_plan(schedule)
+    kinds = [f.kind for f in plan.actor_faults]
+    assert {"partition", "slow_node"} <= set(kinds)
+    for a, b in zip(plan.actor_faults, plan.actor_faults[1:]):
+        # the next fault comes min_gap_s after the previous one's window ended
+        assert b.at_s - a.at_s >= schedule.min_gap_s + schedule.hold_s(a.kind) - 1e-6
+    loopback = draw_plan(schedule.without_network())
+    assert loopback.planned["partition"] == loopback.planned["slow_node"] == 0
+    assert sum(plan.planned.values()) == sum(loopback.planned.values()) + 2
+    with pytest.raises(ValueError, match="holds"):
+        draw_plan(replace(schedule, partitions=9))
+
+
+def test_quiet_slots_leave_out_nodes_with_a_trace_event_due():
+    from moshray.autoscaler.traces.schedule import NodeEvent
+    from moshray.jobs.local.cloud import quiet_slots
+
+    events = [NodeEvent(10.0, "remove", 1), NodeEvent(30.0, "add", 2), NodeEvent(2.0, "kill", 0)]
+    assert quiet_slots(events, [0, 1, 2], elapsed_s=5.0, window_s=10.0) == [0, 2]
+    assert quiet_slots(events, [0, 1, 2], elapsed_s=5.0, window_s=30.0) == [0]
+
+
+def test_the_clouds_thread_runs_queued_calls_and_hands_back_errors():
+    import threading
+
+    from moshray.jobs.local.cloud import LocalCloud
+
+    cloud = LocalCloud(cluster=None, notice_s=1.0)
+    main = threading.current_thread()
+    seen = {}
+
+    def caller():
+        seen["value"] = cloud.call(lambda: threading.current_thread() is main, timeout_s=10)
+        try:
+            cloud.call(lambda: 1 / 0, timeout_s=10)
+        except ZeroDivisionError as exc:
+            seen["error"] = exc
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while thread.is_alive() and time.monotonic() < deadline:
+        cloud.serve(0.2)
+    thread.join(timeout=5)
+    assert seen["value"] is True and isinstance(seen["error"], ZeroDivisionError)
+    with pytest.raises(TimeoutError, match="within 0.1 s"):
+        cloud.call(lambda: None, timeout_s=0.1)  # nobody serves
+
+
+def test_the_kernels_qdisc_counters_are_read():
+    from moshray.jobs.local.netns import parse_qdisc_stats
+
+    text = ("qdisc tbf 8001: root refcnt 2 rate 2Mbit burst 24224b lat 200ms\n"
+            " Sent 1234 bytes 12 pkt (dropped 1, overlimits 7 requeues 0)\n")
+    assert parse_qdisc_stats(text) == {"sent_bytes": 1234, "sent_packets": 12, "dropped": 1,
+                                       "overlimits": 7}
+    assert parse_qdisc_stats("")["overlimits"] == 0
+
+
 def test_stalls_and_invariants_are_judged_from_figures():
     assert stalled_seconds([0.0, 0.5, 1.0, 6.0, 6.2]) == pytest.approx(5.0)
     good = {"lost": 0, "repeated": 0, "rollbacks": 0, "bad_replicas": ["a", "b"],
@@ -115,7 +178,7 @@ def test_short_chaos_run_loses_nothing_and_quarantines_the_bad_replicas(tmp_path
     full_disk = 0 if "disk_full" in fig["faults_ruled_out"] else 1
     assert fig["faults_by_kind"] == {"notice": 1, "kill": 2, "coordinator": 2, "nan": 1,
                                      "shape": 1, "replica_kill": 1, "user_error": 1,
-                                     "disk_full": full_disk}
+                                     "disk_full": full_disk, "partition": 0, "slow_node": 0}
     assert fig["faults_missed"] == [] and fig["faults_planned"] == fig["faults_by_kind"]
     assert {"partition", "slow_node", "driver"} <= set(fig["faults_ruled_out"])
     assert (os.geteuid() == 0) == (full_disk == 1)

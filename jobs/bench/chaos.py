@@ -1,6 +1,6 @@
 """`moshray bench chaos`: one bounded run of the training job under a seeded storm of faults.
 
-The schedule mixes seven kinds of fault, all drawn from one seed:
+The schedule mixes up to ten kinds of fault, all drawn from one seed:
 
 - ``notice``: a spot notice, then the node's removal at its deadline;
 - ``kill``: a spot raylet SIGKILLed, no notice;
@@ -11,7 +11,12 @@ The schedule mixes seven kinds of fault, all drawn from one seed:
 - ``replica_kill``: one replica's process SIGKILLed, its node left up;
 - ``user_error``: one replica's user loop raises once (the job replaces the replica);
 - ``disk_full``: the checkpoint disk (a small tmpfs the bench mounts; root only, else the
-  kind is ruled out with that reason) is filled while a replica saves a checkpoint.
+  kind is ruled out with that reason) is filled while a replica saves a checkpoint;
+- ``partition`` (``--hosts netns`` only): one node's link goes down for ``partition_s``
+  (its processes keep running), then comes back; a raylet Ray declared dead meanwhile is
+  restarted in its namespace, as a machine's init system would;
+- ``slow_node`` (``--hosts netns`` only): one node's link is shaped to ``slow_mbit`` Mbit/s
+  for ``slow_s``, then unlimited again.
 
 The kinds this bench does not run are in ``chaos_plan.RULED_OUT`` with the reason (and in
 the figures). Every fault is counted from what was observed, never from the plan
@@ -19,7 +24,13 @@ the figures). Every fault is counted from what was observed, never from the plan
 notice once the Coordinator also has it), a Coordinator kill once it answers from a new
 process, a bad replica once a peer rejected its contributions or it was quarantined, a
 replica kill once Ray reports the actor dead on a live node, a user error once the replica
-reports its loop raised, a full disk once the save returns ``no_space``. A planned fault that did not happen fails the run, with why.
+reports its loop raised, a full disk once the save returns ``no_space``, a partition once
+this machine could no longer open a connection to the node's raylet and, after the heal,
+Ray lists the node alive again (the same raylet or a restarted one), a slow node once the
+kernel's shaper on its link held back packets during the window. A planned fault that did
+not happen fails the run, with why. Network faults go to nodes with no trace event due
+during their window (``LocalCloud.quiet_slots``), and are carried out on the cloud's thread
+(``LocalCloud.call``); the figures give the global steps committed during each.
 
 Node faults go through the embedded cluster's cloud exactly as a spot trace does: the
 schedule's node events are written as a per-node trace (``jobs/bench/chaos_schedule.py``) that
@@ -59,8 +70,8 @@ from pathlib import Path
 from moshray.jobs.bench.chaos_faults import (SmallDisk, chaos_job, order_user_error,
                                              process_pid, save_through, set_replica_fault,
                                              small_disk_refusal, user_error_raised)
-from moshray.jobs.bench.chaos_plan import (NODE_KINDS, RULED_OUT, SCHEDULES, ChaosPlan,
-                                           FaultLedger, draw_plan, invariant_failures,
+from moshray.jobs.bench.chaos_plan import (NETWORK_RULED_OUT, NODE_KINDS, RULED_OUT,
+                                           SCHEDULES, ChaosPlan, FaultLedger, draw_plan, invariant_failures,
                                            join_seconds, node_fault_outcome, stall_causes,
                                            stalled_seconds)
 from moshray.jobs.bench.chaos_schedule import write_trace
@@ -71,6 +82,7 @@ log = logging.getLogger("moshray.bench_chaos")
 BAD_WAIT_S = 30.0  # at most this long for the ready replicas, then for the quarantine
 MIN_READY = 2  # ready replicas a bad-replica fault needs: the bad one and a good one
 CHECKPOINT_EVERY = 200  # global steps between the job's own checkpoints (on the small disk)
+NETWORK_MARGIN_S = 6.0  # no trace event this close after a network fault's window
 USER_ERROR_POLL_S = 0.1  # read the raise before the controller replaces the replica
 REJECTION_OF = {"nan": "non_finite", "shape": "shape_mismatch"}  # what peers reject it for
 # The bench's model (small, so that a 2-core machine takes many steps); --set overrides.
@@ -116,6 +128,9 @@ class Injector:
         self.end_at = float("inf")
         self.disk: SmallDisk | None = None  # the checkpoint disk, for disk_full faults
         self.checkpoint_uri: str | None = None
+        self.cloud = None  # the embedded cluster's LocalCloud (network faults), once up
+        self.schedule = None  # the ChaosSchedule (network faults' windows)
+        self.steps_during: dict[str, list[int]] = {"partition": [], "slow_node": []}
 
     def _coordinator(self):
         import ray
@@ -410,6 +425,83 @@ class Injector:
         else:
             self.ledger.decide(index, False, f"the save during a full disk returned {result}")
 
+    def _network_slot(self, kind: str, hold_s: float) -> int | None:
+        """A live slot with no trace event due during ``hold_s`` plus a margin, chosen by
+        the seeded rng; None (recorded as not done) if there is none by the deadline."""
+        if self.cloud is None:
+            self.ledger.not_done(kind, "-", time.monotonic(), "the embedded cloud is not up")
+            return None
+        deadline = time.monotonic() + self._wait_s()
+        while True:
+            slots = self.cloud.quiet_slots(hold_s + NETWORK_MARGIN_S)
+            if len(self.cloud.cluster.live_slots()) >= 2 and slots:
+                return self.rng.choice(slots)
+            if time.monotonic() >= min(deadline, self.end_at):
+                self.ledger.not_done(kind, "-", time.monotonic(),
+                                     "no quiet node (every live node had a trace event due)")
+                return None
+            self._wait_until(time.monotonic() + self.poll_s)
+
+    def partition(self) -> None:
+        """Cut one node off for ``partition_s``, then heal it (on the cloud's thread);
+        observed when this machine could not reach the node's raylet during the cut and Ray
+        lists the node alive after the heal."""
+        hold = self.schedule.partition_s
+        slot = self._network_slot("partition", hold)
+        if slot is None:
+            return
+        cluster = self.cloud.cluster
+        self.cloud.call(lambda: self.cloud.cut(slot), self.timeout_s)
+        at = time.monotonic()
+        epoch = self.top_epoch
+        index = self.ledger.tried("partition", f"slot {slot}", at)
+        self.events.append((at, "partition"))
+        self.log(f"chaos: slot {slot} cut off for {hold:g} s")
+        unreachable = False
+        while time.monotonic() < at + hold:
+            unreachable = unreachable or not cluster.reachable(slot, timeout_s=1.0)
+            self._wait_until(min(at + hold, time.monotonic() + self.poll_s))
+        steps = self.top_epoch - epoch
+        self.steps_during["partition"].append(steps)
+        outcome = self.cloud.call(lambda: self.cloud.heal(slot), self.timeout_s + 130.0)
+        self.log(f"chaos: slot {slot} healed ({outcome}); {steps} steps committed meanwhile")
+        if not unreachable:
+            self.ledger.decide(index, False, "its raylet stayed reachable during the cut")
+        elif outcome is None:
+            self.ledger.decide(index, False, "the heal was not done (see the cloud's log)")
+        else:
+            raylet = "same raylet" if outcome == "same" else "raylet restarted"
+            self.ledger.decide(index, True, f"unreachable while cut, alive after the heal "
+                                            f"({raylet}); {steps} steps committed meanwhile")
+
+    def slow_node(self) -> None:
+        """Shape one node's link to ``slow_mbit`` for ``slow_s``, then lift it; observed when
+        the shaper held back packets during the window (the swarm's traffic met the
+        rate)."""
+        hold, mbit = self.schedule.slow_s, self.schedule.slow_mbit
+        slot = self._network_slot("slow_node", hold)
+        if slot is None:
+            return
+        cluster = self.cloud.cluster
+        self.cloud.call(lambda: self.cloud.shape(slot, mbit), self.timeout_s)
+        at = time.monotonic()
+        epoch = self.top_epoch
+        index = self.ledger.tried("slow_node", f"slot {slot}", at)
+        self.events.append((at, "slow_node"))
+        self.log(f"chaos: slot {slot} shaped to {mbit:g} Mbit/s for {hold:g} s")
+        self._wait_until(at + hold)
+        try:
+            held = cluster.link_stats(slot)["overlimits"]
+        finally:
+            self.cloud.call(lambda: self.cloud.shape(slot, None), self.timeout_s)
+        steps = self.top_epoch - epoch
+        self.steps_during["slow_node"].append(steps)
+        if held > 0:
+            self.ledger.decide(index, True, f"the shaper held back {held} packets; {steps} "
+                                            f"steps committed meanwhile")
+        else:
+            self.ledger.decide(index, False, "no packet met the shaped rate (no traffic?)")
+
     def run(self) -> None:
         """Wait for the job's Coordinator, then inject each fault at its time."""
         import ray
@@ -422,7 +514,8 @@ class Injector:
             time.sleep(self.poll_s)
         t0 = time.monotonic()
         actions = {"coordinator": self.kill_coordinator, "replica_kill": self.kill_replica_process,
-                   "user_error": self.user_error, "disk_full": self.disk_full}
+                   "user_error": self.user_error, "disk_full": self.disk_full,
+                   "partition": self.partition, "slow_node": self.slow_node}
         for fault in self.plan.actor_faults:
             if not self._wait_until(t0 + fault.at_s):
                 break
@@ -437,10 +530,11 @@ class Injector:
 
 
 def job_config(config, plan: ChaosPlan, trace: Path, nodes: int, run_dir: str,
-               checkpoint_uri: str | None = None):
+               checkpoint_uri: str | None = None, hosts: str = "loopback"):
     """The ``TrainConfig`` of the job under test: the chaos trace replayed at wall time
-    (notices 3 s ahead), room for ``nodes`` nodes, metrics on any free port, JSON mode;
-    checkpoints to ``checkpoint_uri`` every ``CHECKPOINT_EVERY`` steps if given."""
+    (notices 3 s ahead), room for ``nodes`` nodes laid out as ``hosts``, metrics on any free
+    port, JSON mode; checkpoints to ``checkpoint_uri`` every ``CHECKPOINT_EVERY`` steps if
+    given."""
     if checkpoint_uri is not None:
         config = replace(config, checkpoint=replace(config.checkpoint, uri=checkpoint_uri,
                                                     every_steps=CHECKPOINT_EVERY))
@@ -449,7 +543,7 @@ def job_config(config, plan: ChaosPlan, trace: Path, nodes: int, run_dir: str,
         training=replace(config.training, max_seconds=plan.duration_s + plan.settle_s,
                          max_steps=None),
         cluster=replace(config.cluster, address=None, trace=str(trace), time_scale=1.0,
-                        notice_s=3.0, max_nodes=nodes, min_nodes=1),
+                        notice_s=3.0, max_nodes=nodes, min_nodes=1, hosts=hosts),
         metrics=replace(config.metrics, port=0), run_dir=run_dir, json=True)
 
 
@@ -462,6 +556,9 @@ def run(args: argparse.Namespace, log_fn) -> dict:
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     ruled_out = dict(RULED_OUT)
+    if args.hosts != "netns":
+        ruled_out.update(partition=NETWORK_RULED_OUT, slow_node=NETWORK_RULED_OUT)
+        schedule = schedule.without_network()
     disk = None
     if schedule.disk_fulls:
         refusal = small_disk_refusal()
@@ -489,9 +586,10 @@ def _run(args, log_fn, schedule, seed: int, out: Path, disk, ruled_out: dict) ->
     trace = write_trace(plan.node_events, out / "chaos.csv")
     config = load_config(args.config, parse_set(list(DEFAULT_SET) + list(args.set or [])))
     config = job_config(config, plan, trace, schedule.chaos.nodes, str(out / "job"),
-                        disk.path if disk is not None else None)
+                        disk.path if disk is not None else None, args.hosts)
     injector = Injector(plan, args.timeout, log_fn, seed)
     injector.disk, injector.checkpoint_uri = disk, config.checkpoint.uri
+    injector.schedule = schedule
     log_fn(f"chaos: {sum(plan.planned.values())} faults planned {plan.planned} over "
            f"{plan.duration_s:g} s; not run: {', '.join(ruled_out)}")
 
@@ -520,7 +618,8 @@ def _run(args, log_fn, schedule, seed: int, out: Path, disk, ruled_out: dict) ->
             injector.finish()  # (the cluster is still up: Ray's node table can be read)
 
     started = time.monotonic()
-    summary = run_embedded(config, job, injector.cloud_event)
+    summary = run_embedded(config, job, injector.cloud_event,
+                           on_cloud=lambda cloud: setattr(injector, "cloud", cloud))
     return figures(plan, injector, summary, time.monotonic() - started, ruled_out)
 
 
@@ -537,6 +636,7 @@ def figures(plan: ChaosPlan, injector: Injector, summary: dict, wall_s: float,
         "steps": summary["steps"], "lost": summary.get("skipped_steps", 0),
         "repeated": summary.get("repeated_steps", 0),
         "rollbacks": injector.rollbacks_done + summary.get("rollbacks", 0),
+        "steps_during_network_faults": injector.steps_during,
         "quarantines": len(injector.quarantined), "quarantined": sorted(injector.quarantined),
         "quarantine_reasons": sorted(set(injector.quarantined.values())),
         "bad_replicas": injector.bad, "bad_lost": injector.bad_lost,
@@ -563,7 +663,12 @@ def _spread(xs: list[float]) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="long",
-                        help="long: 52 faults over ~5 min; short: 7 faults, ~2 min")
+                        help="long: 63 faults over ~6 min (69 with --hosts netns); short: "
+                             "10 faults, ~2 min (12 with --hosts netns)")
+    parser.add_argument("--hosts", choices=("loopback", "netns"), default="loopback",
+                        help="netns: each node in a network namespace of its own (root, "
+                             "`ip netns`, `tc`), which adds the partition and slow_node "
+                             "kinds")
     parser.add_argument("--seed", type=int, default=None, help="override the schedule's seed")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
                         help="bound on every wait of the harness")
@@ -590,6 +695,12 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--timeout must be > 0, got {args.timeout}")
         load_config(args.config, parse_set(list(DEFAULT_SET) + list(args.set or [])))
         draw_plan(SCHEDULES[args.schedule], args.seed)
+        if args.hosts == "netns":
+            from moshray.jobs.local.netns import unavailable
+
+            refusal = unavailable()
+            if refusal is not None:
+                raise ValueError(f"--hosts netns: {refusal}")
     except (ValueError, ConfigError) as exc:
         print(f"moshray bench chaos: {exc}", file=sys.stderr)
         return 2

@@ -28,18 +28,22 @@ NODE_KINDS = ("notice", "kill")
 # or wrong-shape contributions; a replica's process SIGKILLed on a live node; a replica's
 # user loop raising once; the checkpoint disk full during a save.
 ACTOR_KINDS = ("coordinator", "nan", "shape", "replica_kill", "user_error", "disk_full")
+# Network faults, separate hosts only (``--hosts netns``): a node partitioned from every
+# other (its processes keep running) and healed; a node's link starved to a few Mbit/s, then
+# unlimited again. Each holds the injector for its window.
+NETWORK_KINDS = ("partition", "slow_node")
+ALL_KINDS = NODE_KINDS + ACTOR_KINDS + NETWORK_KINDS
 # Kinds of issue 44 this bench does not run, and why (printed with the figures); where a
-# kind needs what a machine may lack (``disk_full``: root, to mount a small disk), the
-# bench adds it with the reason at run time.
+# kind needs what a machine or mode may lack (``disk_full``: root, to mount a small disk;
+# the network kinds: separate hosts), the bench adds it with the reason at run time.
 RULED_OUT = {
-    "partition": "needs separate hosts (cluster.hosts='netns': root and `ip netns`); this "
-                 "bench runs loopback nodes and does not drive cut/heal yet",
-    "slow_node": "needs separate hosts (cluster.hosts='netns') to shape a node's link; this "
-                 "bench runs loopback nodes and does not drive shape yet",
     "driver": "this bench's driver shares its process with the embedded cluster; a driver "
               "kill and resubmission needs a `ray start` cluster and a driver process of its "
-              "own, and the swarm outliving its driver (issue 44 item 2, in progress)",
+              "own: tests/test_driver_restart.py covers it (SIGKILL mid-run, resubmission "
+              "adopts the swarm, 0 committed steps lost)",
 }
+NETWORK_RULED_OUT = ("needs separate hosts: run the bench with --hosts netns (root, "
+                     "`ip netns` and `tc`); loopback nodes share one link")
 
 
 @dataclass(frozen=True)
@@ -47,14 +51,16 @@ class ActorFault:
     """One fault the harness injects ``at_s`` seconds after the job's Coordinator is up."""
 
     at_s: float
-    kind: str  # one of ACTOR_KINDS
+    kind: str  # one of ACTOR_KINDS or NETWORK_KINDS
 
 
 @dataclass(frozen=True)
 class ChaosSchedule:
     """What to draw: ``nodes`` node faults come from ``chaos`` (its seed seeds everything);
     ``coordinator_kills``, ``nan_replicas``, ``shape_replicas``, ``replica_kills``,
-    ``user_errors`` and ``disk_fulls`` actor faults spread over the same window at least ``min_gap_s`` apart;
+    ``user_errors`` and ``disk_fulls`` actor faults and ``partitions`` (each ``partition_s``
+    long) and ``slow_nodes`` (``slow_s`` at ``slow_mbit``) network faults spread over the
+    same window, at least ``min_gap_s`` apart after each one's hold;
     the job runs ``settle_s`` past the end so the last replacements sync before the
     replicas are compared."""
 
@@ -65,20 +71,35 @@ class ChaosSchedule:
     replica_kills: int = 0
     user_errors: int = 0
     disk_fulls: int = 0
+    partitions: int = 0
+    slow_nodes: int = 0
     min_gap_s: float = 4.0
     settle_s: float = 30.0
+    partition_s: float = 8.0  # over a round deadline: the swarm must go on without the node
+    slow_s: float = 10.0
+    slow_mbit: float = 2.0
+
+    def hold_s(self, kind: str) -> float:
+        """How long a fault of ``kind`` holds the injector (0 for the instant ones)."""
+        return {"partition": self.partition_s, "slow_node": self.slow_s}.get(kind, 0.0)
+
+    def without_network(self) -> "ChaosSchedule":
+        """The same schedule with no network faults (loopback nodes)."""
+        return replace(self, partitions=0, slow_nodes=0)
 
 
 SCHEDULES: dict[str, ChaosSchedule] = {
-    "long": ChaosSchedule(ChaosConfig(seed=0, nodes=4, duration_s=260, losses=26,
+    "long": ChaosSchedule(ChaosConfig(seed=0, nodes=4, duration_s=300, losses=26,
                                       kill_fraction=0.5, replace_after_s=4, min_live=3,
                                       min_gap_s=5.0),
                           coordinator_kills=16, nan_replicas=5, shape_replicas=5,
-                          replica_kills=6, user_errors=3, disk_fulls=2),
+                          replica_kills=6, user_errors=3, disk_fulls=2, partitions=3,
+                          slow_nodes=3),
     "short": ChaosSchedule(ChaosConfig(seed=2, nodes=3, duration_s=70, losses=3,
                                        kill_fraction=0.5, replace_after_s=4, min_live=2),
                            coordinator_kills=2, nan_replicas=1, shape_replicas=1,
-                           replica_kills=1, user_errors=1, disk_fulls=1, settle_s=30.0),
+                           replica_kills=1, user_errors=1, disk_fulls=1, partitions=1,
+                           slow_nodes=1, settle_s=30.0),
 }
 
 
@@ -92,7 +113,7 @@ class ChaosPlan:
     @property
     def planned(self) -> dict[str, int]:
         """Faults by kind (``notice``/``kill`` from the node events)."""
-        out = {**{k: 0 for k in NODE_KINDS}, **{k: 0 for k in ACTOR_KINDS}}
+        out = {k: 0 for k in ALL_KINDS}
         for e in self.node_events:
             if e.kind in ("remove", "kill"):
                 out["notice" if e.kind == "remove" else "kill"] += 1
@@ -155,9 +176,9 @@ class FaultLedger:
             return list(self._records)
 
     def observed(self) -> dict[str, int]:
-        """Faults observed to have happened, by kind (every kind of ``ACTOR_KINDS`` and
-        ``NODE_KINDS`` present, 0 if none)."""
-        out = {**{k: 0 for k in NODE_KINDS}, **{k: 0 for k in ACTOR_KINDS}}
+        """Faults observed to have happened, by kind (every kind of ``ALL_KINDS`` present,
+        0 if none)."""
+        out = {k: 0 for k in ALL_KINDS}
         for r in self.records():
             if r.happened:
                 out[r.kind] = out.get(r.kind, 0) + 1
@@ -195,23 +216,28 @@ def node_fault_outcome(kind: str, node_id: str, alive: set[str], noticed: set[st
 
 def draw_plan(schedule: ChaosSchedule, seed: int | None = None) -> ChaosPlan:
     """The seeded plan (same seed, same plan). ``seed`` overrides ``schedule.chaos.seed``.
-    Actor faults fall in ``[quiet_start_s, duration_s - min_gap_s]``, at least
-    ``min_gap_s`` apart, kinds in seeded order. Raises ``ValueError`` if they do not fit."""
+    Injected faults (actor and network) fall in ``[quiet_start_s, duration_s - min_gap_s]``
+    in seeded order, each at least ``min_gap_s`` after the previous one's hold
+    (``ChaosSchedule.hold_s``) ended. Raises ``ValueError`` if they do not fit."""
     chaos = schedule.chaos if seed is None else replace(schedule.chaos, seed=seed)
     kinds = (["coordinator"] * schedule.coordinator_kills + ["nan"] * schedule.nan_replicas
              + ["shape"] * schedule.shape_replicas + ["replica_kill"] * schedule.replica_kills
-             + ["user_error"] * schedule.user_errors + ["disk_full"] * schedule.disk_fulls)
+             + ["user_error"] * schedule.user_errors + ["disk_full"] * schedule.disk_fulls
+             + ["partition"] * schedule.partitions + ["slow_node"] * schedule.slow_nodes)
     rng = random.Random(chaos.seed * 7919 + 1)
     rng.shuffle(kinds)
     start, end = chaos.quiet_start_s, chaos.duration_s - schedule.min_gap_s
-    slack = (end - start) - schedule.min_gap_s * max(len(kinds) - 1, 0)
+    holds = [schedule.hold_s(k) for k in kinds]
+    slack = (end - start) - schedule.min_gap_s * max(len(kinds) - 1, 0) - sum(holds)
     if slack < 0:
-        raise ValueError(f"{len(kinds)} actor faults {schedule.min_gap_s:g} s apart do not fit "
-                         f"in {end - start:g} s")
+        raise ValueError(f"{len(kinds)} injected faults {schedule.min_gap_s:g} s apart (with "
+                         f"{sum(holds):g} s of holds) do not fit in {end - start:g} s")
     offsets = sorted(rng.uniform(0.0, slack) for _ in kinds)
-    faults = tuple(ActorFault(round(start + o + i * schedule.min_gap_s, 3), k)
-                   for i, (o, k) in enumerate(zip(offsets, kinds)))
-    return ChaosPlan(chaos_events(chaos), faults, chaos.duration_s, schedule.settle_s)
+    faults, taken = [], 0.0
+    for i, (o, k) in enumerate(zip(offsets, kinds)):
+        faults.append(ActorFault(round(start + o + i * schedule.min_gap_s + taken, 3), k))
+        taken += holds[i]
+    return ChaosPlan(chaos_events(chaos), tuple(faults), chaos.duration_s, schedule.settle_s)
 
 
 def stalled_seconds(advances: list[float], threshold: float = STALL_S) -> float:

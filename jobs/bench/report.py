@@ -212,7 +212,9 @@ def _chaos_line(f: Mapping) -> str:
     failures = f.get("invariant_failures")
     verdict = "every invariant held" if failures == [] else (
         f"invariants failed: {'; '.join(failures)}" if failures else "invariants: -")
-    return (f"{f.get('faults')} faults, {f.get('steps')} steps, {f.get('lost')} lost / "
+    kinds = sum(1 for v in (f.get("faults_by_kind") or {}).values() if v)
+    return (f"{f.get('faults')} faults of {kinds} kinds, {f.get('steps')} steps, "
+            f"{f.get('lost')} lost / "
             f"{f.get('repeated')} repeated / {f.get('rollbacks')} rolled back; {verdict}")
 
 
@@ -224,6 +226,12 @@ def _chaos_rows(f: Mapping) -> Rows:
         ("faults injected", f"{f.get('faults')} ({kinds})"),
         ("global steps; lost, repeated, rolled back",
          f"{f.get('steps')}; {f.get('lost')}, {f.get('repeated')}, {f.get('rollbacks')}"),
+        ("kinds not run (why)", "; ".join(f"{k}: {v}" for k, v in
+                                          sorted((f.get("faults_ruled_out") or {}).items()))
+         or "-"),
+        ("global steps committed during each partition / slow link",
+         " / ".join(", ".join(map(str, (f.get("steps_during_network_faults") or {}).get(k, [])))
+                    or "-" for k in ("partition", "slow_node"))),
         ("quarantines (reasons)", f"{f.get('quarantines')} "
                                   f"({', '.join(f.get('quarantine_reasons') or []) or '-'})"),
         ("seconds stalled (gaps over 2 s)", fmt(f.get("stalled_s"), ".1f", " s")),

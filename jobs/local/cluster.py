@@ -534,6 +534,32 @@ class LocalCluster:
             return net.popen_beside(node.proc, argv, stdout=out, stderr=subprocess.STDOUT,
                                     env=self._node_env(node.root), cwd=node.root)
 
+    def link_stats(self, slot: int) -> dict[str, int]:
+        """Counters of ``slot``'s link on the host side (``HostNetwork.link_stats``: bytes
+        and packets sent, dropped, held back by a shaper). Separate hosts only."""
+        return self._network().link_stats(slot)
+
+    def reachable(self, slot: int, timeout_s: float = 1.0) -> bool:
+        """Whether a TCP connection from this machine to ``slot``'s raylet opens within
+        ``timeout_s`` (False while the node is cut off)."""
+        import socket
+
+        from ray._raylet import GcsClient
+
+        with self._lock:
+            node = self.nodes[slot]
+        infos = GcsClient(address=self.address).get_all_node_info(timeout=10)
+        port = next((i.node_manager_port for k, i in infos.items()
+                     if (i.node_id.hex() if isinstance(i.node_id, bytes) else str(k))
+                     == node.node_id), None)
+        if port is None:
+            return False
+        try:
+            socket.create_connection((self.node_address(slot), port), timeout=timeout_s).close()
+            return True
+        except OSError:
+            return False
+
     def cut(self, slot: int) -> None:
         """Partition ``slot``: its link goes down; its processes keep running."""
         self._network().cut(slot)

@@ -35,6 +35,7 @@ import ctypes
 import ipaddress
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -158,6 +159,15 @@ def _used_subnets() -> set[str]:
             for f in out.splitlines() if len(f.split()) > 3}
 
 
+def parse_qdisc_stats(text: str) -> dict[str, int]:
+    """The first ``Sent N bytes M pkt (dropped D, overlimits O requeues R)`` line of
+    ``tc -s qdisc show`` as ``sent_bytes``, ``sent_packets``, ``dropped``, ``overlimits``
+    (zeros where missing)."""
+    m = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)", text)
+    keys = ("sent_bytes", "sent_packets", "dropped", "overlimits")
+    return dict(zip(keys, map(int, m.groups()))) if m else dict.fromkeys(keys, 0)
+
+
 @dataclass(frozen=True)
 class Host:
     """One spot node's network: its namespace, address and this side's veth name."""
@@ -258,6 +268,15 @@ class HostNetwork:
             burst = max(16 * 1514, int(mbit * 1e6 / 8 / 100))
             _run("tc", *netns, "qdisc", "replace", "dev", dev, "root", "tbf",
                  "rate", f"{mbit}mbit", "burst", str(burst), "latency", "200ms")
+
+    def link_stats(self, slot: int) -> dict[str, int]:
+        """The host side of slot's link, as the kernel counts it: ``sent_bytes`` and
+        ``sent_packets`` through its root qdisc, ``dropped`` and ``overlimits`` (packets a
+        ``tbf`` held back: traffic that met the shaped rate). Zeros where the qdisc shows
+        none of them."""
+        out = subprocess.run(["tc", "-s", "qdisc", "show", "dev", self.host(slot).veth, "root"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return parse_qdisc_stats(out)
 
     def cut(self, slot: int) -> None:
         """Partition slot: its link goes down (nothing passes either way)."""

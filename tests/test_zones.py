@@ -146,3 +146,21 @@ def test_averagers_run_a_zoned_plan_to_the_exact_bitwise_equal_average() -> None
         assert np.array_equal(out, first), pid
         assert report.rejections == () and report.failed_owners == ()
         assert report.total_weight == pytest.approx(total)
+
+
+def test_the_coordinator_takes_each_peers_zone_from_its_node() -> None:
+    from moshray.cluster.coordinator.core import CoordinatorCore
+    from moshray.jobs.local.cluster import LocalClusterConfig
+
+    core = CoordinatorCore(MembershipConfig(max_group=2), clock=lambda: 0.0)
+    node_zones = {"n0": "a", "n1": "a", "n2": "b", "n3": "b"}
+    core.zone_of = node_zones.__getitem__  # the actor shell reads Ray's node labels
+    for i in range(4):
+        core.register(f"p{i}", handle=None, node_id=f"n{i}")
+    core.register("p4", handle=None)  # no node: no zone, never looked up
+    zones = {p.peer_id: p.zone for p in core.steps.membership.present(now=0.0)}
+    assert zones == {"p0": "a", "p1": "a", "p2": "b", "p3": "b", "p4": ""}
+    # the embedded cluster labels its nodes as a cloud node's setup does
+    config = LocalClusterConfig(zones=((0, "a"), (1, "b")))
+    assert config.labels(1) == {"moshray-slot": "1", "ray.io/availability-zone": "b"}
+    assert config.labels(2) == {"moshray-slot": "2"}

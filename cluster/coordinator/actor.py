@@ -72,6 +72,22 @@ class Coordinator(CoordinatorCore):
     Calls are serialized by one lock (see ``_serialized``).
     """
 
+    def _node_zone(self, node_id: str) -> str:
+        """``node_id``'s zone label in Ray's node table (``placement.ZONE_LABEL``), read once
+        per node; "" when the node has none or the table cannot be read (the grid is then
+        zone-blind for that peer, never wrong)."""
+        if node_id not in self._zones:
+            try:
+                nodes = {n["NodeID"]: n for n in ray.nodes()}
+            except Exception as exc:  # noqa: BLE001 - a zone is an optimisation
+                log.warning("node table not read for zones: %r", exc)
+                return ""
+            node = nodes.get(node_id)
+            if node is None:
+                return ""
+            self._zones[node_id] = str((node.get("Labels") or {}).get(placement.ZONE_LABEL, ""))
+        return self._zones[node_id]
+
     def __init__(self, *args, metrics_port: int | None = None,
                  metrics_host: str = metrics.LOOPBACK, prices: metrics.Prices | None = None,
                  state_key: str | None = None, **kwargs):
@@ -87,6 +103,8 @@ class Coordinator(CoordinatorCore):
         super().__init__(*args, **kwargs)
         self._plans: list[RoundPlan] = []  # made during a call, pushed after its save
         self.push_plan = self._plans.append
+        self._zones: dict[str, str] = {}
+        self.zone_of = self._node_zone
         self.sink = MetricsSink(prices or metrics.Prices(), self.metrics_state)
         if self.store is not None:
             snap = self.store.load_record("sink")

@@ -70,6 +70,9 @@ class CoordinatorCore:
         # Called with every new plan the moment it exists (the actor shell pushes it to the
         # participants); None in pure tests, where plans travel only in report replies.
         self.push_plan: Callable[[RoundPlan], None] | None = None
+        # A node's zone (its ray.io/availability-zone label; "" = unknown): peers of one zone
+        # average inside it first (grid.plan_zoned). The actor shell reads Ray's node table.
+        self.zone_of: Callable[[str], str] = lambda node_id: ""
         self.store = store
         if store is not None and self._restore(store):
             restarted = True
@@ -96,7 +99,8 @@ class CoordinatorCore:
     # -- steps and membership ----------------------------------------------------------------
 
     def register(self, peer_id: str, handle, node_id: str = "", capacity: float = 1.0) -> int:
-        return self.steps.register(peer_id, handle, node_id, capacity, self.clock())
+        return self.steps.register(peer_id, handle, node_id, capacity, self.clock(),
+                                   zone=self.zone_of(node_id) if node_id else "")
 
     def rejoin(self, peer_id: str, handle, node_id: str, state_epoch: int,
                data_position: int = 0, syncing: bool = False) -> bool:
@@ -109,7 +113,8 @@ class CoordinatorCore:
         harmless (the second call refreshes the first)."""
         now = self.clock()
         self.shards.rejoined(data_position, now)
-        return self.steps.rejoin(peer_id, handle, node_id, state_epoch, now, syncing)
+        return self.steps.rejoin(peer_id, handle, node_id, state_epoch, now, syncing,
+                                 zone=self.zone_of(node_id) if node_id else "")
 
     def heartbeat(self, peer_id: str, throughput: float | None = None) -> bool:
         """A replica is alive; ``throughput`` is its averager's measured rate (bytes/s,

@@ -56,16 +56,16 @@ class StepService:
     # -- membership --------------------------------------------------------------------------
 
     def register(self, peer_id: str, handle, node_id: str, capacity: float,
-                 now: float) -> int:
-        self.membership.register(PeerInfo(peer_id, handle, node_id, capacity), now)
+                 now: float, zone: str = "") -> int:
+        self.membership.register(PeerInfo(peer_id, handle, node_id, capacity, zone), now)
         return self.membership.epoch
 
     def rejoin(self, peer_id: str, handle, node_id: str, state_epoch: int, now: float,
-               syncing: bool = False) -> bool:
+               syncing: bool = False, zone: str = "") -> bool:
         """Register and rebuild the epoch from ``peer_id``'s state (see
         ``ProgressTracker.rejoin``); a first rejoin nobody announced opens the rebuild
         window (a restart the actor could not tell)."""
-        self.register(peer_id, handle, node_id, 1.0, now)
+        self.register(peer_id, handle, node_id, 1.0, now, zone)
         if self.progress.rebuild_until is None:
             self.open_rebuild_window(now)
         return self.progress.rejoin(peer_id, state_epoch, now, syncing)

@@ -408,7 +408,8 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
     settings = mode_settings(local_steps)
     cluster = LocalCluster(LocalClusterConfig(spot_nodes=nodes, hosts="netns",
                                               cpus_per_node=1, head_cpus=1,
-                                              object_store_bytes=100 * 1024 * 1024))
+                                              object_store_bytes=100 * 1024 * 1024,
+                                              zones=profile.node_zones(nodes)))
     try:
         links.apply(cluster, rates)
         counter = LinkBytes(cluster, range(nodes))

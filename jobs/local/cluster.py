@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from moshray.autoscaler.clouds.aws.emulator import IMDSv2Server
 from moshray.autoscaler.clouds.aws.identity import AWS_ENDPOINT_ENV
 from moshray.autoscaler.clouds.detect import metadata_env_names, search_off_environ
-from moshray.cluster.placement import SLOT_LABEL, SPOT_RESOURCE
+from moshray.cluster.placement import SLOT_LABEL, SPOT_RESOURCE, ZONE_LABEL
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +221,14 @@ class LocalClusterConfig:
     token_auth: bool = False
     hosts: str = "loopback"
     node_start_s: float = 180.0  # netns: how long a spot node may take to register
+    # (slot, zone) pairs: the node's ray.io/availability-zone label, as a cloud node's own
+    # setup gives it (the Coordinator's grid averages inside a zone first); others have none.
+    zones: tuple[tuple[int, str], ...] = ()
+
+    def labels(self, slot: int) -> dict[str, str]:
+        """The Ray node labels of ``slot``'s raylet."""
+        zone = dict(self.zones).get(slot)
+        return {SLOT_LABEL: str(slot), **({ZONE_LABEL: zone} if zone else {})}
 
     def __post_init__(self) -> None:
         if self.hosts not in HOSTS:
@@ -375,7 +383,7 @@ class LocalCluster:
                 # slot-N: lets tests and benchmarks pin an actor to a slot; the training
                 # job never uses it (it places by node affinity).
                 resources={SPOT_RESOURCE: 1000, f"slot-{slot}": 1},
-                labels={SLOT_LABEL: str(slot)},
+                labels=self.config.labels(slot),
                 # The node names its own metadata service (which wins over the head's opt-outs).
                 env_vars={"HOME": home, AWS_ENDPOINT_ENV: imds.url},
             )
@@ -415,7 +423,8 @@ class LocalCluster:
                     "--num-gpus", str(self.config.gpus_per_node),
                     "--object-store-memory", str(self.config.object_store_bytes),
                     "--resources", json.dumps({SPOT_RESOURCE: 1000, f"slot-{slot}": 1}),
-                    "--labels", f"{SLOT_LABEL}={slot}", "--disable-usage-stats"]
+                    "--labels", ",".join(f"{k}={v}" for k, v in self.config.labels(slot).items()),
+                    "--disable-usage-stats"]
             with open(log_path, "w") as out:
                 proc = self.net.popen(slot, argv, stdout=out, stderr=subprocess.STDOUT,
                                       env=self._node_env(root), cwd=root)

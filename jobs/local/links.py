@@ -59,6 +59,7 @@ class LinkProfile:
     ratio: float | None  # every node's link (None: not shaped)
     last: float | None = None  # the last node's link, if it differs (None: as ``ratio``)
     last_differs: bool = False
+    zoned: bool = False  # the last node is zone "b", the others zone "a" (node labels)
 
     def node_ratios(self, nodes: int) -> tuple[float | None, ...]:
         """Each of ``nodes`` nodes' ratio (None: not shaped). ``ValueError`` for nodes < 1."""
@@ -68,6 +69,13 @@ class LinkProfile:
         if self.last_differs:
             out[-1] = self.last
         return tuple(out)
+
+    def node_zones(self, nodes: int) -> tuple[tuple[int, str], ...]:
+        """``(slot, zone)`` of each node for ``LocalClusterConfig.zones`` (empty unless
+        ``zoned``): what the Coordinator's zone-aware grid groups peers by."""
+        if not self.zoned:
+            return ()
+        return tuple((i, "a" if i < nodes - 1 else "b") for i in range(nodes))
 
 
 PROFILES: dict[str, LinkProfile] = {p.name: p for p in (
@@ -79,7 +87,7 @@ PROFILES: dict[str, LinkProfile] = {p.name: p for p in (
                 REAL_RATIO / STRAGGLER_FACTOR, REAL_RATIO, True),
     LinkProfile("zones", f"zone A (head, all but the last node) not shaped; the last node "
                          f"alone in zone B behind a {REAL_RATIO:.1f} link", None, REAL_RATIO,
-                True),
+                True, zoned=True),
 )}
 
 

@@ -286,3 +286,18 @@ def test_bad_moe_and_notice_values_name_the_field(key, value, message):
 def test_notice_is_scaled_like_the_trace():
     cfg = load_config(None, {"cluster.time_scale": "150", "cluster.notice_s": "120"})
     assert cfg.cluster.wall_notice_s == pytest.approx(0.8)
+
+
+def test_adaptive_deadline_settings_make_the_averagers_policy():
+    from moshray.jobs.config import ConfigError, load_config, parse_set
+
+    config = load_config(None, parse_set(["training.deadline_margin=2",
+                                          "training.deadline_floor_s=1.5"]))
+    policy = config.training.deadline_policy()
+    assert (policy.margin, policy.floor_s, policy.quantile) == (2.0, 1.5, 0.9)
+    off = load_config(None, parse_set(["training.adaptive_deadline=false"]))
+    assert off.training.deadline_policy() is None  # every round waits round_timeout_s
+    for bad, says in (("training.deadline_quantile=1.5", "must be in (0, 1]"),
+                      ("training.deadline_margin=0.5", "must be >= 1")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(None, parse_set([bad]))

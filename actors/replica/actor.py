@@ -77,7 +77,8 @@ class ReplicaActor:
         handle = ray.get_runtime_context().current_actor
         self.manager = StepManager(peer_id, coordinator, handle, self.node_id,
                                    self.config.training.round_timeout_s, init_state_ref,
-                                   job_key=job_key)
+                                   job_key=job_key,
+                                   deadline=self.config.training.deadline_policy())
         self.session: Session | None = None
         self._run_task: asyncio.Task | None = None  # run()'s, once it started
         # The driver's build against this node's (``build_check.py``): ``run()`` raises the

@@ -31,6 +31,7 @@ import ray
 
 from moshray.cluster import metrics
 from moshray.cluster.collective.averager import Averager, AveragingError
+from moshray.cluster.collective.deadline import DeadlinePolicy
 from moshray.cluster.messages import RejectReason, RoundPlan
 from moshray.cluster.coordinator.progress import ProgressReport
 from moshray.cluster.coordinator.step_profile import PhaseClock
@@ -102,13 +103,14 @@ class StepManager:
 
     def __init__(self, peer_id: str, coordinator, handle, node_id: str, round_timeout_s: float,
                  init_state_ref: list | None = None, clock=time.monotonic,
-                 job_key: bytes | None = None):
+                 job_key: bytes | None = None, deadline: DeadlinePolicy | None = DeadlinePolicy()):
         self.peer_id, self.coordinator, self.handle = peer_id, coordinator, handle
         self.node_id, self.round_timeout_s = node_id, round_timeout_s
         self._clock = clock
         self.protocol = StateMachine(TABLE, peer_id, Phase.JOINING, clock, keep=HISTORY)
         # signs and checks contributions with the job's key (collective/auth.py)
-        self.averager = Averager(peer_id, job_key=job_key)
+        # ``deadline``: adaptive round deadlines (None: every round waits round_timeout_s)
+        self.averager = Averager(peer_id, job_key=job_key, deadline=deadline)
         self.state: TrainState | None = None
         self.strategy: Strategy | None = None
         self.tally = Tally()

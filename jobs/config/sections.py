@@ -194,7 +194,17 @@ class TrainingSection(_Section):
     """Momentum of the outer Nesterov step."""
     round_timeout_s: float = 10.0
     """Deadline of one averaging round: a late or dead member drops out of that part's
-    average."""
+    average. With adaptive_deadline it is the cap of the adaptive deadline."""
+    adaptive_deadline: bool = True
+    """Each round waits deadline_margin x the deadline_quantile of this peer's recent round
+    times (at least deadline_floor_s, at most round_timeout_s) instead of round_timeout_s,
+    once 5 rounds were seen: a dead peer costs seconds, a slow link is still waited for."""
+    deadline_quantile: float = 0.9
+    """Quantile of the recent round times the adaptive deadline starts from."""
+    deadline_margin: float = 3.0
+    """Factor over that quantile (>= 1): a round slower than usual is still waited for."""
+    deadline_floor_s: float = 5.0
+    """Shortest adaptive deadline: a shorter one would drop a peer merely descheduled."""
     max_steps: int | None = None
     """Stop after this many global steps; none: no bound."""
     max_seconds: float | None = None
@@ -267,8 +277,12 @@ class TrainingSection(_Section):
                f"training.mode = \"{overlapping[0]}\" or overlap = \"off\"", self.overlap)
         for name in ("target_batch_size", "batch_size", "local_steps"):
             _positive_int(self._path(name), getattr(self, name))
-        for name in ("lr", "outer_lr", "round_timeout_s"):
+        for name in ("lr", "outer_lr", "round_timeout_s", "deadline_floor_s"):
             _positive(self._path(name), getattr(self, name))
+        _check(0 < self.deadline_quantile <= 1, self._path("deadline_quantile"),
+               "must be in (0, 1]", self.deadline_quantile)
+        _check(self.deadline_margin >= 1, self._path("deadline_margin"), "must be >= 1",
+               self.deadline_margin)
         for name in ("weight_decay", "grad_clip"):
             _non_negative(self._path(name), getattr(self, name))
         _fraction(self._path("outer_momentum"), self.outer_momentum)
@@ -282,6 +296,17 @@ class TrainingSection(_Section):
                self._path("max_failures"), "must be an integer >= 0", self.max_failures)
         _positive_int(self._path("max_checkpoint_failures"), self.max_checkpoint_failures)
         _check(self.seed >= 0, self._path("seed"), "must be a non-negative integer", self.seed)
+
+
+    def deadline_policy(self):
+        """The averager's ``DeadlinePolicy`` from these settings; None with
+        ``adaptive_deadline`` off (every round waits ``round_timeout_s``)."""
+        from moshray.cluster.collective.deadline import DeadlinePolicy
+
+        if not self.adaptive_deadline:
+            return None
+        return DeadlinePolicy(quantile=self.deadline_quantile, margin=self.deadline_margin,
+                              floor_s=self.deadline_floor_s)
 
 
 @dataclass(frozen=True)

@@ -250,9 +250,15 @@ def test_prometheus_scrapes_moshray_and_ray(local_cluster, tmp_path: Path):
             wait_for(base, "rate(moshray_allreduce_round_duration_seconds_count[1m]) > 0")
             # every query of the Grafana dashboard evaluates on this server
             dashboard = json.loads((ROOT / "infra" / "grafana" / "moshray.json").read_text())
+            # as Grafana sends them: each variable at its "All" value, the rate interval 1m
+            values = {v["name"]: v["allValue"] for v in dashboard["templating"]["list"]
+                      if "allValue" in v}
             with_data = set()
             for where, expr in dashboard_expressions(dashboard):
-                result = query(base, expr.replace("$__rate_interval", "1m"))
+                expr = expr.replace("$__rate_interval", "1m")
+                for name, value in values.items():
+                    expr = expr.replace(f"${{{name}}}", value).replace(f"${name}", value)
+                result = query(base, expr)
                 if result:
                     with_data.add(where)
             for title in ("Throughput", "Training loss", "Peers and nodes", "Round duration",

@@ -392,7 +392,11 @@ def done_line(summary: dict, run_dir: str | None = None) -> str:
         from pathlib import Path
 
         where = Path(run_dir).expanduser()
+        try:
+            where = where.resolve()
+        except OSError:  # the working directory went away: say the path as given
+            pass
         plot = summary.get("plot")
-        line += (f"\nrun directory: {where.resolve()} (summary.json"
+        line += (f"\nrun directory: {where} (summary.json"
                  f"{', ' + Path(plot).name if plot else '; the plot was not written'})")
     return line

@@ -108,6 +108,12 @@ def run_job(config: TrainConfig, address: str, job=None,
     from moshray.jobs.controller.elastic import ElasticController
     import dataclasses
 
+    # The run's outputs go where the working directory is now: a directory Ray unpacked
+    # for the job can be replaced under the driver while it runs (raylets of one machine
+    # share it), and the relative path with it.
+    if not os.path.isabs(os.path.expanduser(config.run_dir)):
+        config = dataclasses.replace(config, run_dir=os.path.abspath(config.run_dir))
+
     from moshray.jobs.controller.replica_launch import ReplicaSpec, adopted_job_key
 
     from moshray.jobs import run_report

@@ -11,7 +11,8 @@ The schedule mixes up to ten kinds of fault, all drawn from one seed:
 - ``replica_kill``: one replica's process SIGKILLed, its node left up;
 - ``user_error``: one replica's user loop raises once (the job replaces the replica);
 - ``disk_full``: the checkpoint disk (a small tmpfs the bench mounts; root only, else the
-  kind is ruled out with that reason) is filled while a replica saves a checkpoint;
+  kind is ruled out with that reason; separate hosts keep no checkpoints on a local disk:
+  ruled out there) is filled while a replica saves a checkpoint;
 - ``partition`` (``--hosts netns`` only): one node's link goes down for ``partition_s``
   (its processes keep running), then comes back; a raylet Ray declared dead meanwhile is
   restarted in its namespace, as a machine's init system would;
@@ -131,6 +132,7 @@ class Injector:
         self.cloud = None  # the embedded cluster's LocalCloud (network faults), once up
         self.schedule = None  # the ChaosSchedule (network faults' windows)
         self.steps_during: dict[str, list[int]] = {"partition": [], "slow_node": []}
+        self.raised_at: dict[str, float] = {}  # user_error targets: when their loop raised
 
     def _coordinator(self):
         import ray
@@ -268,7 +270,9 @@ class Injector:
         while True:
             # Earlier bad replicas count: quarantined, they copied a donor's state and their
             # fault was cleared, so they are healthy replicas again.
-            ready = list(self._get(self._coordinator().peer_view.remote())["ready"])
+            ready = [p for p in self._get(self._coordinator().peer_view.remote())["ready"]
+                     # a replica whose loop was just told to raise is being replaced
+                     if time.monotonic() - self.raised_at.get(p, -1e9) > BAD_WAIT_S]
             if len(ready) >= need:
                 peer = self.rng.choice(sorted(ready))
                 try:
@@ -349,8 +353,13 @@ class Injector:
             return
         peer, handle = picked
         node = self._get(handle.status.remote())["node"]
-        pid = process_pid(handle, self.timeout_s)
-        os.kill(pid, signal.SIGKILL)  # the embedded cluster's nodes share this machine's pids
+        pid = process_pid(handle, self.timeout_s)  # as its node sees it
+        if self.cloud is not None:  # separate hosts: each node has a PID namespace of its own
+            cluster = self.cloud.cluster
+            slot = next((s for s in cluster.live_slots() if cluster.node_id(s) == node), None)
+            if slot is not None:
+                pid = cluster.host_pid(slot, pid)
+        os.kill(pid, signal.SIGKILL)
         at = time.monotonic()
         index = self.ledger.tried("replica_kill", peer, at)
         self.events.append((at, "replica_kill"))
@@ -382,6 +391,7 @@ class Injector:
         peer, handle = picked
         order_user_error(handle, self.timeout_s)
         at = time.monotonic()
+        self.raised_at[peer] = at
         index = self.ledger.tried("user_error", peer, at)
         self.events.append((at, "user_error"))
         self.log(f"chaos: {peer}'s loop told to raise")
@@ -432,15 +442,33 @@ class Injector:
             self.ledger.not_done(kind, "-", time.monotonic(), "the embedded cloud is not up")
             return None
         deadline = time.monotonic() + self._wait_s()
+        cluster = self.cloud.cluster
         while True:
-            slots = self.cloud.quiet_slots(hold_s + NETWORK_MARGIN_S)
-            if len(self.cloud.cluster.live_slots()) >= 2 and slots:
+            # a node whose replica trains (its traffic is what the fault acts on)
+            training = set(self._ready_nodes())
+            slots = [s for s in self.cloud.quiet_slots(hold_s + NETWORK_MARGIN_S)
+                     if cluster.node_id(s) in training]
+            if len(cluster.live_slots()) >= 2 and slots:
                 return self.rng.choice(slots)
             if time.monotonic() >= min(deadline, self.end_at):
                 self.ledger.not_done(kind, "-", time.monotonic(),
                                      "no quiet node (every live node had a trace event due)")
                 return None
             self._wait_until(time.monotonic() + self.poll_s)
+
+    def _ready_nodes(self) -> list[str]:
+        """Node ids of the ready replicas (those that do not answer are left out)."""
+        import ray
+
+        out = []
+        for peer in self._get(self._coordinator().peer_view.remote())["ready"]:
+            try:
+                handle = self._get(self._coordinator().peer_handle.remote(peer))
+                if handle is not None:  # None: the Coordinator no longer has it
+                    out.append(self._get(handle.status.remote())["node"])
+            except (ray.exceptions.RayError, TimeoutError, ValueError):
+                pass
+        return out
 
     def partition(self) -> None:
         """Cut one node off for ``partition_s``, then heal it (on the cloud's thread);
@@ -451,7 +479,7 @@ class Injector:
         if slot is None:
             return
         cluster = self.cloud.cluster
-        self.cloud.call(lambda: self.cloud.cut(slot), self.timeout_s)
+        self.cloud.cut(slot)  # `ip link`: any thread (a heal may start a raylet: not so)
         at = time.monotonic()
         epoch = self.top_epoch
         index = self.ledger.tried("partition", f"slot {slot}", at)
@@ -483,7 +511,7 @@ class Injector:
         if slot is None:
             return
         cluster = self.cloud.cluster
-        self.cloud.call(lambda: self.cloud.shape(slot, mbit), self.timeout_s)
+        self.cloud.shape(slot, mbit)  # `tc`: any thread
         at = time.monotonic()
         epoch = self.top_epoch
         index = self.ledger.tried("slow_node", f"slot {slot}", at)
@@ -491,9 +519,11 @@ class Injector:
         self.log(f"chaos: slot {slot} shaped to {mbit:g} Mbit/s for {hold:g} s")
         self._wait_until(at + hold)
         try:
-            held = cluster.link_stats(slot)["overlimits"]
+            stats = cluster.link_stats(slot)
         finally:
-            self.cloud.call(lambda: self.cloud.shape(slot, None), self.timeout_s)
+            self.cloud.shape(slot, None)
+        held = stats["overlimits"]
+        self.log(f"chaos: slot {slot}'s shaped link: {stats}")
         steps = self.top_epoch - epoch
         self.steps_during["slow_node"].append(steps)
         if held > 0:
@@ -544,6 +574,9 @@ def job_config(config, plan: ChaosPlan, trace: Path, nodes: int, run_dir: str,
                          max_steps=None),
         cluster=replace(config.cluster, address=None, trace=str(trace), time_scale=1.0,
                         notice_s=3.0, max_nodes=nodes, min_nodes=1, hosts=hosts),
+        # separate hosts and no durable store here: the run goes without checkpoints
+        checkpoint=(replace(config.checkpoint, optional=True) if hosts == "netns"
+                    else config.checkpoint),
         metrics=replace(config.metrics, port=0), run_dir=run_dir, json=True)
 
 
@@ -560,6 +593,10 @@ def run(args: argparse.Namespace, log_fn) -> dict:
         ruled_out.update(partition=NETWORK_RULED_OUT, slow_node=NETWORK_RULED_OUT)
         schedule = schedule.without_network()
     disk = None
+    if args.hosts == "netns" and schedule.disk_fulls:
+        ruled_out["disk_full"] = ("separate hosts keep checkpoints on durable storage (s3://, "
+                                  "gs://), not on the small local disk this fault fills")
+        schedule = replace(schedule, disk_fulls=0)
     if schedule.disk_fulls:
         refusal = small_disk_refusal()
         if refusal is None:
@@ -663,8 +700,9 @@ def _spread(xs: list[float]) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="long",
-                        help="long: 63 faults over ~6 min (69 with --hosts netns); short: "
-                             "10 faults, ~2 min (12 with --hosts netns)")
+                        help="long: 63 faults over ~6 min; short: 10 faults, ~2 min (--hosts "
+                             "netns adds partitions and slow links and rules out the full "
+                             "disk: 67 and 11)")
     parser.add_argument("--hosts", choices=("loopback", "netns"), default="loopback",
                         help="netns: each node in a network namespace of its own (root, "
                              "`ip netns`, `tc`), which adds the partition and slow_node "

@@ -488,6 +488,22 @@ class LocalCluster:
             return tuple(_namespace_pids(self.net.host(slot).namespace))
         return tuple(process.pid for _, process in node.live_processes())
 
+    def host_pid(self, slot: int, pid: int) -> int:
+        """This machine's pid of the process that ``slot``'s node calls ``pid`` (separate
+        hosts give each node a PID namespace of its own; loopback nodes share this one).
+        Raises ProcessLookupError if no process of the node has that pid."""
+        if self.net is None:
+            return pid
+        for host_pid in self.node_pids(slot):
+            try:
+                with open(f"/proc/{host_pid}/status") as f:
+                    ns = next((line.split()[1:] for line in f if line.startswith("NSpid:")), [])
+            except OSError:
+                continue
+            if len(ns) > 1 and int(ns[-1]) == pid:
+                return host_pid
+        raise ProcessLookupError(f"no process {pid} on slot {slot}'s node")
+
     @property
     def head_node_id(self) -> str:
         return self.cluster.head_node.node_id

@@ -270,13 +270,18 @@ class HostNetwork:
                  "rate", f"{mbit}mbit", "burst", str(burst), "latency", "200ms")
 
     def link_stats(self, slot: int) -> dict[str, int]:
-        """The host side of slot's link, as the kernel counts it: ``sent_bytes`` and
-        ``sent_packets`` through its root qdisc, ``dropped`` and ``overlimits`` (packets a
-        ``tbf`` held back: traffic that met the shaped rate). Zeros where the qdisc shows
-        none of them."""
-        out = subprocess.run(["tc", "-s", "qdisc", "show", "dev", self.host(slot).veth, "root"],
-                             capture_output=True, text=True, timeout=30).stdout
-        return parse_qdisc_stats(out)
+        """Slot's link as the kernel counts it, both ends summed (the host side carries what
+        the node receives, its ``eth0`` what it sends): ``sent_bytes`` and ``sent_packets``
+        through the root qdiscs, ``dropped`` and ``overlimits`` (packets a ``tbf`` held
+        back: traffic that met the shaped rate). Zeros where a qdisc shows none of them."""
+        host = self.host(slot)
+        total = dict.fromkeys(("sent_bytes", "sent_packets", "dropped", "overlimits"), 0)
+        for netns, dev in (((), host.veth), (("-n", host.namespace), "eth0")):
+            out = subprocess.run(["tc", *netns, "-s", "qdisc", "show", "dev", dev, "root"],
+                                 capture_output=True, text=True, timeout=30).stdout
+            for key, value in parse_qdisc_stats(out).items():
+                total[key] += value
+        return total
 
     def cut(self, slot: int) -> None:
         """Partition slot: its link goes down (nothing passes either way)."""

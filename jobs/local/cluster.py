@@ -304,7 +304,9 @@ class LocalCluster:
         self.metadata: dict[int, object] = {}  # slot -> its IMDSv2 emulator
         self._homes = tempfile.mkdtemp(prefix="moshray-nodes-")
         try:
+            address_env = os.environ.get("RAY_ADDRESS")
             self.cluster = Cluster(initialize_head=True, head_node_args=head_args)
+            _keep_driver(address_env)  # a driver already connected elsewhere stays so
             for slot in range(config.spot_nodes):
                 self.add_node(slot)
         except BaseException:
@@ -652,17 +654,9 @@ class LocalCluster:
                 _end_group(node.proc, graceful=True, timeout_s=20)
         cluster = getattr(self, "cluster", None)
         if cluster is not None:
-            from ray.experimental import internal_kv
-
-            # Ray's Cluster.shutdown resets the process's internal-KV client and RAY_ADDRESS;
-            # a driver still connected (to another cluster: not ours) keeps both.
-            kept = internal_kv.global_gcs_client if ray.is_initialized() else None
             address_env = os.environ.get("RAY_ADDRESS")
             cluster.shutdown()
-            if kept is not None and ray.is_initialized():
-                internal_kv._initialize_internal_kv(kept)
-                if address_env is not None:
-                    os.environ["RAY_ADDRESS"] = address_env
+            _keep_driver(address_env)
         for imds in servers:
             imds.close()
         if self.net is not None:
@@ -689,6 +683,23 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _keep_driver(address_env: str | None) -> None:
+    """After this process started or stopped a cluster's head: a Ray driver still connected
+    (to another cluster) keeps its own. Ray's ``Node`` repoints the process-wide internal-KV
+    client at the new head's GCS and ``Cluster.shutdown`` resets it and ``RAY_ADDRESS``; left
+    so, the driver's internal-KV calls would fail, or wait on a dead GCS until Ray ends the
+    process."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    from ray.experimental import internal_kv
+
+    internal_kv._initialize_internal_kv(ray._private.worker.global_worker.gcs_client)
+    if address_env is not None:
+        os.environ["RAY_ADDRESS"] = address_env
 
 
 def _tail(path: str, lines: int = 8) -> str:

@@ -73,20 +73,18 @@ class Coordinator(CoordinatorCore):
     """
 
     def _node_zone(self, node_id: str) -> str:
-        """``node_id``'s zone label in Ray's node table (``placement.ZONE_LABEL``), read once
-        per node; "" when the node has none or the table cannot be read (the grid is then
-        zone-blind for that peer, never wrong)."""
+        """``node_id``'s zone label in Ray's node table (``placement.ZONE_LABEL``), read when
+        an unknown node appears; "" when the node has none or the table cannot be read (the
+        grid is then zone-blind for that peer, never wrong)."""
         if node_id not in self._zones:
-            try:
-                nodes = {n["NodeID"]: n for n in ray.nodes()}
+            try:  # one read of the table caches every node in it (rejoins come in a burst)
+                self._zones.update(
+                    {n["NodeID"]: str((n.get("Labels") or {}).get(placement.ZONE_LABEL, ""))
+                     for n in ray.nodes()})
             except Exception as exc:  # noqa: BLE001 - a zone is an optimisation
                 log.warning("node table not read for zones: %r", exc)
                 return ""
-            node = nodes.get(node_id)
-            if node is None:
-                return ""
-            self._zones[node_id] = str((node.get("Labels") or {}).get(placement.ZONE_LABEL, ""))
-        return self._zones[node_id]
+        return self._zones.get(node_id, "")
 
     def __init__(self, *args, metrics_port: int | None = None,
                  metrics_host: str = metrics.LOOPBACK, prices: metrics.Prices | None = None,

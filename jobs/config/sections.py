@@ -297,7 +297,6 @@ class TrainingSection(_Section):
         _positive_int(self._path("max_checkpoint_failures"), self.max_checkpoint_failures)
         _check(self.seed >= 0, self._path("seed"), "must be a non-negative integer", self.seed)
 
-
     def deadline_policy(self):
         """The averager's ``DeadlinePolicy`` from these settings; None with
         ``adaptive_deadline`` off (every round waits ``round_timeout_s``)."""

@@ -169,7 +169,7 @@ class LocalCloud:
     # ------------------------------------------------------------ the network (netns)
 
     def cut(self, slot: int) -> None:
-        """Partition ``slot``'s node (its link down, its processes running). Main thread."""
+        """Partition ``slot``'s node (its link down, its processes running). Any thread."""
         node_id = self._live("cut", slot)
         if node_id is not None:
             self.cluster.cut(slot)
@@ -178,7 +178,8 @@ class LocalCloud:
     def heal(self, slot: int, timeout_s: float = 120.0) -> str | None:
         """End ``slot``'s partition; returns ``"same"`` (its raylet came back), ``"new"`` (Ray
         had declared it dead; a new raylet was started in its namespace) or None (not done:
-        recorded with the reason). Main thread."""
+        recorded with the reason). Main thread (a new raylet may be started): from another
+        thread, through ``call``."""
         node_id = self._live("heal", slot)
         if node_id is None:
             return None
@@ -191,7 +192,8 @@ class LocalCloud:
         return outcome
 
     def shape(self, slot: int, mbit: float | None) -> None:
-        """Limit ``slot``'s link to ``mbit`` Mbit/s each way (None: unlimited again)."""
+        """Limit ``slot``'s link to ``mbit`` Mbit/s each way (None: unlimited again). Any
+        thread."""
         node_id = self._live("shape", slot)
         if node_id is not None:
             self.cluster.shape(slot, mbit)

@@ -27,6 +27,7 @@ and Ray finds out through its health checks). Two modes (``LocalClusterConfig.ho
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -35,6 +36,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from moshray.autoscaler.clouds.aws.emulator import IMDSv2Server
 from moshray.autoscaler.clouds.aws.identity import AWS_ENDPOINT_ENV
@@ -204,6 +206,15 @@ class _NetnsNode:
     log_path: str
 
 
+class _GcsNode(NamedTuple):
+    """One row of the GCS's node table."""
+
+    node_id: str
+    address: str
+    port: int  # the raylet's (node manager's)
+    alive: bool
+
+
 @dataclass(frozen=True)
 class LocalClusterConfig:
     """Sizes of the embedded cluster (logical CPUs; object store per node in bytes) and its
@@ -304,9 +315,8 @@ class LocalCluster:
         self.metadata: dict[int, object] = {}  # slot -> its IMDSv2 emulator
         self._homes = tempfile.mkdtemp(prefix="moshray-nodes-")
         try:
-            address_env = os.environ.get("RAY_ADDRESS")
-            self.cluster = Cluster(initialize_head=True, head_node_args=head_args)
-            _keep_driver(address_env)  # a driver already connected elsewhere stays so
+            with _driver_kept():  # a driver already connected elsewhere stays so
+                self.cluster = Cluster(initialize_head=True, head_node_args=head_args)
             for slot in range(config.spot_nodes):
                 self.add_node(slot)
         except BaseException:
@@ -440,13 +450,13 @@ class LocalCluster:
             self.net.remove_host(slot)
             raise
 
-    def _gcs_nodes(self) -> list[tuple[str, str, bool]]:
-        """``(node id hex, address, alive)`` of every node the GCS knows."""
+    def _gcs_nodes(self) -> list[_GcsNode]:
+        """Every node the GCS knows: id (hex), address, raylet port, alive."""
         from ray._raylet import GcsClient
 
         infos = GcsClient(address=self.address).get_all_node_info(timeout=10)
-        return [(info.node_id.hex() if isinstance(info.node_id, bytes) else str(node_id),
-                 info.node_manager_address, info.state == 0)
+        return [_GcsNode(info.node_id.hex() if isinstance(info.node_id, bytes) else str(node_id),
+                         info.node_manager_address, info.node_manager_port, info.state == 0)
                 for node_id, info in infos.items()]
 
     def _wait_registered(self, address: str, proc, log_path: str, old: str | None = None
@@ -459,9 +469,9 @@ class LocalCluster:
                 raise RuntimeError(f"`ray start` of the node at {address} exited with "
                                    f"{proc.returncode}; see {_tail(log_path)}")
             try:
-                for node_id, node_address, alive in self._gcs_nodes():
-                    if alive and node_address == address and node_id != old:
-                        return node_id
+                for row in self._gcs_nodes():
+                    if row.alive and row.address == address and row.node_id != old:
+                        return row.node_id
             except Exception as exc:  # noqa: BLE001 - the GCS may be busy; the wait is bounded
                 log.debug("GCS node table not read: %r", exc)
             time.sleep(0.5)
@@ -562,23 +572,16 @@ class LocalCluster:
                                     env=self._node_env(node.root), cwd=node.root)
 
     def link_stats(self, slot: int) -> dict[str, int]:
-        """Counters of ``slot``'s link on the host side (``HostNetwork.link_stats``: bytes
-        and packets sent, dropped, held back by a shaper). Separate hosts only."""
+        """Counters of ``slot``'s link, both ends (``HostNetwork.link_stats``: bytes and
+        packets sent, dropped, held back by a shaper). Separate hosts only."""
         return self._network().link_stats(slot)
 
     def reachable(self, slot: int, timeout_s: float = 1.0) -> bool:
         """Whether a TCP connection from this machine to ``slot``'s raylet opens within
         ``timeout_s`` (False while the node is cut off)."""
-        import socket
-
-        from ray._raylet import GcsClient
-
         with self._lock:
             node = self.nodes[slot]
-        infos = GcsClient(address=self.address).get_all_node_info(timeout=10)
-        port = next((i.node_manager_port for k, i in infos.items()
-                     if (i.node_id.hex() if isinstance(i.node_id, bytes) else str(k))
-                     == node.node_id), None)
+        port = next((r.port for r in self._gcs_nodes() if r.node_id == node.node_id), None)
         if port is None:
             return False
         try:
@@ -607,14 +610,14 @@ class LocalCluster:
             if node.proc.poll() is not None:
                 break
             try:
-                rows = [r for r in self._gcs_nodes() if r[0] == node.node_id]
+                rows = [r for r in self._gcs_nodes() if r.node_id == node.node_id]
             except Exception as exc:  # noqa: BLE001 - bounded wait; the GCS may be busy
                 log.debug("GCS node table not read: %r", exc)
                 rows = []
-            if rows and rows[0][2]:
+            if rows and rows[0].alive:
                 log.info("spot node %d back (same raylet)", slot)
                 return "same"
-            if rows and not rows[0][2]:
+            if rows and not rows[0].alive:
                 break  # declared dead: its raylet will exit; replace it now
             time.sleep(0.5)
         else:
@@ -654,9 +657,8 @@ class LocalCluster:
                 _end_group(node.proc, graceful=True, timeout_s=20)
         cluster = getattr(self, "cluster", None)
         if cluster is not None:
-            address_env = os.environ.get("RAY_ADDRESS")
-            cluster.shutdown()
-            _keep_driver(address_env)
+            with _driver_kept():
+                cluster.shutdown()
         for imds in servers:
             imds.close()
         if self.net is not None:
@@ -685,14 +687,17 @@ class LocalCluster:
         self.shutdown()
 
 
-def _keep_driver(address_env: str | None) -> None:
-    """After this process started or stopped a cluster's head: a Ray driver still connected
-    (to another cluster) keeps its own. Ray's ``Node`` repoints the process-wide internal-KV
-    client at the new head's GCS and ``Cluster.shutdown`` resets it and ``RAY_ADDRESS``; left
-    so, the driver's internal-KV calls would fail, or wait on a dead GCS until Ray ends the
+@contextlib.contextmanager
+def _driver_kept():
+    """Start or stop a cluster's head inside: a Ray driver connected (to another cluster)
+    keeps its own afterwards. Ray's ``Node`` repoints the process-wide internal-KV client at
+    the new head's GCS and ``Cluster.shutdown`` resets it and ``RAY_ADDRESS``; left so, the
+    driver's internal-KV calls would fail, or wait on a dead GCS until Ray ends the
     process."""
     import ray
 
+    address_env = os.environ.get("RAY_ADDRESS")
+    yield
     if not ray.is_initialized():
         return
     from ray.experimental import internal_kv

@@ -159,13 +159,15 @@ def _used_subnets() -> set[str]:
             for f in out.splitlines() if len(f.split()) > 3}
 
 
+QDISC_KEYS = ("sent_bytes", "sent_packets", "dropped", "overlimits")
+
+
 def parse_qdisc_stats(text: str) -> dict[str, int]:
     """The first ``Sent N bytes M pkt (dropped D, overlimits O requeues R)`` line of
     ``tc -s qdisc show`` as ``sent_bytes``, ``sent_packets``, ``dropped``, ``overlimits``
     (zeros where missing)."""
     m = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)", text)
-    keys = ("sent_bytes", "sent_packets", "dropped", "overlimits")
-    return dict(zip(keys, map(int, m.groups()))) if m else dict.fromkeys(keys, 0)
+    return dict(zip(QDISC_KEYS, map(int, m.groups()))) if m else dict.fromkeys(QDISC_KEYS, 0)
 
 
 @dataclass(frozen=True)
@@ -275,7 +277,7 @@ class HostNetwork:
         through the root qdiscs, ``dropped`` and ``overlimits`` (packets a ``tbf`` held
         back: traffic that met the shaped rate). Zeros where a qdisc shows none of them."""
         host = self.host(slot)
-        total = dict.fromkeys(("sent_bytes", "sent_packets", "dropped", "overlimits"), 0)
+        total = dict.fromkeys(QDISC_KEYS, 0)
         for netns, dev in (((), host.veth), (("-n", host.namespace), "eth0")):
             out = subprocess.run(["tc", *netns, "-s", "qdisc", "show", "dev", dev, "root"],
                                  capture_output=True, text=True, timeout=30).stdout

@@ -254,3 +254,14 @@ class CopyRequest:
     round_index: int
     group_index: int
     requester: str
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """Where the run's newest checkpoint is: ``CheckpointStore(uri, run_id)`` holds the
+    step ``step`` (replica -> Coordinator after a save, Coordinator -> a replica that finds
+    no donor to copy from: ``StepManager._sync``)."""
+
+    uri: str
+    run_id: str
+    step: int

@@ -347,7 +347,9 @@ def summarize(stats: dict, statuses: list[dict], leaving: set[str], wall_s: floa
     Replicas in ``leaving`` (their node got a notice) are reported but not held to the
     staying replicas' consistency. ``lost_steps`` counts committed steps the final state
     skipped or went through twice (0 expected); ``skipped_steps`` and ``repeated_steps``
-    are the two apart (worst replica each)."""
+    are the two apart (worst replica each). ``rolled_back_steps``: committed steps undone
+    when every replica holding them died (the swarm fell back to an older state: a
+    checkpoint's, or the initial one)."""
     history = stats.get("history", [])
     staying = [s for s in statuses if s["peer"] not in leaving]
     top_epoch = max((s["epoch"] for s in staying), default=0)
@@ -372,7 +374,9 @@ def summarize(stats: dict, statuses: list[dict], leaving: set[str], wall_s: floa
         "rejected_contributions": sum(s["rejected"] for s in statuses),
         "notices": stats.get("notices", 0),
         "hard_losses": hard_losses,
-        "rollbacks": stats.get("rollbacks", 0),  # steps lost with every peer holding them
+        "rollbacks": stats.get("rollbacks", 0),  # falls back below a committed step
+        # committed steps lost with every replica holding them (resumed from a checkpoint)
+        "rolled_back_steps": stats.get("rolled_back_steps", 0),
         "lost_steps": max((s["lost_steps"] + s["repeated_steps"] for s in statuses), default=0),
         "skipped_steps": max((s["lost_steps"] for s in statuses), default=0),
         "repeated_steps": max((s["repeated_steps"] for s in statuses), default=0),

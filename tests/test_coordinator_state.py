@@ -20,6 +20,7 @@ from moshray.cluster.coordinator.progress import ProgressReport, StepRecord
 from moshray.cluster.coordinator.shard_ledger import ShardService
 from moshray.cluster.coordinator.step_profile import StepPhases
 from moshray.cluster.coordinator.steps import StepService
+from moshray.cluster.messages import CheckpointRef
 
 
 class Clock:
@@ -103,6 +104,32 @@ def test_a_fall_back_below_a_step_committed_before_the_restart_is_a_rollback():
     assert again.resume_from(1) == 1 and again.mark_ready("z", 1)
     assert again.stats()["rollbacks"] == 1 and again.progress.rollbacks == [(3, 1)]
     assert len(again.stats()["history"]) == 3  # the steps before the restart stay
+
+
+def test_the_newest_checkpoint_survives_a_restart_and_counts_the_steps_it_rolls_back():
+    """A swarm that lost every replica resumes from the newest checkpoint noted by the
+    replica that saved it; the steps between it and the newest committed one are counted."""
+    kv, clock = MemoryKV(), Clock()
+    core = coordinator(kv, clock)
+    for p in ("a", "b"):
+        core.register(p, p)
+        core.mark_ready(p, 0)
+    for epoch in range(4):
+        step(core, clock, ("a", "b"), epoch)
+        if epoch == 1:
+            core.note_checkpoint(CheckpointRef("/ckpt", "run-1", 2))
+            core.save()
+    core.note_checkpoint(CheckpointRef("/ckpt", "run-1", 1))  # an older save noted late
+    core.save()
+    assert core.latest_checkpoint() == CheckpointRef("/ckpt", "run-1", 2)
+    clock.t += 1.0
+    again = coordinator(kv, clock)
+    assert again.latest_checkpoint() == CheckpointRef("/ckpt", "run-1", 2)
+    clock.t += 100.0  # every holder of step 4 died; a new replica loads the checkpoint
+    again.register("z", "z")
+    assert again.resume_from(2) == 2 and again.mark_ready("z", 2)
+    stats = again.stats()
+    assert stats["rollbacks"] == 1 and stats["rolled_back_steps"] == 2
 
 
 def test_a_store_without_state_starts_empty_and_a_second_restart_counts_again():

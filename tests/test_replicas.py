@@ -184,3 +184,36 @@ def test_coordinator_killed_mid_run_is_rebuilt_by_the_replicas(local_cluster):
         statuses = swarm.stop()
     assert len(statuses) == 3 and consistent(statuses)
     assert all(s["lost_steps"] == 0 and s["repeated_steps"] == 0 for s in statuses)
+
+
+def test_a_swarm_that_loses_every_replica_resumes_from_its_newest_checkpoint(
+        local_cluster, tmp_path):
+    """Both replicas die after a checkpoint was saved: the next replica finds no donor and
+    loads the run's newest checkpoint (which its saver noted at the Coordinator), not the
+    initial weights; the steps after it are a counted rollback, and training goes on."""
+    swarm = Swarm(small_config(), slots=[0, 1])
+    try:
+        swarm.wait_ready(2, timeout=180)
+        swarm.wait_epoch(3, timeout=180)
+        saved = ray.get(swarm.handle(0).save_checkpoint.remote(str(tmp_path)), timeout=60)
+        assert saved.ok, saved
+        swarm.wait_epoch(saved.step + 3, timeout=180)
+        for slot in (0, 1):
+            ray.kill(swarm.handle(slot), no_restart=True)
+            swarm.supervisor.lost(slot, hard=True)
+        committed = swarm.stats()["committed"]
+        assert committed >= saved.step + 3
+        swarm.supervisor.start(2)
+        deadline = time.monotonic() + 180
+        while swarm.stats()["rollbacks"] == 0:
+            assert time.monotonic() < deadline, swarm.stats()
+            time.sleep(0.5)
+        stats = swarm.stats()
+        # fell back to the checkpoint's step, not to the initial state's 0
+        assert stats["rolled_back_steps"] == committed - saved.step, (stats, saved)
+        swarm.wait_epoch(saved.step + 2, timeout=180)
+        status = ray.get(swarm.handle(2).status.remote(), timeout=30)
+        assert status["epoch"] > saved.step and status["lost_steps"] == 0
+    finally:
+        statuses = swarm.stop()
+    assert len(statuses) == 1

@@ -21,7 +21,7 @@ import ray
 import torch
 
 import moshray.cluster.collective.inline as inline
-from moshray.cluster.messages import Contribution, PartResult, RoundPlan
+from moshray.cluster.messages import CheckpointRef, Contribution, PartResult, RoundPlan
 
 from moshray.actors.replica.build_check import build_mismatch, installed_build
 from moshray.actors.replica.checkpoint import SaveResult, job_run_id, save_to
@@ -113,14 +113,22 @@ class ReplicaActor:
         """Write the state into this run's directory under ``uri`` (``checkpoint.run_id``,
         else ``run_dir``'s name); its data position is the Coordinator's at this moment
         (every shard handed out so far counts as seen, so a resumed run repeats none).
-        A failed save (full disk, storage error, unstorable state) is returned as a
+        A saved checkpoint is noted at the Coordinator (``note_checkpoint``). A failed save (full disk, storage error, unstorable state) is returned as a
         ``SaveResult`` with ``ok`` False, never raised."""
         state = await self.manager.snapshot()
         floor = state["data"].get("position", 0)
         state["data"] = {**state["data"],
                          "position": await self.coordinator.data_position.remote(floor)}
         run_id = job_run_id(self.config.checkpoint, self.config.run_dir)
-        return await asyncio.to_thread(save_to, uri, run_id, state, state["epoch"])
+        result = await asyncio.to_thread(save_to, uri, run_id, state, state["epoch"])
+        if result.ok:  # a swarm that loses every replica resumes from it (``_sync``)
+            try:
+                await self.coordinator.note_checkpoint.remote(
+                    CheckpointRef(uri, run_id, result.step))
+            except ray.exceptions.RayError as exc:  # the save itself stands
+                log.warning("%s: checkpoint %s not noted at the Coordinator (%s)",
+                            self.peer_id, result.location, type(exc).__name__)
+        return result
 
     def status(self) -> dict:
         s = self.session.state if self.session is not None else None

@@ -189,11 +189,23 @@ class StepManager:
         self.protocol.to(Phase.TRAINING)
 
     async def _sync(self) -> None:
-        """Copy state from a donor (or the initial checkpoint) until the Coordinator marks
-        this replica ready. ``RuntimeError`` after ``SYNC_ATTEMPTS`` tries."""
+        """Copy state from a donor until the Coordinator marks this replica ready. With no
+        donor (no replica holds the swarm's state: a new swarm, or every holder died) the
+        state comes from the run's newest checkpoint the Coordinator knows of
+        (``latest_checkpoint``, read once per call), if it is newer than the job's initial
+        state (the checkpoint it started from), else from that initial state; falling
+        back below a committed step is the Coordinator's counted rollback.
+        ``RuntimeError`` after ``SYNC_ATTEMPTS`` tries; a checkpoint that cannot be read
+        is logged and the initial state used."""
+        newest: list = []  # [state of the newest checkpoint, or None], filled on first need
         for attempt in range(SYNC_ATTEMPTS):
             donor = await self.coordinator.donor.remote(self.peer_id)
-            if donor is not None:
+            if donor is None and not newest:
+                newest.append(await self._newest_checkpoint())
+            if donor is None and newest[0] is not None:
+                await self._load(newest[0], from_donor=False)
+                await self.coordinator.resume_from.remote(self.state.epoch)
+            elif donor is not None:
                 try:
                     _, [ref] = await donor[1].get_state.remote()
                     loaded = await ref
@@ -215,6 +227,30 @@ class StepManager:
                             self.peer_id, attempt + 1, donor and donor[0], self.state.epoch)
             await asyncio.sleep(0.1)
         raise RuntimeError(f"{self.peer_id}: could not sync state after {SYNC_ATTEMPTS} attempts")
+
+    async def _newest_checkpoint(self) -> dict | None:
+        """The state of the run's newest checkpoint if it is newer than the initial state
+        (and this replica's own), else None (also when it cannot be read: logged)."""
+        from moshray.actors.replica.checkpoint import CheckpointStore
+
+        ref = await self.coordinator.latest_checkpoint.remote()
+        floor = self.state.epoch if self.state is not None else 0
+        if self._init_state_ref:
+            floor = max(floor, int((await self._init_state_ref[0]).get("epoch", 0)))
+        if ref is None or ref.step <= floor:
+            return None
+        try:
+            found = await asyncio.to_thread(
+                CheckpointStore(ref.uri, run_id=ref.run_id).load_latest)
+        except OSError as exc:
+            log.warning("%s: checkpoint of step %d in %s/%s not read (%s): no donor, so the "
+                        "initial state", self.peer_id, ref.step, ref.uri, ref.run_id, exc)
+            return None
+        if found is None or found[0] <= floor:
+            return None
+        log.warning("%s: no replica holds the swarm's state: resuming from the checkpoint "
+                    "of step %d (%s/%s)", self.peer_id, found[0], ref.uri, ref.run_id)
+        return found[1]
 
     async def _load(self, loaded: dict, from_donor: bool) -> None:
         async with self.lock:

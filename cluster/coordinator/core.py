@@ -14,8 +14,8 @@ counters (node losses) are the driver's (``jobs/controller/elastic.py``).
 It may die: Ray restarts the actor with empty memory (``restarted``). With a ``store``
 (``durable.DurableState``), ``save`` writes what changed after every call, and a new
 Coordinator whose store holds a state restores it: the step history, the newest step known
-committed, rollbacks, quarantine records, draining marks, the stop flag, notices and the
-data position. Membership and the epoch are rebuilt from the replicas (``rejoin``: the
+committed, rollbacks, quarantine records, draining marks, the stop flag, the newest
+checkpoint, notices and the data position. Membership and the epoch are rebuilt from the replicas (``rejoin``: the
 newest step a live replica holds wins), the expert hosts re-register, and the driver tells
 it the newest step it saw committed (``note_committed``). Its methods are cheap and never
 block on a peer, so a dead peer can never stall it.
@@ -35,7 +35,7 @@ from moshray.cluster.coordinator.notices import NoticeBook, NoticeRecord
 from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport, ProgressTracker
 from moshray.cluster.coordinator.shard_ledger import REJOIN_GRACE_S, ShardService
 from moshray.cluster.coordinator.steps import REBUILD_S, StepService
-from moshray.cluster.messages import RoundPlan
+from moshray.cluster.messages import CheckpointRef, RoundPlan
 
 __all__ = ["CoordinatorCore", "NoticeRecord", "REBUILD_S", "REJOIN_GRACE_S"]
 
@@ -151,6 +151,14 @@ class CoordinatorCore:
     def donor(self, exclude: str) -> tuple[str, object] | None:
         """See ``StepService.donor``."""
         return self.steps.donor(exclude, self.clock())
+
+    def note_checkpoint(self, ref: CheckpointRef) -> None:
+        """See ``StepService.note_checkpoint``."""
+        self.steps.note_checkpoint(ref)
+
+    def latest_checkpoint(self) -> CheckpointRef | None:
+        """See ``StepService.latest_checkpoint``."""
+        return self.steps.latest_checkpoint()
 
     def note_committed(self, epoch: int) -> None:
         """The driver saw ``epoch`` committed before a restart of this Coordinator (see

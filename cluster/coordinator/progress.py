@@ -101,7 +101,8 @@ class ProgressTracker:
     history: list[StepRecord] = field(default_factory=list)
     stop: bool = False
     timings: dict[int, StepTiming] = field(default_factory=dict)  # epoch -> its timing
-    rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (from, to) epochs
+    # (newest committed, fallen back to) epochs: every holder of the steps between died
+    rollbacks: list[tuple[int, int]] = field(default_factory=list)
     grace_s: float = 2.0  # how long a full batch waits for ready peers finishing a step
     join_grace_s: float = 2.0  # ... and for a joiner copying a donor's state (from its ask)
     hold_s: float = 60.0  # a newer state seen this recently blocks a fallback (2 x TTL)
@@ -184,10 +185,10 @@ class ProgressTracker:
         are abandoned. False (and nothing changes) otherwise."""
         if state_epoch > self.epoch or not self._may_fall_back(state_epoch, now):
             return False
-        if self._top_held > state_epoch:
-            self.rollbacks.append((self.epoch, state_epoch))
+        if self._top_held > state_epoch:  # from the newest committed step (a planned one
+            self.rollbacks.append((self._top_held, state_epoch))  # after it was abandoned)
             log.warning("rollback from epoch %d to %d: no holder of the newer steps is left",
-                        self.epoch, state_epoch)
+                        self._top_held, state_epoch)
         else:
             self.abandoned.append((self.epoch, state_epoch))
         self._top_held = state_epoch

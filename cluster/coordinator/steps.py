@@ -9,7 +9,7 @@ every plan made after ``mark_draining`` returns.
 
 It may die with the Coordinator's process: what the summary, the plans and the quarantine
 need (the step history, the newest step known committed, rollbacks, draining marks,
-quarantine records, the stop flag) is in ``snapshot`` (small, JSON-able; the history
+quarantine records, the stop flag, the newest checkpoint) is in ``snapshot`` (small, JSON-able; the history
 travels apart, see ``cluster/coordinator/durable.py``) and comes back with ``restore``;
 membership and the epoch are rebuilt from the replicas themselves (``rejoin``: the newest
 step a live replica holds wins).
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from moshray.cluster.coordinator.membership import Membership, MembershipConfig
 from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport, ProgressTracker
 from moshray.cluster.coordinator.quarantine import QuarantineRecord
-from moshray.cluster.messages import PeerInfo, RoundPlan
+from moshray.cluster.messages import CheckpointRef, PeerInfo, RoundPlan
 
 # After a restart, how long every live replica has to rejoin (they heartbeat every second and
 # report after every micro-batch) before an older state may be accepted in its place.
@@ -42,6 +42,7 @@ class StepService:
         self.progress = ProgressTracker(self.membership, target_batch_size,
                                         grace_s=step_grace_s, hold_s=2 * config.peer_ttl_s)
         self._lost_peer = False  # a ready peer left: re-plan without it (``replan``)
+        self.checkpoint: CheckpointRef | None = None  # the newest one saved (``note_checkpoint``)
         self.on_plan: Callable[[RoundPlan], None] | None = None
 
     @property
@@ -149,6 +150,16 @@ class StepService:
             self.progress.resume_at(epoch, now)
         return self.membership.epoch
 
+    def note_checkpoint(self, ref: CheckpointRef) -> None:
+        """A replica saved the checkpoint ``ref``; kept if it is the newest step seen (a
+        replica that finds no donor resumes from it: ``latest_checkpoint``)."""
+        if self.checkpoint is None or ref.step >= self.checkpoint.step:
+            self.checkpoint = ref
+
+    def latest_checkpoint(self) -> CheckpointRef | None:
+        """The newest checkpoint saved in this run (across restarts), or None."""
+        return self.checkpoint
+
     def donor(self, exclude: str, now: float) -> tuple[str, object] | None:
         """A peer (other than ``exclude``, who is noted as joining) to copy state from, or
         None. A ready live one first, else a ready one that is draining but still up (it
@@ -204,7 +215,8 @@ class StepService:
             "live": len(self.membership.live(now)),
             "ready": len(p.ready),
             "draining": len(self.membership.draining()),
-            "rollbacks": len(p.rollbacks),  # steps lost with every holder
+            "rollbacks": len(p.rollbacks),  # falls back below a committed step
+            "rolled_back_steps": sum(f - t for f, t in p.rollbacks),  # committed, then lost
             "abandoned": len(p.abandoned),  # plans nobody lived to apply
             "committed": p.top_held,  # newest step seen applied
             "stopping": p.stop,
@@ -226,6 +238,8 @@ class StepService:
             "quarantines": [[q.peer_id, q.at, q.reason] for q in p.quarantine.records],
             "draining_nodes": sorted([n, d] for n, d in
                                      self.membership._draining_nodes.items()),
+            "checkpoint": (None if self.checkpoint is None else
+                           [self.checkpoint.uri, self.checkpoint.run_id, self.checkpoint.step]),
         }
 
     def restore(self, snap: dict) -> None:
@@ -243,3 +257,6 @@ class StepService:
                                    for peer, at, reason in snap.get("quarantines", ())]
         for node, deadline in snap.get("draining_nodes", ()):
             self.membership.mark_draining(node, float(deadline))
+        if snap.get("checkpoint"):
+            uri, run_id, step = snap["checkpoint"]
+            self.checkpoint = CheckpointRef(str(uri), str(run_id), int(step))

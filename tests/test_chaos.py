@@ -52,6 +52,24 @@ def test_schedule_is_seeded_and_keeps_min_live(seed: int, tmp_path: Path):
     assert trace.per_node and len(trace.node_events) == len(events)
 
 
+def test_a_loss_never_leaves_fewer_warm_nodes_than_asked():
+    """A node just added has not yet copied the swarm's state: losses keep ``min_warm``
+    nodes that have been up for ``warm_s``, so the trace never takes every holder."""
+    config = replace(SCHEDULES["long"].chaos)
+    events = chaos_events(config)
+    up_at: dict[str, float] = {}
+    for e in events:
+        if e.kind == "add":
+            up_at[e.node] = e.at_s
+            continue
+        up_at.pop(e.node)
+        warm = [n for n, t in up_at.items() if e.at_s - t >= config.warm_s]
+        assert len(warm) >= config.min_warm, (e, up_at)
+    looser = chaos_events(replace(config, min_warm=0))
+    assert len([e for e in looser if e.kind != "add"]) > \
+        len([e for e in events if e.kind != "add"])  # the rule did skip losses
+
+
 def test_stalls_are_attributed_to_the_faults_near_them():
     advances = [0.0, 1.0, 6.0, 7.0, 17.0, 18.0, 21.0]  # gaps of 5, 10 and 3 s stall
     events = [(0.5, "coordinator"), (8.0, "kill"), (9.0, "join"), (30.0, "nan")]
@@ -69,6 +87,8 @@ def test_schedules_mix_notices_and_kills():
 def test_bad_chaos_config_is_refused():
     with pytest.raises(ValueError, match="min_live"):
         ChaosConfig(nodes=2, min_live=3)
+    with pytest.raises(ValueError, match="min_warm"):
+        ChaosConfig(nodes=3, min_live=2, min_warm=3)
     with pytest.raises(ValueError, match="kill_fraction"):
         ChaosConfig(kill_fraction=1.5)
 

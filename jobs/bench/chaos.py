@@ -45,8 +45,9 @@ replica's fault is cleared once the Coordinator lists it as quarantined (or afte
 
 Figures (one JSON line on stdout; the job's own lines go to stderr): faults observed by
 kind, the planned ones, the ones that did not happen (with why), the kinds ruled out,
-steps, lost and repeated committed steps (replica lineages), rollbacks (summed over the
-Coordinator's lives), quarantines seen, seconds stalled (sum of the gaps between global
+steps, lost committed steps (skipped by a replica's lineage, or undone when every replica
+holding them died and the swarm fell back to a checkpoint), repeated steps, rollbacks (the
+Coordinator keeps their count over its restarts), quarantines seen, seconds stalled (sum of the gaps between global
 steps longer than ``STALL_S``), replicas at the end (staying, i.e. not noticed) and the
 expected count, ``replicas_consistent``. Invariants: 0 lost, 0 repeated, 0 rollbacks, every
 bad replica quarantined, the expected replica count, replicas bitwise identical, every
@@ -82,6 +83,7 @@ log = logging.getLogger("moshray.bench_chaos")
 
 BAD_WAIT_S = 30.0  # at most this long for the ready replicas, then for the quarantine
 MIN_READY = 2  # ready replicas a bad-replica fault needs: the bad one and a good one
+REMOVING_KINDS = frozenset({"replica_kill", "user_error"})  # take their replica out a while
 CHECKPOINT_EVERY = 200  # global steps between the job's own checkpoints (on the small disk)
 NETWORK_MARGIN_S = 6.0  # no trace event this close after a network fault's window
 USER_ERROR_POLL_S = 0.1  # read the raise before the controller replaces the replica
@@ -118,8 +120,9 @@ class Injector:
         self.bad_lost: list[str] = []
         self.quarantined: dict[str, str] = {}  # peer -> reason, over every Coordinator life
         self.noticed: set[str] = set()  # node ids whose notice reached the Coordinator
-        self.rollbacks_done = 0  # of the Coordinator's earlier lives
-        self.rollbacks_life = 0
+        # The Coordinator keeps its rollbacks over restarts (durable.py): the most seen
+        self.rollbacks = 0
+        self.rolled_back_steps = 0
         self.top_epoch = 0
         self.advances: list[float] = []
         # (monotonic time, kind): faults injected here, node losses and joins seen
@@ -190,7 +193,8 @@ class Injector:
         if stats["epoch"] > self.top_epoch:
             self.top_epoch = stats["epoch"]
             self.advances.append(time.monotonic())
-        self.rollbacks_life = max(self.rollbacks_life, stats["rollbacks"])
+        self.rollbacks = max(self.rollbacks, stats["rollbacks"])
+        self.rolled_back_steps = max(self.rolled_back_steps, stats.get("rolled_back_steps", 0))
         now = time.monotonic()
         losses = stats["preemptions"]  # the driver's NodeLostEvents, kept over restarts
         if self._seen_losses is not None and losses > self._seen_losses:
@@ -240,8 +244,6 @@ class Injector:
 
         self.observe()
         before = process_pid(self._coordinator(), self.timeout_s)
-        self.rollbacks_done += self.rollbacks_life
-        self.rollbacks_life = 0
         ray.kill(self._coordinator(), no_restart=False)
         at = time.monotonic()
         self.events.append((at, "coordinator"))
@@ -262,19 +264,27 @@ class Injector:
 
     def _pick(self, kind: str, need: int = MIN_READY):
         """``(peer, handle)`` of a ready replica that is not broken, or None (recorded as a
-        fault that did not happen) if fewer than ``need`` are ready by the deadline. A
-        replica that dies as it is picked (its node went) is replaced by another pick."""
+        fault that did not happen) if fewer than ``need`` are ready by the deadline. The
+        pick's node has no trace event due while the fault is watched (``_wait_s``), so
+        the cloud does not take it before its effect is seen; a fault that takes the
+        replica out (``REMOVING_KINDS``) also leaves a ready replica on such a node, so the
+        swarm keeps a holder of its state. A replica that dies as it is picked (its node
+        went) is replaced by another pick."""
         import ray
 
         deadline = time.monotonic() + self._wait_s()
         while True:
             # Earlier bad replicas count: quarantined, they copied a donor's state and their
             # fault was cleared, so they are healthy replicas again.
-            ready = [p for p in self._get(self._coordinator().peer_view.remote())["ready"]
+            nodes = {p: n for p, n in self._ready_peer_nodes().items()
                      # a replica whose loop was just told to raise is being replaced
-                     if time.monotonic() - self.raised_at.get(p, -1e9) > BAD_WAIT_S]
-            if len(ready) >= need:
-                peer = self.rng.choice(sorted(ready))
+                     if time.monotonic() - self.raised_at.get(p, -1e9) > BAD_WAIT_S}
+            quiet = self._quiet_nodes(self._wait_s())
+            safe = sorted(p for p, n in nodes.items() if quiet is None or n in quiet)
+            if kind in REMOVING_KINDS and len(safe) < 2:
+                safe = []  # the only safe holder would go
+            if len(nodes) >= need and safe:
+                peer = self.rng.choice(safe)
                 try:
                     handle = self._get(self._coordinator().peer_handle.remote(peer))
                     self._get(handle.status.remote())
@@ -283,9 +293,17 @@ class Injector:
                     self.log(f"chaos: {peer} is gone ({type(exc).__name__}); picking again")
             if time.monotonic() >= min(deadline, self.end_at):
                 self.ledger.not_done(kind, "-", time.monotonic(),
-                                     f"fewer than {need} ready replicas to pick from")
+                                     f"fewer than {need} ready replicas to pick from, or "
+                                     f"none on a node the trace leaves alone meanwhile")
                 return None
             self._wait_until(time.monotonic() + self.poll_s)
+
+    def _quiet_nodes(self, window_s: float) -> set[str] | None:
+        """Node ids with no trace event due in the next ``window_s`` (None: no cloud yet)."""
+        if self.cloud is None:
+            return None
+        cluster = self.cloud.cluster
+        return {cluster.node_id(s) for s in self.cloud.quiet_slots(window_s)}
 
     def _rejections(self, reason: str) -> dict[str, int]:
         """Per member: contributions it rejected for ``reason`` so far (members that do not
@@ -458,14 +476,18 @@ class Injector:
 
     def _ready_nodes(self) -> list[str]:
         """Node ids of the ready replicas (those that do not answer are left out)."""
+        return list(self._ready_peer_nodes().values())
+
+    def _ready_peer_nodes(self) -> dict[str, str]:
+        """Ready replica -> its node id (those that do not answer are left out)."""
         import ray
 
-        out = []
+        out = {}
         for peer in self._get(self._coordinator().peer_view.remote())["ready"]:
             try:
                 handle = self._get(self._coordinator().peer_handle.remote(peer))
                 if handle is not None:  # None: the Coordinator no longer has it
-                    out.append(self._get(handle.status.remote())["node"])
+                    out[peer] = self._get(handle.status.remote())["node"]
             except (ray.exceptions.RayError, TimeoutError, ValueError):
                 pass
         return out
@@ -555,8 +577,6 @@ class Injector:
             except (ray.exceptions.RayError, TimeoutError, ValueError, OSError) as exc:
                 self.errors.append(f"{fault.kind} at {fault.at_s:g} s: {type(exc).__name__}")
         self._wait_until(self.end_at)
-        self.rollbacks_done += self.rollbacks_life
-        self.rollbacks_life = 0
 
 
 def job_config(config, plan: ChaosPlan, trace: Path, nodes: int, run_dir: str,
@@ -670,9 +690,13 @@ def figures(plan: ChaosPlan, injector: Injector, summary: dict, wall_s: float,
         "faults_evidence": [f"{r.kind} {r.target}: {r.evidence}"
                             for r in injector.ledger.records() if r.happened],
         "faults_ruled_out": ruled_out,
-        "steps": summary["steps"], "lost": summary.get("skipped_steps", 0),
+        # lost: committed steps skipped by a replica's lineage, or undone with every
+        # replica that held them (a fall back to a checkpoint's state or the initial one)
+        "steps": summary["steps"],
+        "lost": summary.get("skipped_steps", 0) + max(injector.rolled_back_steps,
+                                                      summary.get("rolled_back_steps", 0)),
         "repeated": summary.get("repeated_steps", 0),
-        "rollbacks": injector.rollbacks_done + summary.get("rollbacks", 0),
+        "rollbacks": max(injector.rollbacks, summary.get("rollbacks", 0)),
         "steps_during_network_faults": injector.steps_during,
         "quarantines": len(injector.quarantined), "quarantined": sorted(injector.quarantined),
         "quarantine_reasons": sorted(set(injector.quarantined.values())),

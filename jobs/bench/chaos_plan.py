@@ -89,9 +89,9 @@ class ChaosSchedule:
 
 
 SCHEDULES: dict[str, ChaosSchedule] = {
-    "long": ChaosSchedule(ChaosConfig(seed=0, nodes=4, duration_s=300, losses=26,
+    "long": ChaosSchedule(ChaosConfig(seed=0, nodes=4, duration_s=300, losses=34,
                                       kill_fraction=0.5, replace_after_s=4, min_live=3,
-                                      min_gap_s=5.0),
+                                      min_gap_s=5.0, min_warm=2, warm_s=15.0),
                           coordinator_kills=16, nan_replicas=5, shape_replicas=5,
                           replica_kills=6, user_errors=3, disk_fulls=2, partitions=3,
                           slow_nodes=3),

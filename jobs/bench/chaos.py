@@ -83,6 +83,8 @@ log = logging.getLogger("moshray.bench_chaos")
 
 BAD_WAIT_S = 30.0  # at most this long for the ready replicas, then for the quarantine
 MIN_READY = 2  # ready replicas a bad-replica fault needs: the bad one and a good one
+PICK_QUIET_S = 10.0  # a picked replica's node has no trace event due this soon (its effect
+# shows within seconds; a longer window leaves no node to pick when losses come every ~7 s)
 REMOVING_KINDS = frozenset({"replica_kill", "user_error"})  # take their replica out a while
 CHECKPOINT_EVERY = 200  # global steps between the job's own checkpoints (on the small disk)
 NETWORK_MARGIN_S = 6.0  # no trace event this close after a network fault's window
@@ -265,11 +267,11 @@ class Injector:
     def _pick(self, kind: str, need: int = MIN_READY):
         """``(peer, handle)`` of a ready replica that is not broken, or None (recorded as a
         fault that did not happen) if fewer than ``need`` are ready by the deadline. The
-        pick's node has no trace event due while the fault is watched (``_wait_s``), so
-        the cloud does not take it before its effect is seen; a fault that takes the
-        replica out (``REMOVING_KINDS``) also leaves a ready replica on such a node, so the
-        swarm keeps a holder of its state. A replica that dies as it is picked (its node
-        went) is replaced by another pick."""
+        pick's node has no trace event due within ``PICK_QUIET_S``, so the cloud does not
+        take it before its effect is seen; a fault that takes the replica out
+        (``REMOVING_KINDS``) also leaves a ready replica on such a node, so the swarm keeps
+        a holder of its state. A replica that dies as it is picked (its node went) is
+        replaced by another pick."""
         import ray
 
         deadline = time.monotonic() + self._wait_s()
@@ -279,7 +281,7 @@ class Injector:
             nodes = {p: n for p, n in self._ready_peer_nodes().items()
                      # a replica whose loop was just told to raise is being replaced
                      if time.monotonic() - self.raised_at.get(p, -1e9) > BAD_WAIT_S}
-            quiet = self._quiet_nodes(self._wait_s())
+            quiet = self._quiet_nodes(PICK_QUIET_S)
             safe = sorted(p for p, n in nodes.items() if quiet is None or n in quiet)
             if kind in REMOVING_KINDS and len(safe) < 2:
                 safe = []  # the only safe holder would go

@@ -22,8 +22,8 @@ class ChaosConfig:
     with notice), and a replacement node ``replace_after_s`` later. At least ``min_live``
     nodes stay up at any time, and at least ``min_warm`` of them up for ``warm_s`` or
     longer (a node that just came up has not yet copied the swarm's state: losing every
-    warm node loses the state, which no spot trace needs to test); losses are at least
-    ``min_gap_s`` apart."""
+    warm node loses the state, which no spot trace needs to test); only such a node is
+    lost; losses are at least ``min_gap_s`` apart."""
 
     seed: int = 0
     nodes: int = 3
@@ -54,9 +54,10 @@ def chaos_events(config: ChaosConfig) -> tuple[TraceNodeEvent, ...]:
     """The schedule, in time order: the initial adds at 0, then losses and replacements.
 
     Losses are placed at random times between ``quiet_start_s`` and the end (at least
-    ``min_gap_s`` apart); a loss is skipped when it would leave fewer than ``min_live``
-    nodes, or fewer than ``min_warm`` nodes up for ``warm_s``. Every lost node is replaced
-    ``replace_after_s`` later by a new node name.
+    ``min_gap_s`` apart); the victim is a node up for ``warm_s`` or longer (one that just
+    came up may not yet run the watcher its notice needs), and a loss is skipped when it
+    would leave fewer than ``min_live`` nodes, or fewer than ``min_warm`` up that long.
+    Every lost node is replaced ``replace_after_s`` later by a new node name.
     """
     rng = random.Random(config.seed)
     events = [TraceNodeEvent(0.0, "add", f"node{i}") for i in range(config.nodes)]
@@ -78,9 +79,9 @@ def chaos_events(config: ChaosConfig) -> tuple[TraceNodeEvent, ...]:
         if len(live) - 1 < config.min_live:
             continue
         warm = [n for n in live if t - up_at[n] >= config.warm_s]
-        victim = rng.choice(live)
-        if len(warm) - (victim in warm) < config.min_warm:
+        if len(warm) - 1 < config.min_warm:
             continue
+        victim = rng.choice(warm)
         live.remove(victim)
         kind = "kill" if rng.random() < config.kill_fraction else "remove"
         events.append(TraceNodeEvent(round(t, 3), kind, victim))

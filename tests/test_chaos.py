@@ -55,7 +55,8 @@ def test_schedule_is_seeded_and_keeps_min_live(seed: int, tmp_path: Path):
 def test_a_loss_never_leaves_fewer_warm_nodes_than_asked():
     """A node just added has not yet copied the swarm's state: losses keep ``min_warm``
     nodes that have been up for ``warm_s``, so the trace never takes every holder."""
-    config = replace(SCHEDULES["long"].chaos)
+    # denser than the long schedule (a loss every ~7 s), where the rule has work to do
+    config = replace(SCHEDULES["long"].chaos, duration_s=300, min_gap_s=5.0, losses=36)
     events = chaos_events(config)
     up_at: dict[str, float] = {}
     for e in events:

@@ -62,6 +62,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -70,6 +71,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from moshray.jobs.bench.chaos_faults import (SmallDisk, chaos_job, order_user_error,
+                                             user_error_witnessed,
                                              process_pid, save_through, set_replica_fault,
                                              small_disk_refusal, user_error_raised)
 from moshray.jobs.bench.chaos_plan import (NETWORK_RULED_OUT, NODE_KINDS, RULED_OUT,
@@ -133,6 +135,7 @@ class Injector:
         self.errors: list[str] = []
         self.end_at = float("inf")
         self.disk: SmallDisk | None = None  # the checkpoint disk, for disk_full faults
+        self.witness_dir = ""  # where the chaos loops say they raised (chaos_faults.chaos_job)
         self.checkpoint_uri: str | None = None
         self.cloud = None  # the embedded cluster's LocalCloud (network faults), once up
         self.schedule = None  # the ChaosSchedule (network faults' windows)
@@ -402,7 +405,7 @@ class Injector:
 
     def user_error(self) -> None:
         """Order one ready replica's loop to raise once (``chaos_faults.chaos_job``);
-        observed when the replica reports that its loop raised."""
+        observed when the loop's witness file or the replica says that its loop raised."""
         import ray
 
         picked = self._pick("user_error")
@@ -417,13 +420,17 @@ class Injector:
         self.log(f"chaos: {peer}'s loop told to raise")
         deadline = at + self._wait_s()
         while time.monotonic() < deadline:
+            if user_error_witnessed(self.witness_dir, peer) is not None:
+                self.ledger.decide(index, True, "its loop raised ChaosUserError")
+                return
             try:
                 if user_error_raised(handle, min(5.0, self.timeout_s)) is not None:
                     self.ledger.decide(index, True, "its loop raised ChaosUserError")
                     return
-            except ray.exceptions.RayActorError:
-                self.ledger.decide(index, False, "the replica died before its loop was "
-                                                 "seen raising")
+            except ray.exceptions.RayActorError:  # replaced: did it raise first?
+                raised = user_error_witnessed(self.witness_dir, peer) is not None
+                self.ledger.decide(index, raised, "its loop raised ChaosUserError" if raised
+                                   else "the replica died and its loop never raised")
                 return
             except TimeoutError:
                 pass
@@ -648,6 +655,9 @@ def _run(args, log_fn, schedule, seed: int, out: Path, disk, ruled_out: dict) ->
                         disk.path if disk is not None else None, args.hosts)
     injector = Injector(plan, args.timeout, log_fn, seed)
     injector.disk, injector.checkpoint_uri = disk, config.checkpoint.uri
+    injector.witness_dir = str((out / "raised").resolve())  # (an earlier run's files go:
+    shutil.rmtree(injector.witness_dir, ignore_errors=True)  # peer ids repeat across runs)
+    os.makedirs(injector.witness_dir)
     injector.schedule = schedule
     log_fn(f"chaos: {sum(plan.planned.values())} faults planned {plan.planned} over "
            f"{plan.duration_s:g} s; not run: {', '.join(ruled_out)}")
@@ -662,7 +672,7 @@ def _run(args, log_fn, schedule, seed: int, out: Path, disk, ruled_out: dict) ->
             files = resolve_data(list(config.data.paths), config.data.cache_dir)
         else:
             files = ship_files(resolve_data(None, os.path.expanduser(config.data.cache_dir)))
-        return chaos_job(lm.job(config, files))
+        return chaos_job(lm.job(config, files), injector.witness_dir)
 
     def job(address: str) -> dict:
         # The injector stops before the job's time limit: the job then disconnects Ray.

@@ -8,9 +8,10 @@ instance, as an operator's debugger would) or wraps the user's loop before the j
   in a ``FaultyAverager`` (defined here, never in production code) that feeds NaN values
   or one-element-too-long contributions into the unmodified collective until reset to
   None (the wrapper is taken off again);
-- ``chaos_job(job)``: the same ``Job`` whose loop raises ``ChaosUserError`` from
-  ``session.batches()`` once ``order_user_error(handle)`` was called on that replica (a bug
-  in the user's loop or data, as a user's code would raise it);
+- ``chaos_job(job, witness_dir)``: the same ``Job`` whose loop raises ``ChaosUserError``
+  from ``session.batches()`` once ``order_user_error(handle)`` was called on that replica
+  (a bug in the user's loop or data, as a user's code would raise it), leaving a file that
+  says so (``user_error_witnessed``);
 - ``process_pid(handle)``: the process to SIGKILL for a replica (or Coordinator) killed
   without its node;
 - ``SmallDisk``: a small tmpfs (root only) for the job's checkpoints that ``fill()`` makes
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from dataclasses import replace
 
 REPLICA_FAULTS = (None, "nan", "shape")
@@ -115,9 +117,21 @@ def user_error_raised(handle, timeout_s: float = 30.0) -> float | None:
     return _call(handle, lambda actor: getattr(actor.manager, _RAISED, None), timeout_s)
 
 
-def chaos_job(job):
+def user_error_witnessed(witness_dir: str, peer_id: str) -> float | None:
+    """When ``peer_id``'s loop raised the ordered error, from the file ``chaos_job`` wrote
+    (None: not yet)."""
+    try:
+        return float(Path(witness_dir, peer_id).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def chaos_job(job, witness_dir: str | None = None):
     """``job`` (an ``actors.replica.actor.Job``) whose loop sees a ``session.batches`` that
-    raises ``ChaosUserError`` once ordered (``order_user_error``)."""
+    raises ``ChaosUserError`` once ordered (``order_user_error``). With ``witness_dir`` (an
+    absolute path every node can write: the nodes share this machine's filesystem) the loop
+    also writes the time it raised into ``<witness_dir>/<peer id>`` first, which outlives
+    the replica the controller replaces at once (``user_error_witnessed``)."""
     loop = job.loop
 
     def chaos_loop(session):
@@ -129,6 +143,8 @@ def chaos_job(job):
                 if getattr(manager, _ORDER, False):
                     setattr(manager, _ORDER, False)
                     setattr(manager, _RAISED, time.time())
+                    if witness_dir is not None:
+                        Path(witness_dir, session.peer_id).write_text(repr(time.time()))
                     raise ChaosUserError(f"chaos: {session.peer_id}'s loop raises once")
                 yield batch
 

@@ -621,6 +621,8 @@ def run(args: argparse.Namespace, log_fn) -> dict:
     if args.hosts != "netns":
         ruled_out.update(partition=NETWORK_RULED_OUT, slow_node=NETWORK_RULED_OUT)
         schedule = schedule.without_network()
+    else:
+        schedule = schedule.on_separate_hosts()
     disk = None
     if args.hosts == "netns" and schedule.disk_fulls:
         ruled_out["disk_full"] = ("separate hosts keep checkpoints on durable storage (s3://, "

@@ -78,10 +78,16 @@ class ChaosSchedule:
     partition_s: float = 8.0  # over a round deadline: the swarm must go on without the node
     slow_s: float = 10.0
     slow_mbit: float = 2.0
+    netns_chaos: ChaosConfig | None = None  # the node faults on separate hosts, if others
 
     def hold_s(self, kind: str) -> float:
         """How long a fault of ``kind`` holds the injector (0 for the instant ones)."""
         return {"partition": self.partition_s, "slow_node": self.slow_s}.get(kind, 0.0)
+
+    def on_separate_hosts(self) -> "ChaosSchedule":
+        """The schedule for the separate-hosts mode: its node faults from ``netns_chaos``
+        where set (a node there takes 10-30 s to join and sync, twice loopback's)."""
+        return self if self.netns_chaos is None else replace(self, chaos=self.netns_chaos)
 
     def without_network(self) -> "ChaosSchedule":
         """The same schedule with no network faults (loopback nodes)."""
@@ -96,7 +102,12 @@ SCHEDULES: dict[str, ChaosSchedule] = {
                                       min_gap_s=9.0, min_warm=2, warm_s=12.0),
                           coordinator_kills=16, nan_replicas=5, shape_replicas=5,
                           replica_kills=7, user_errors=3, disk_fulls=2, partitions=3,
-                          slow_nodes=3),
+                          slow_nodes=3,
+                          # separate hosts: 540 s, a loss only with 2 nodes up 30 s besides
+                          netns_chaos=ChaosConfig(seed=0, nodes=4, duration_s=540, losses=48,
+                                                  kill_fraction=0.5, replace_after_s=4,
+                                                  min_live=3, min_gap_s=10.0, min_warm=2,
+                                                  warm_s=30.0)),
     "short": ChaosSchedule(ChaosConfig(seed=2, nodes=3, duration_s=70, losses=3,
                                        kill_fraction=0.5, replace_after_s=4, min_live=2),
                            coordinator_kills=2, nan_replicas=1, shape_replicas=1,

@@ -9,7 +9,19 @@ groups). One rank per GPU (one per rank on CPU)::
     group.start()                      # actors placed, process group joined (bounded)
     report = group.train(task)         # GroupReport: the loss of each step, each rank's shard
     params = group.full_state()        # the unsharded parameters (CPU), gathered by every rank
-    group.close()
+    group.save_sharded(path)           # each rank its shard (DCP); see group_checkpoint.py
+    group.close()                      # ranks stopped, placement group removed
+
+    other = ReplicaGroup(GroupConfig(world_size=3)); other.start()
+    step = other.load_sharded(path, task)  # resharded from 2 ranks to 3; train() goes on
+
+Placement (issue 47, item 4): ``start`` reserves one bundle per rank (its CPU/GPU request,
+``rank_bundles``) in a Ray placement group with ``STRICT_PACK``: every rank on one node, so
+the collectives stay on that node's links and a checkpoint directory is on one file system.
+``GroupConfig.node_labels`` narrows the node by Ray node labels (``bundle_label_selector``;
+``{"ray.io/node-id": <hex id>}`` pins one node). A group that cannot be placed within
+``timeout_s`` raises ``GroupError`` naming what it needs and what the nodes have
+(``placement_shortfall``); ``close`` removes the placement group, also after a failed start.
 
 Rendezvous: rank 0 picks its address and a free port and returns them through a Ray call;
 every rank then joins ``tcp://address:port``. Every wait is bounded by
@@ -22,7 +34,10 @@ and when ranks share a GPU (NCCL refuses two ranks on one device). The data cont
 ``GroupTask``: ``batch(step)`` is the *global* batch of that step; rank ``r`` of ``W`` trains
 on its ``r``-th contiguous slice (``torch.tensor_split`` of the first dimension, which must
 divide evenly) and the gradients are averaged over ranks, so a step of the group equals a
-single-process step on the whole batch (``reference_train``) up to float rounding.
+single-process step on the whole batch (``reference_train``) up to float rounding. The ranks
+keep their model, optimizer and step between calls: ``train`` goes on from there (from step
+0 with the task's model on the first call), so a group resumed from a checkpoint at step s
+trains the batches s, s+1, ... and equals one process that never stopped.
 """
 
 from __future__ import annotations
@@ -32,7 +47,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -40,6 +56,11 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+
+from moshray.actors.replica.group_checkpoint import (
+    CheckpointAnswer, CheckpointError, CheckpointManifest, first_difference, load_state,
+    read_manifest, save_state, staging_path, state_shapes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +83,11 @@ class GroupError(RuntimeError):
 class GroupConfig:
     """How to build a group. ``parallel``: ``fsdp`` or ``ddp``. ``backend``: ``auto`` (see
     ``choose_backend``), ``gloo`` or ``nccl``. ``gpus_per_rank``: what Ray gives each rank
-    (0: CPU ranks; 0.5: two ranks share one GPU). ``timeout_s`` bounds every wait.
-    Raises ``ValueError`` (one line, the field named) on a bad value."""
+    (0: CPU ranks; 0.5: two ranks share one GPU); a rank must ask for some CPU or GPU (its
+    placement bundle cannot be empty). ``timeout_s`` bounds every wait. ``node_labels``:
+    Ray node labels the group's node must have (a mapping, kept as sorted pairs), e.g.
+    ``{"ray.io/node-id": hex_id}``. Raises ``ValueError`` (one line, the field named) on a
+    bad value."""
 
     world_size: int = 2
     parallel: str = "fsdp"
@@ -72,8 +96,13 @@ class GroupConfig:
     cpus_per_rank: float = 1.0
     timeout_s: float = 120.0
     name: str = "group"
+    node_labels: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        labels = self.node_labels.items() if isinstance(self.node_labels, Mapping) \
+            else self.node_labels
+        object.__setattr__(self, "node_labels", tuple(sorted((str(k), str(v))
+                                                             for k, v in labels)))
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"GroupConfig.world_size: must be an integer >= 1, got "
                              f"{self.world_size!r}")
@@ -89,6 +118,9 @@ class GroupConfig:
         if self.cpus_per_rank < 0:
             raise ValueError(f"GroupConfig.cpus_per_rank: must be >= 0, got "
                              f"{self.cpus_per_rank!r}")
+        if self.cpus_per_rank == 0 and self.gpus_per_rank == 0:
+            raise ValueError("GroupConfig.cpus_per_rank: a rank must ask for some CPU or GPU "
+                             "(its placement bundle cannot be empty)")
         if not self.timeout_s > 0:
             raise ValueError(f"GroupConfig.timeout_s: must be > 0, got {self.timeout_s!r}")
 
@@ -217,6 +249,40 @@ def rank_slice(batch: tuple, rank: int, world: int) -> tuple:
     return tuple(t.tensor_split(world)[rank] for t in batch)
 
 
+def rank_bundles(config: GroupConfig) -> tuple[dict[str, float], ...]:
+    """One placement bundle per rank: the CPU and GPU that rank's actor asks for (the zero
+    ones left out; ``GroupConfig`` refuses a rank that asks for neither)."""
+    bundle = {k: float(v) for k, v in (("CPU", config.cpus_per_rank),
+                                        ("GPU", config.gpus_per_rank)) if v}
+    return tuple(dict(bundle) for _ in range(config.world_size))
+
+
+def _resources(res: Mapping[str, float]) -> str:
+    return " ".join(f"{k}={v:g}" for k, v in sorted(res.items())) or "nothing"
+
+
+def placement_shortfall(bundles: tuple[dict[str, float], ...],
+                        nodes: list[Mapping[str, float]],
+                        labels: tuple[tuple[str, str], ...] = ()) -> str:
+    """Why a ``STRICT_PACK`` placement of ``bundles`` may not have happened, in one line:
+    the total it needs on one node and either the most any alive node has (``nodes``: each
+    alive node's total resources) or, when some node is big enough, that those have it in use
+    (or, with ``labels``, lack the labels)."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for k, v in bundle.items():
+            need[k] = need.get(k, 0.0) + v
+    text = (f"needs {_resources(need)} on one node ({len(bundles)} ranks of "
+            f"{_resources(bundles[0]) if bundles else 'nothing'}, STRICT_PACK)")
+    room = [n for n in nodes if all(n.get(k, 0.0) >= v for k, v in need.items())]
+    if room:
+        label_text = (" or lack the labels " + ",".join(f"{k}={v}" for k, v in labels)) \
+            if labels else ""
+        return f"{text}; {len(room)} node(s) are big enough but have it in use{label_text}"
+    most = {k: max((n.get(k, 0.0) for n in nodes), default=0.0) for k in need}
+    return f"{text}; no node has that (the most on one node: {_resources(most)})"
+
+
 def digest(tensors) -> str:
     """sha256 (16 hex digits) of the tensors' bytes, in order (bitwise equality test)."""
     h = hashlib.sha256()
@@ -300,7 +366,22 @@ class GroupRank:
         if cuda:
             torch.cuda.set_device(self.device)
         self.backend: str | None = None
-        self.module = None  # what train() built, kept for full_state()
+        # What the rank holds between calls (train, full_state, save/load_sharded): the
+        # model (sharded in place under FSDP2), the module to call (the DDP wrapper or the
+        # model), its optimizer and the next step to train.
+        self.model: torch.nn.Module | None = None
+        self.module = None
+        self.opt: torch.optim.Optimizer | None = None
+        self.optimizer_name = ""
+        self.step = 0
+
+    def _hold(self, task: GroupTask, model: torch.nn.Module) -> None:
+        """Shard ``model`` (built from ``task``, on this rank's device) and keep it with a
+        fresh optimizer at step 0."""
+        self.module = shard_model(model, self.settings.parallel, self.device)
+        self.model = model
+        self.opt = OPTIMIZERS[task.optimizer](model.parameters(), lr=task.lr)
+        self.optimizer_name, self.step = task.optimizer, 0
 
     def describe(self) -> dict:
         return {"rank": self.rank, "device": str(self.device), "gpu_ids": self.gpu_ids,
@@ -326,15 +407,17 @@ class GroupRank:
         return backend
 
     def train(self, task: GroupTask) -> RankReport:
-        """Train ``task`` on this rank's share of every batch (every rank calls this)."""
+        """Train ``task.steps`` steps on this rank's share of every batch, from the model,
+        optimizer and step held (built from ``task`` at step 0 when none is held; the task's
+        model, optimizer and lr are not used otherwise). Every rank calls this."""
         world = self.settings.world_size
-        model = task.build_model().to(self.device)
-        module = shard_model(model, self.settings.parallel, self.device)
-        opt = OPTIMIZERS[task.optimizer](model.parameters(), lr=task.lr)
+        if self.model is None:
+            self._hold(task, task.build_model().to(self.device))
+        model, module, opt, first = self.model, self.module, self.opt, self.step
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         losses, seconds = [], []
-        for step in range(task.steps):
+        for step in range(first, first + task.steps):
             t0 = time.perf_counter()
             batch = tuple(t.to(self.device) for t in rank_slice(task.batch(step), self.rank,
                                                                   world))
@@ -346,9 +429,9 @@ class GroupRank:
             mean = loss.detach().float().reshape(1) / world  # the global batch's mean loss
             dist.all_reduce(mean)
             losses.append(float(mean))
-            if step:  # the first step pays for warm-up (allocations, kernels, connections)
+            if step > first:  # the first pays for warm-up (allocations, kernels, connections)
                 seconds.append(time.perf_counter() - t0)
-        self.module = model
+            self.step = step + 1
         held = [_local(p) for p in model.parameters()]
         full = self._full_params()
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" \
@@ -358,13 +441,57 @@ class GroupRank:
                           digest(full.values()), tuple(seconds), peak)
 
     def _full_params(self) -> dict[str, torch.Tensor]:
-        return {k: _full(p.detach()).cpu() for k, p in self.module.named_parameters()}
+        return {k: _full(p.detach()).cpu() for k, p in self.model.named_parameters()}
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The unsharded parameters on CPU (a collective: every rank calls this)."""
-        if self.module is None:
-            raise GroupError(f"rank {self.rank}: full_state() before train()")
+        if self.model is None:
+            raise GroupError(f"rank {self.rank}: full_state() before train() or "
+                             f"load_sharded()")
         return self._full_params()
+
+    def save_sharded(self, staging: str, final: str) -> CheckpointAnswer:
+        """Write this rank's shard to ``staging``; rank 0 publishes it as ``final`` (see
+        group_checkpoint.py). Rank 0 decides whether to write at all (``final`` must not
+        exist) and tells the others, so all enter the save or none does."""
+        if self.model is None:
+            raise GroupError(f"rank {self.rank}: save_sharded() before train() or "
+                             f"load_sharded()")
+        refused = [f"{final}: exists; not replaced"
+                   if self.rank == 0 and os.path.exists(final) else None]
+        dist.broadcast_object_list(refused, src=0)
+        if refused[0] is None:
+            head = CheckpointManifest(self.step, self.settings.world_size,
+                                      self.settings.parallel, self.optimizer_name, ())
+            refused[0] = save_state(self.model, self.opt, staging, final, head, self.rank)
+        return CheckpointAnswer(self.step, refused[0])
+
+    def load_sharded(self, path: str, task: GroupTask) -> CheckpointAnswer:
+        """Load the checkpoint at ``path`` into the model held, or into one built from
+        ``task`` when none is held, resharded to this group. Rank 0 reads the manifest and
+        compares it with the model (``first_difference``) and tells the others, so on a
+        refusal no rank loads anything and the model held (if any) is unchanged."""
+        model = self.model if self.model is not None else task.build_model().to(self.device)
+        optimizer = self.optimizer_name if self.model is not None else task.optimizer
+        verdict: list = [None, None]  # (step, why refused)
+        if self.rank == 0:
+            try:
+                manifest = read_manifest(path)
+                verdict = [manifest.step, first_difference(
+                    manifest, state_shapes(model.state_dict()), optimizer)]
+                if verdict[1]:
+                    verdict[1] = f"{path} does not fit the model: {verdict[1]}"
+            except CheckpointError as exc:
+                verdict = [None, str(exc)]
+        dist.broadcast_object_list(verdict, src=0)
+        step, refused = verdict
+        if refused:
+            return CheckpointAnswer(None, refused)
+        if self.model is None:
+            self._hold(task, model)
+        load_state(self.model, self.opt, path)
+        self.step = step
+        return CheckpointAnswer(step)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -382,6 +509,8 @@ class ReplicaGroup:
     ranks: list = field(default_factory=list)
     backend: str | None = None
     broken: bool = False  # a call failed or timed out since start()
+    placement: Any = None  # the Ray placement group holding the ranks' bundles
+    step: int | None = None  # the next step the ranks train; None until train / load
 
     def _get(self, refs: list, what: str) -> list:
         """The results of one call per rank, in rank order, within ``timeout_s``. The first
@@ -411,15 +540,41 @@ class ReplicaGroup:
                                      f"{cause}") from None
         return [out[rank] for rank in range(len(refs))]
 
-    def start(self, **actor_options: Any) -> list[dict]:
-        """Start the ranks (extra Ray ``actor_options``, e.g. a scheduling strategy), meet at
-        rank 0's address and join the process group. Returns each rank's ``describe()``.
-        On failure the ranks started are killed and ``GroupError`` is raised."""
+    def _place(self) -> None:
+        """Reserve the ranks' bundles on one node (see module docstring), within
+        ``timeout_s``; ``GroupError`` naming the resources if that does not happen."""
+        from ray.util.placement_group import placement_group
+
         c = self.config
+        bundles = rank_bundles(c)
+        selector = [dict(c.node_labels) for _ in bundles] if c.node_labels else None
+        self.placement = placement_group(list(bundles), strategy="STRICT_PACK",
+                                         name=f"moshray-group-{c.name}-{uuid.uuid4().hex[:6]}",
+                                         bundle_label_selector=selector)
+        if not self.placement.wait(timeout_seconds=c.timeout_s):
+            nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+            raise GroupError(f"group {c.name}: not placed within {c.timeout_s:g} s: "
+                             f"{placement_shortfall(bundles, nodes, c.node_labels)}")
+
+    def start(self, **actor_options: Any) -> list[dict]:
+        """Place the ranks on one node (``_place``), start them (extra Ray
+        ``actor_options``; not a scheduling strategy, which is the placement group's), meet
+        at rank 0's address and join the process group. Returns each rank's ``describe()``.
+        On failure the ranks started are killed, the placement group removed and
+        ``GroupError`` is raised."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        c = self.config
+        if "scheduling_strategy" in actor_options:
+            raise ValueError("ReplicaGroup.start: the ranks go to the group's placement group; "
+                             "narrow the node with GroupConfig.node_labels instead")
         try:
-            self.ranks = [GroupRank.options(num_cpus=c.cpus_per_rank, num_gpus=c.gpus_per_rank,
-                                            **actor_options).remote(r, c)
-                          for r in range(c.world_size)]
+            self._place()
+            self.ranks = [GroupRank.options(
+                num_cpus=c.cpus_per_rank, num_gpus=c.gpus_per_rank,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement, placement_group_bundle_index=r),
+                **actor_options).remote(r, c) for r in range(c.world_size)]
             described = self._get([r.describe.remote() for r in self.ranks], "start")
             where = self._get([self.ranks[0].rendezvous.remote()], "rendezvous")[0]
             try:
@@ -438,20 +593,62 @@ class ReplicaGroup:
         return described
 
     def train(self, task: GroupTask) -> GroupReport:
-        """Train ``task`` on every rank; ``GroupError`` if a rank fails or times out."""
-        if not self.ranks:
-            raise GroupError(f"group {self.config.name}: train() before start()")
+        """Train ``task.steps`` steps on every rank, going on from the step the ranks hold
+        (see module docstring); ``GroupError`` if a rank fails or times out."""
+        self._started("train")
         reports = self._get([r.train.remote(task) for r in self.ranks], "train")
+        self.step = (self.step or 0) + task.steps
         return GroupReport(self.config.parallel, self.backend or "?", tuple(reports))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The unsharded parameters (CPU tensors by name), gathered on every rank; rank 0's."""
         return self._get([r.full_state.remote() for r in self.ranks], "full_state")[0]
 
+    def save_sharded(self, path: str) -> int:
+        """Save the model and optimizer state the ranks hold as a sharded checkpoint at
+        ``path`` (a directory that must not exist yet; every rank must reach it: the group
+        is on one node, else use a shared file system) and return the step it records.
+        Visible only when whole: written to ``<path>.partial-<nonce>`` and renamed by rank 0
+        once every shard and the manifest are on disk (group_checkpoint.py). Bounded by
+        ``timeout_s``; ``GroupError`` (one line) when ``path`` exists (nothing written, the
+        group sound) or a rank fails or times out (a ``.partial-*`` may stay behind)."""
+        self._started("save_sharded")
+        if self.step is None:
+            raise GroupError(f"group {self.config.name}: save_sharded() before train() or "
+                             f"load_sharded()")
+        staging = staging_path(path, uuid.uuid4().hex[:8])
+        answer = self._get([r.save_sharded.remote(staging, path) for r in self.ranks],
+                           "save_sharded")[0]
+        if answer.refused:
+            raise GroupError(f"group {self.config.name}: save_sharded: {answer.refused}")
+        log.info("group %s: step %d saved to %s (%d shards)", self.config.name, answer.step,
+                 path, self.config.world_size)
+        return answer.step
+
+    def load_sharded(self, path: str, task: GroupTask) -> int:
+        """Load the checkpoint at ``path`` (written by a group of any size and either
+        ``parallel``) into the ranks, resharded to this group, and return its step; the next
+        ``train`` goes on from it. Into the model the ranks hold, else one built from
+        ``task``. Bounded by ``timeout_s``. ``GroupError`` (one line) when ``path`` is no
+        whole checkpoint or its state does not fit the model (the first difference named;
+        nothing loaded, the group sound), or when a rank fails or times out."""
+        self._started("load_sharded")
+        answer = self._get([r.load_sharded.remote(path, task) for r in self.ranks],
+                           "load_sharded")[0]
+        if answer.refused:
+            raise GroupError(f"group {self.config.name}: load_sharded: {answer.refused}")
+        self.step = answer.step
+        return answer.step
+
+    def _started(self, what: str) -> None:
+        if not self.ranks:
+            raise GroupError(f"group {self.config.name}: {what}() before start()")
+
     def close(self) -> None:
         """Leave the process group and stop the ranks: politely (bounded) when the group is
         sound, by ``ray.kill`` at once when a call failed or timed out (a rank may be stuck
-        in a collective and would never take the call)."""
+        in a collective and would never take the call). Then remove the placement group.
+        Safe to call twice and after a failed ``start``."""
         ranks, self.ranks = self.ranks, []
         if ranks and not self.broken:
             try:
@@ -461,4 +658,13 @@ class ReplicaGroup:
                 log.warning("group %s: close: %s", self.config.name, type(exc).__name__)
         for r in ranks:
             ray.kill(r)
-        self.broken = False
+        placement, self.placement = self.placement, None
+        if placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(placement)
+            except ray.exceptions.RayError as exc:  # the driver lost the cluster: gone anyway
+                log.warning("group %s: remove placement group: %s", self.config.name,
+                            type(exc).__name__)
+        self.broken, self.step = False, None

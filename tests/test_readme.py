@@ -139,7 +139,7 @@ def test_report_renders_the_newest_result_of_each_bench(tmp_path: Path):
             "log": ["long", "list"]}, 1_790_000_000)
     template = tmp_path / "template.md"
     template.write_text("# Perf\n\n<!-- summary -->\n\n" + "".join(
-        f"## {h.bench}\n\n<!-- result:{h.bench} -->\n\nmethod of {h.bench}\n\n"
+        f"## {h.name}\n\n<!-- result:{h.name} -->\n\nmethod of {h.name}\n\n"
         for h in report.HEADLINES) + "## Others\n\n<!-- others -->\n")
     readme = tmp_path / "README.md"
     readme.write_text(f"# r\n{report.README_BEGIN}\nold\n{report.README_END}\ntail\n")
@@ -158,6 +158,9 @@ def test_report_renders_the_newest_result_of_each_bench(tmp_path: Path):
     assert "1 earlier result file(s)" in page
     assert "(../results/allreduce-20260922T141320Z.json)" in page
     assert "method of chaos" in page and "all held" in page
+    # a bench with a headline per setting: the separate-hosts one takes only its runs
+    netns = page.split("method of chaos\n")[1].split("method of chaos-netns")[0]
+    assert "No result file yet: run `moshray bench chaos --schedule long --hosts netns" in netns
     assert "No result file yet: run `moshray bench goodput" in page
     assert "(met)" in page
     others = page.split("## Others")[1]  # a bench without a section: its scalar figures

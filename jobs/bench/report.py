@@ -74,13 +74,26 @@ def _met(value: Any, target: float, *, at_most: bool = False) -> str:
 class Headline:
     """One headline benchmark: the command that measures it, a one-line summary of its
     figures for the README and the rows of its table in docs/performance.md. ``line`` and
-    ``rows`` take the result's ``figures`` and must tolerate missing keys (``-``)."""
+    ``rows`` take the result's ``figures`` and must tolerate missing keys (``-``). A bench
+    with several headlines (one per setting) names each (``key``: its template placeholder,
+    default ``bench``) and says which of its results are the headline's (``takes``: by the
+    command line that made it)."""
 
     bench: str
     title: str
     command: str
     line: Callable[[Mapping[str, Any]], str]
     rows: Callable[[Mapping[str, Any]], Rows]
+    key: str = ""
+    takes: Callable[[str], bool] = lambda command: True
+
+    @property
+    def name(self) -> str:
+        return self.key or self.bench
+
+    def runs(self, results: Mapping[str, Sequence["Result"]]) -> list:
+        """This headline's results, newest first."""
+        return [r for r in results.get(self.bench) or [] if self.takes(r.command)]
 
 
 def _allreduce_line(f: Mapping) -> str:
@@ -280,7 +293,11 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("moe", "a DMoE layer with remote experts against the same experts in-process",
              "moshray bench moe --json", _moe_line, _moe_rows),
     Headline("chaos", "a seeded storm of faults, invariants checked",
-             "moshray bench chaos", _chaos_line, _chaos_rows),
+             "moshray bench chaos --schedule long", _chaos_line, _chaos_rows,
+             takes=lambda command: "netns" not in command),
+    Headline("chaos", "the storm on separate hosts (partitions, slow links)",
+             "moshray bench chaos --schedule long --hosts netns", _chaos_line, _chaos_rows,
+             key="chaos-netns", takes=lambda command: "netns" in command),
     Headline("overlap", "overlapped averaging against synchronous steps",
              "moshray bench overlap --nodes 2 --seconds 90", _overlap_line, _overlap_rows),
 )
@@ -321,7 +338,7 @@ def render_summary(results: Mapping[str, Sequence[Result]],
     machine (cores and load average: figures of a loaded machine are slower)."""
     lines = ["| benchmark | latest figure | command | date | machine |", "|---|---|---|---|---|"]
     for h in HEADLINES:
-        runs = results.get(h.bench) or []
+        runs = h.runs(results)
         if runs:
             r = runs[0]
             lines.append(f"| {h.title} | {h.line(r.figures)} | `{r.command}` | {r.day} | "
@@ -386,7 +403,7 @@ def render_performance(template: str, results: Mapping[str, Sequence[Result]],
     ``link_base/<file>``, relative to the page); ReportError if the summary or any
     headline's placeholder is missing, or one names no headline."""
     names = [m.group(1) for m in _PLACEHOLDER.finditer(template)]
-    known = {h.bench for h in HEADLINES}
+    known = {h.name for h in HEADLINES}
     unknown = sorted(set(names) - known)
     missing = sorted(known - set(names))
     if unknown or missing or template.count(SUMMARY) != 1:
@@ -394,9 +411,9 @@ def render_performance(template: str, results: Mapping[str, Sequence[Result]],
             f"the template needs one {SUMMARY} line and one <!-- result:<bench> --> line per "
             f"headline benchmark; missing: {', '.join(missing) or '-'}, unknown: "
             f"{', '.join(unknown) or '-'}, summary lines: {template.count(SUMMARY)}")
-    by_name = {h.bench: h for h in HEADLINES}
+    by_name = {h.name: h for h in HEADLINES}
     body = _PLACEHOLDER.sub(
-        lambda m: render_section(by_name[m.group(1)], results.get(m.group(1)) or [],
+        lambda m: render_section(by_name[m.group(1)], by_name[m.group(1)].runs(results),
                                  results_dir, link_base), template)
     body = body.replace(SUMMARY, render_summary(results, results_dir))
     if OTHERS in body:

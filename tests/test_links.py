@@ -33,6 +33,7 @@ from moshray.jobs.bench.links import (
     loss_at,
     smoothed,
     steps_to_target,
+    swarm_model,
     time_to_target,
 )
 from moshray.jobs.local import links
@@ -108,10 +109,73 @@ def test_figures_compare_against_ddp() -> None:
     assert out["modes"]["diloco8"]["bytes_per_node_to_target"] == int(6e5 * 3 / 6)
     assert out["equal_time_s"] == 20.0  # the shortest run's end
     assert out["modes"]["ddp"]["loss_at_equal_time"] == 3.0
-    assert "streaming" in out["not_run"]
+    assert out["modes"]["diloco8"]["held_out_loss"] is None  # (no final evaluation)
     json.dumps(out)
     with pytest.raises(ValueError, match="DDP run recorded no step"):
         figures("slow", {"diloco8": fast}, (None,))
+
+
+def test_final_models_held_out_losses_are_reported_beside_the_training_curves_times() -> None:
+    # DDP's final model: 2.5 held out; diloco8's 2.4; the target stays DDP's training loss
+    ddp = Curve("ddp", _curve([4, 3.5, 3, 2.5, 2, 2, 2, 2], dt=10.0), 8e6, ((70.0, 2.5),))
+    fast = Curve("diloco8", _curve([4, 3, 2, 1.8, 1.7, 1.6], dt=5.0), 6e5, ((25.0, 2.4),))
+    lost = Curve("diloco_overlap", _curve([4, 3.5], dt=10.0), 1e6)  # final state not found
+    out = figures("slow", {"ddp": ddp, "diloco8": fast, "diloco_overlap": lost}, (5.0, 5.0),
+                  window=1)
+    assert out["target_loss"] == 2.0 and out["ddp_held_out_loss"] == 2.5
+    modes = out["modes"]
+    assert modes["ddp"]["time_to_target_s"] == 40.0 and modes["diloco8"]["time_to_target_s"] == 10.0
+    assert modes["diloco8"]["held_out_loss"] == 2.4
+    assert modes["diloco_overlap"]["held_out_loss"] is None
+    assert out["moshray_mode"] == "diloco8" and out["time_to_target_vs_ddp"] == 0.25
+    json.dumps(out)
+
+
+def test_the_swarm_model_of_a_diloco_checkpoint_is_its_anchor() -> None:
+    import torch
+
+    names = ["w", "b"]
+    state = {"model": {"w": torch.ones(2), "b": torch.zeros(1), "mask": torch.ones(3)},
+             "strategy": {"anchor": [torch.full((2,), 5.0), torch.full((1,), 6.0)]}}
+    model = swarm_model(state, names)
+    assert torch.equal(model["w"], torch.full((2,), 5.0)) and model["b"].item() == 6.0
+    assert torch.equal(model["mask"], torch.ones(3))  # (buffers as the checkpoint has them)
+    assert torch.equal(state["model"]["w"], torch.ones(2))  # (the state is left alone)
+    plain = {"model": {"w": torch.ones(2)}, "strategy": None}  # collaborative, plain local SGD
+    assert swarm_model(plain, ["w"]) == plain["model"]
+    with pytest.raises(ValueError, match="anchor has 2 tensors"):
+        swarm_model(state, ["w"])
+
+
+def test_each_run_gets_its_final_models_held_out_loss(tmp_path: Path) -> None:
+    """``with_held_out`` on real files: a DDP state file and a moshray checkpoint of the
+    short model, evaluated on a small corpus; a run whose final state is missing is named."""
+    import torch
+
+    from moshray.actors.replica.checkpoint import CheckpointStore
+    from moshray.jobs.bench.goodput_runs import held_out_loss
+    from moshray.jobs.bench.links import CHECKPOINT_RUN_ID, SHORT_MODEL, _config, with_held_out
+    from moshray.jobs.examples.lm.model import build_model
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(np.random.default_rng(0).integers(32, 127, 60_000, dtype=np.uint8)))
+    config = _config((*SHORT_MODEL, "cluster.max_nodes=2"))
+    model = build_model(config.model.to_model_config(), seed=0)
+    names = [n for n, _ in model.named_parameters()]
+    torch.save({"model": model.state_dict()}, tmp_path / "state.pt")
+    anchor = [p.detach() + 0.01 for p in model.parameters()]
+    CheckpointStore(str(tmp_path / "ckpt"), run_id=CHECKPOINT_RUN_ID).save(
+        {"model": model.state_dict(), "strategy": {"anchor": anchor}}, 3)
+    curves = {"ddp": Curve("ddp", _curve([4, 3])), "diloco8": Curve("diloco8", _curve([4, 2])),
+              "diloco4": Curve("diloco4", _curve([4, 2]))}
+    finals = {"ddp": str(tmp_path / "state.pt"), "diloco8": tmp_path / "ckpt",
+              "diloco4": tmp_path / "nothing-here"}
+    out, missing = with_held_out(curves, finals, config, [str(corpus)], names)
+    ddp_loss = held_out_loss(config, [str(corpus)], model.state_dict())
+    assert out["ddp"].held_out == ((1.0, ddp_loss),)
+    assert out["diloco8"].held_out[0][0] == 1.0
+    assert out["diloco8"].held_out[0][1] != ddp_loss  # (the anchor's, not the model's)
+    assert out["diloco4"].held_out == () and list(missing) == ["diloco4"]
 
 
 # ----------------------------------------------------------------------- auto mode

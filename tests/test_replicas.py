@@ -118,9 +118,14 @@ def test_nan_replica_is_rejected_and_counted_while_training_goes_on(local_cluste
     assert consistent(statuses)  # the bad replica resynced from a donor
 
 
-def test_local_sgd_with_outer_nesterov_keeps_replicas_identical(local_cluster):
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_local_sgd_with_outer_nesterov_keeps_replicas_identical(local_cluster, overlap):
+    """DiLoCo steps, and with ``overlap`` on Streaming DiLoCo's overlapped outer step (the
+    loop's inner steps go on while the outer gradient is averaged): every replica ends at
+    the same anchor."""
     config = small_config("--set", "training.mode=local_sgd",
-                          "--set", "training.outer_optimizer=nesterov")
+                          "--set", "training.outer_optimizer=nesterov",
+                          "--set", f"training.overlap={overlap}")
     swarm = Swarm(config, slots=[0, 1])
     try:
         swarm.wait_epoch(4, timeout=180)
@@ -139,8 +144,11 @@ def test_local_sgd_with_outer_nesterov_keeps_replicas_identical(local_cluster):
     # each replica's steps reached the Coordinator's profile, split into their phases
     assert profile["steps"] >= 4
     med = profile["median_s"]
-    assert med["round_s"] > 0 and med["compute_s"] > 0 and med["wall_s"] >= med["round_s"]
+    assert med["compute_s"] > 0 and med["wall_s"] >= med["round_s"]
+    # the loop waits for the round only without overlap (an overlapped round_s is 0)
+    assert (med["round_s"] > 0) == (overlap == "off")
     assert "reduce" in profile["round_phases_median_s"]
+    assert (profile["overlapped"] > 0) == (overlap == "on")  # steps averaged in the background
 
 
 def test_hard_killed_node_training_resumes_within_a_round_deadline(local_cluster):

@@ -285,12 +285,14 @@ class StepManager:
 
     async def loop_ended(self) -> None:
         """The training loop returned (or raised): apply an overlapped step still in
-        flight, put back the buffers as of the last step (``TrainState.step_buffers``),
-        serve what waits for a snapshot, and close the protocol."""
+        flight, put back the buffers as of the last step (``TrainState.step_buffers``) and
+        what the strategy holds as of it (``Strategy.settle``), serve what waits for a
+        snapshot, and close the protocol."""
         if self.state is not None:
             await self._finish_overlapped(wait=True)
             async with self.lock:
                 self.state.restore_step_buffers()
+                self.strategy.settle(self.state.model)
         if self.phase is not Phase.CLOSED:
             self.protocol.to(Phase.CLOSED)
         if self.state is not None:
@@ -422,7 +424,8 @@ class StepManager:
         self.phases.step_begins()
         async with self.lock:
             self.strategy.apply(s.model, s.optimizer, averaged, report.total_weight)
-            self._commit(pending.plan)
+            self._commit(pending.plan)  # (the digest: the step's state, the same everywhere)
+            self.strategy.resume(s.model)  # the loop's own progress since, back in
         self.protocol.to(Phase.TRAINING, f"step {pending.plan.epoch} applied")
         self._profiled = self.phases.step_ends(
             pending.plan.epoch, report.seconds, pending.tally.samples, pending.tally.micro,

@@ -11,7 +11,19 @@ applies. A new strategy is one ``Strategy`` subclass with ``@register``; the con
   Nesterov step on the averaged delta (``OuterNesterov``; with it the wire carries each
   replica's outer gradient ``anchor - params``, so an 8- or 4-bit codec quantises the small
   delta rather than the weights). The inner optimizers' state stays each replica's own
-  (as in DiLoCo); the outer optimizer's is shared.
+  (as in DiLoCo); the outer optimizer's is shared. With the outer step it can overlap
+  (``training.overlap = "on"``; ``auto`` leaves it off): Streaming DiLoCo's overlapped
+  outer step (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication"),
+  with the whole model as one fragment: round k's outer gradient travels while round
+  k+1's inner steps run; when the average arrives the anchor takes the outer Nesterov
+  step and the replica's parameters become ``new anchor + (p_now - p_sent)``, its own
+  progress since it sent kept as a delta on the new anchor (where the paper mixes the
+  local and the new global parameters, ``a * p_now + (1 - a) * new anchor``; with the
+  delta each inner step counts once, in the next round's outer gradient, and a round
+  whose replicas made no progress meanwhile is bitwise the non-overlapped one). The
+  step's digest is taken with the parameters at the new anchor (``resume`` puts the
+  progress back after the commit), so it covers what every replica of the step holds
+  equal, and the loop's end leaves every replica at the anchor (``settle``).
 
 Both average the model's floating-point buffers (BatchNorm running statistics, ...) in
 every global step, weighted like the rest of the contribution (DDP broadcasts them from
@@ -126,6 +138,7 @@ class Strategy(abc.ABC):
 
     name: ClassVar[str]
     can_overlap: ClassVar[bool] = False  # ``training.overlap`` may turn ``overlap`` on
+    overlap_auto: ClassVar[bool] = False  # ``overlap = "auto"`` turns it on on a GPU
     default_codec: ClassVar[str] = "none"  # the wire codec ``compression = "auto"`` means
     # The model moves between global steps (local optimizer steps): the step's digest, not
     # the current state's, identifies the step a replica holds.
@@ -138,6 +151,12 @@ class Strategy(abc.ABC):
     def from_config(cls, training, model, device=None) -> "Strategy":
         """The strategy for the config's ``training`` section, on ``device``."""
 
+    @classmethod
+    def overlap_refusal(cls, training) -> str | None:
+        """Why this strategy cannot overlap its steps with the other settings of
+        ``training`` (one line, for the config's error), or None. Pure."""
+        return None
+
     @abc.abstractmethod
     def after_backward(self, model, optimizer) -> None:
         """The local part of a micro-batch (loop thread, in the loop's ``opt.step()``): the
@@ -149,6 +168,15 @@ class Strategy(abc.ABC):
     def discard_pending(self) -> None:
         """Forget what was accumulated toward the next step (the state was replaced by a
         donor's or a checkpoint's)."""
+
+    def resume(self, model) -> None:
+        """After ``apply`` and the step's commit (its digest is taken in between): put back
+        into the model what the loop did while the step was averaged, if ``apply`` left it
+        out. Nothing here: ``apply`` leaves the model as it goes on."""
+
+    def settle(self, model) -> None:
+        """The loop ended (after its last step was applied): leave the model as every
+        replica of that step holds it. Nothing here: the model is that already."""
 
     @abc.abstractmethod
     def contribution(self, model, micro: int) -> list:
@@ -181,6 +209,7 @@ class Strategy(abc.ABC):
         averaged, report = await self.average(
             averager, self.contribution(model, micro), plan, samples, timeout_s)
         self.apply(model, optimizer, averaged, report.total_weight)
+        self.resume(model)  # (nothing moved meanwhile: the loop waited)
         return report
 
 
@@ -240,6 +269,7 @@ class Collaborative(Strategy):
 
     name = "collaborative"
     can_overlap = True
+    overlap_auto = True  # the same update, one step later: on wherever it pays
     default_codec = "fp16"  # gradients within the bound documented in codecs.py
 
     def __init__(self, grad_clip: float, overlap: bool = False, lr_scaling: str = "none",
@@ -345,20 +375,59 @@ class OuterNesterov:
 
 @register
 class LocalSGD(Strategy):
-    """Moshpit SGD / DiLoCo steps (see module docstring)."""
+    """Moshpit SGD / DiLoCo steps (see module docstring).
+
+    With ``overlap`` (only with the outer step: ``overlap_refusal``) a step has four
+    parts. ``contribution`` keeps a copy of the parameters it was taken from (``sent``)
+    and sends ``anchor - p_sent``; the loop goes on with local steps while the round runs.
+    ``apply`` computes the loop's progress since (``p_now - p_sent``, into ``sent``'s
+    storage), takes the outer step exactly as without overlap (the parameters end at the
+    new anchor, the same on every replica) and keeps the progress; the step manager
+    commits (the digest covers the parameters at the anchor, the averaged buffers and the
+    outer optimizer's state: all equal across the step's replicas); ``resume`` adds the
+    progress back: ``p = new anchor + (p_now - p_sent)``. The buffers take the average
+    sent (taken when the step began), as in ``Collaborative``. With no progress in between
+    the step is bitwise the non-overlapped one. ``settle`` (the loop's end) puts the last
+    anchor and its buffers back, dropping the local steps no round averaged, so every
+    replica ends with the same model. Memory: one more copy of the parameters (``sent``)
+    and of the floating-point buffers. ``ValueError`` for ``overlap`` without ``outer``
+    (the config refuses that first)."""
 
     name = "local_sgd"
     local_updates = True
+    can_overlap = True  # with the outer step (``overlap_refusal``); ``auto`` leaves it off:
+    # the overlapped outer step changes the optimisation (one round of staleness)
 
-    def __init__(self, grad_clip: float, outer: OuterNesterov | None = None):
+    def __init__(self, grad_clip: float, outer: OuterNesterov | None = None,
+                 overlap: bool = False):
+        if overlap and outer is None:
+            raise ValueError("an overlapped local_sgd step needs the outer optimizer: "
+                             "its anchor is what every replica merges its progress onto")
         self.grad_clip = grad_clip
         self.outer_state = outer
+        self.overlap = overlap
+        self.sent: list | None = None  # overlap: the parameters the contribution was taken from
+        self.progress: list | None = None  # overlap: p_now - p_sent, from apply to resume
+        self.step_buffers: list | None = None  # overlap: the buffers as of the last step
 
     @classmethod
     def from_config(cls, training, model, device=None) -> "LocalSGD":
+        import torch
+
         outer = (OuterNesterov(model, training.outer_lr, training.outer_momentum)
                  if training.outer_optimizer == "nesterov" else None)
-        return cls(training.grad_clip, outer)
+        cuda = device is not None and torch.device(device).type == "cuda"
+        return cls(training.grad_clip, outer, training.overlaps(cuda))
+
+    @classmethod
+    def overlap_refusal(cls, training) -> str | None:
+        """Overlap needs the outer step: its anchor, the same on every replica, is what each
+        replica's own progress is merged onto (a plain average has none)."""
+        if training.outer_optimizer != "nesterov":
+            return ("overlaps local_sgd steps only with the outer step (its anchor is what "
+                    "each replica merges its progress onto): set training.outer_optimizer = "
+                    "\"nesterov\" or overlap = \"off\"")
+        return None
 
     def after_backward(self, model, optimizer) -> None:
         """One local optimizer step with the micro-batch's gradient (clipped to
@@ -366,6 +435,11 @@ class LocalSGD(Strategy):
         clip(model, self.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    def discard_pending(self) -> None:
+        """Drop the round in flight (its progress, the buffers of the step before): the
+        state was replaced."""
+        self.sent = self.progress = self.step_buffers = None
 
     def shared_optimizers(self, optimizer) -> tuple:
         """Only the outer optimizer: the inner ones step on each replica's own batches."""
@@ -375,17 +449,30 @@ class LocalSGD(Strategy):
         """The parameters, or with the outer step DiLoCo's outer gradient ``anchor - p``
         (the anchor is the same on every replica, so averaging it is averaging the
         parameters; a lossy wire codec then quantises small deltas, not whole weights),
-        then the floating-point buffers."""
+        then the floating-point buffers. With ``overlap`` the tensors are copies (the loop
+        moves the model while they are averaged) and ``p`` is kept as ``sent``."""
         params = [p.detach() for p in model.parameters()]
+        buffers = averaged_buffers(model)
+        if self.overlap:
+            self.sent = [p.clone() for p in params]
+            buffers = [b.detach().clone() for b in buffers]
         if self.outer_state is not None:
             params = [a - p for a, p in zip(self.outer_state.anchor, params)]
-        return [t.detach() for t in params + averaged_buffers(model)]
+        return [t.detach() for t in params + buffers]
 
     def apply(self, model, optimizer, averaged: list, total_weight: float) -> None:
+        """The average into the model: without the outer step the parameters become the
+        averaged ones; with it the anchor takes the outer step on the averaged delta and
+        the parameters become the new anchor. With ``overlap`` the loop's progress since
+        ``contribution`` is kept for ``resume`` (none if the round was dropped:
+        ``discard_pending``)."""
         import torch
 
         params = list(model.parameters())
         with torch.no_grad():
+            if self.overlap and self.sent is not None:  # p_now - p_sent, in sent's storage
+                self.progress = [torch.sub(p, s, out=s) for p, s in zip(params, self.sent)]
+            self.sent = None
             if self.outer_state is None:
                 for p, a in zip(params, averaged):
                     p.copy_(a)
@@ -394,3 +481,30 @@ class LocalSGD(Strategy):
                     p.copy_(anchor - delta)
                 self.outer_state.step(params)
         load_buffers(model, averaged[len(params):])
+        if self.overlap:
+            self.step_buffers = [b.detach().clone() for b in averaged_buffers(model)]
+
+    def resume(self, model) -> None:
+        """``p = new anchor + (p_now - p_sent)``: the progress ``apply`` kept, added back."""
+        import torch
+
+        progress, self.progress = self.progress, None
+        if progress is None:
+            return
+        with torch.no_grad():
+            for p, d in zip(model.parameters(), progress):
+                p.add_(d)
+
+    def settle(self, model) -> None:
+        """With ``overlap``: the parameters and buffers as of the last step (the anchor, the
+        step's averaged buffers); the local steps since, never averaged, are dropped."""
+        import torch
+
+        if not self.overlap:
+            return
+        self.sent = self.progress = None
+        with torch.no_grad():
+            for p, anchor in zip(model.parameters(), self.outer_state.anchor):
+                p.copy_(anchor)
+        if self.step_buffers is not None:
+            load_buffers(model, self.step_buffers)

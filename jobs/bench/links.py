@@ -16,21 +16,40 @@ the same wall time, each as a driver process of its own:
 - ``diloco8`` / ``diloco4``: local SGD with DiLoCo's outer Nesterov step every
   ``--local-steps`` inner steps, outer gradients (the averaged parameter delta) in
   ``blockwise8`` / ``blockwise4``;
+- ``diloco_overlap`` (only when ``--systems`` names it: one more run of ``--seconds``
+  plus its start-up, a fifth of the bench again): ``diloco8`` with ``training.overlap =
+  "on"``, Streaming DiLoCo's overlapped outer step (round k's outer gradient travels while
+  round k+1's inner steps run; ``LocalSGD`` in ``actors/replica/strategies.py``);
 - ``auto`` (only when ``--systems`` names it): ``training.mode = "auto"``, which measures
   the links at start-up and prints its choice in the run's ``driver.log``.
 
-Not built: an overlapped / streaming DiLoCo variant (the outer average of round k
-travelling while round k+1's inner steps run); the JSON says so (``not_run``).
+The JSON's ``not_run`` names the systems this bench can run that ``--systems`` left out.
 
 Figures (pure functions below, tested with plain data): each run's loss curve is the mean
 training loss of each step's samples against seconds since its first step (start-up, which
-differs between the systems, is left out), smoothed over ``SMOOTH`` steps. The target is
-DDP's final smoothed loss; a run's ``time_to_target_s`` is when its smoothed curve first
-reaches it (None: never within the run). ``loss_at_equal_time`` compares every run at the
-shortest run's last time. Bytes sent per node are read from the host side of each node's
-link (``/sys/class/net/<veth>/statistics/rx_bytes``: everything the node sent, Ray's own
-traffic included) over the run, and prorated to the target by steps. Held-out loss is not
-measured here (the curves are training losses on each step's fresh batches).
+differs between the systems, is left out), smoothed over ``SMOOTH`` steps; its held-out
+points are ``(t_s, loss)`` evaluations of one fixed set of held-out batches
+(``goodput_runs.held_out_loss``: ``EVAL_BATCH_PER_SHARD`` windows from the held-out 5% at
+the end of each of the corpus's ``--nodes`` regions, which no training batch of either
+system draws from). This bench evaluates each run's final model only, once the runs are
+over, so a run has at most one held-out point, at its last step's time: DDP's model from
+the checkpoint Ray Train reports at its stop; a moshray run's from the checkpoint its
+driver writes after its replicas finished, where the model is the parameters every
+replica of the last global step holds (for DiLoCo the outer anchor the checkpoint
+carries, not one replica's local steps since).
+
+The target is DDP's final smoothed training loss. In a run this short no batch is seen
+twice, so each step's training loss is measured on data the model has not yet trained on:
+a held-out estimate at every step, which is what gives times to the target their
+resolution (a final-model evaluation can only say whether a run got there by its end). A
+run's ``time_to_target_s`` is when its smoothed curve first reaches the target (None: never
+within the run). For DiLoCo the curve is each replica's loss between outer steps, not the
+averaged model's, so the final models' ``held_out_loss`` (each run's, and DDP's in
+``ddp_held_out_loss``) checks that a mode's lower training loss is a better model.
+``loss_at_equal_time`` compares every run's smoothed training loss at the shortest run's
+last time. Bytes sent per node are read from the host side of each node's link
+(``/sys/class/net/<veth>/statistics/rx_bytes``: everything the node sent, Ray's own
+traffic included) over the run, and prorated to the target by the steps up to it.
 
 Prints one JSON line (``--json``; else a short table and the JSON) and writes
 ``links-<profile>.png`` (loss against wall time, one line per run) and
@@ -55,12 +74,14 @@ from pathlib import Path
 from typing import Sequence
 
 SMOOTH = 5  # steps in the moving mean of a loss curve
+CHECKPOINT_RUN_ID = "links"  # a moshray run's checkpoints: <run>/checkpoints/links/
 STARTUP_S = 240.0  # a driver's start-up bound (Ray Train's worker group takes 25-50 s here)
 FINISH_S = 120.0
 MOSHRAY_STARTUP_S = 20.0  # added to a moshray run's max_seconds for its replicas' start-up
 SYSTEMS = ("ddp", "collaborative", "diloco8", "diloco4")
-OPTIONAL = ("auto",)  # training.mode = "auto" (its choice printed in its driver.log)
-NOT_RUN = {"streaming": "not built: the overlapped / streaming DiLoCo variant"}
+# run only when --systems names them: diloco_overlap costs a whole run more; auto's
+# training.mode = "auto" prints its choice in its driver.log
+OPTIONAL = ("diloco_overlap", "auto")
 SHORT_MODEL = (
     "model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=2",
     "model.seq_len=64", "training.batch_size=8", "training.target_batch_size=32",
@@ -82,12 +103,15 @@ class LinksBenchError(RuntimeError):
 
 @dataclass(frozen=True)
 class Curve:
-    """One run's loss against seconds since its first step (``points``: ``(t_s, loss)``,
-    in time order), its steps and the bytes each node sent during the run."""
+    """One run's training loss against seconds since its first step (``points``: ``(t_s,
+    loss)`` per step, in time order), the bytes each node sent during the run, and its
+    ``held_out`` evaluations (``(t_s, loss)`` on the fixed held-out batches, in time order;
+    empty where none was made)."""
 
     name: str
     points: tuple[tuple[float, float], ...]
     bytes_per_node: float = 0.0
+    held_out: tuple[tuple[float, float], ...] = ()
 
 
 def smoothed(points: Sequence[tuple[float, float]], window: int = SMOOTH
@@ -144,10 +168,12 @@ def final_loss(points: Sequence[tuple[float, float]], window: int = SMOOTH) -> f
 def figures(profile: str, curves: dict[str, Curve], rates: Sequence[float | None],
             window: int = SMOOTH) -> dict:
     """The bench's JSON object from its runs' curves (``curves["ddp"]`` required): the
-    target (DDP's final smoothed loss), each run's time and bytes to it, loss at the
+    target (DDP's final smoothed training loss; see the module docstring), each run's time
+    and bytes to it, its final model's held-out loss (None without one), loss at the
     shortest run's end, the best moshray mode and its time over DDP's (lower is better;
-    None where DDP or every moshray mode missed the target). ``ValueError`` without a DDP
-    curve with points."""
+    None where DDP or every moshray mode missed the target; with no mode reaching it the
+    best is the lowest loss at equal time). ``ValueError`` without a DDP curve with
+    points."""
     ddp = curves.get("ddp")
     if ddp is None or not ddp.points:
         raise ValueError("the DDP run recorded no step: no target to measure against")
@@ -165,6 +191,7 @@ def figures(profile: str, curves: dict[str, Curve], rates: Sequence[float | None
             "steps": len(c.points),
             "wall_s": round(c.points[-1][0], 2) if c.points else 0.0,
             "final_loss": None if not c.points else _round(final_loss(c.points, window)),
+            "held_out_loss": _round(c.held_out[-1][1]) if c.held_out else None,
             "loss_at_equal_time": (None if not c.points else
                                    _round(loss_at(c.points, equal_t, window))),
         }
@@ -179,13 +206,31 @@ def figures(profile: str, curves: dict[str, Curve], rates: Sequence[float | None
     best_t = reached.get(best) if best is not None else None
     return {
         "profile": profile, "link_mbit": list(rates), "target_loss": round(target, 4),
+        "ddp_held_out_loss": modes["ddp"]["held_out_loss"],
         "equal_time_s": round(equal_t, 2),
         "ddp_time_to_target_s": ddp_t, "moshray_time_to_target_s": best_t,
         "moshray_mode": best,
         "time_to_target_vs_ddp": (None if best_t is None or not ddp_t else
                                   round(best_t / ddp_t, 3)),
-        "modes": modes, "not_run": dict(NOT_RUN),
+        "modes": modes,
     }
+
+
+def swarm_model(state: dict, names: Sequence[str]) -> dict:
+    """The model state every replica of a moshray checkpoint's last step holds: its
+    ``model``, with the parameters (``names``: the model's ``named_parameters`` order, the
+    order the outer anchor is kept in) replaced by the DiLoCo anchor where the checkpoint
+    carries one (``state["strategy"]["anchor"]``; a replica's own parameters may have
+    moved on by local steps since). Pure; ``ValueError`` for an anchor of another length."""
+    model = dict(state["model"])
+    anchor = (state.get("strategy") or {}).get("anchor")
+    if anchor is None:
+        return model
+    if len(anchor) != len(names):
+        raise ValueError(f"the checkpoint's anchor has {len(anchor)} tensors, the model "
+                         f"{len(names)} parameters")
+    model.update(zip(names, anchor))
+    return model
 
 
 def _round(value: float | None) -> float | None:
@@ -289,9 +334,10 @@ def _relative(points: list[tuple[float, float]]) -> tuple[tuple[float, float], .
 
 
 def run_ddp(cluster, sets: Sequence[str], nodes: int, seconds: float, run_dir: Path,
-            counter: LinkBytes) -> Curve:
+            counter: LinkBytes) -> tuple[Curve, str | None]:
     """Ray Train DDP on the cluster's spot nodes for ``seconds`` after its worker group's
-    first step (``--steady-seconds``: its start-up is not part of the window)."""
+    first step (``--steady-seconds``: its start-up is not part of the window); returns its
+    curve and the state file of the checkpoint it reported at its stop (None if none)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "moshray.jobs.bench.raytrain_baseline",
             "--address", cluster.address, "--duration", str(seconds + STARTUP_S),
@@ -315,21 +361,26 @@ def run_ddp(cluster, sets: Sequence[str], nodes: int, seconds: float, run_dir: P
                               f"see {run_dir / 'driver.log'}")
     steps = summary["records"]["steps"]  # [unix, step, samples, loss, world]
     points = [(float(s[0]), float(s[3])) for s in steps if s[3] is not None]
-    return Curve("ddp", _relative(points), sum(sent) / len(sent))
+    return Curve("ddp", _relative(points), sum(sent) / len(sent)), summary.get("checkpoint")
 
 
 def run_moshray(name: str, cluster, sets: Sequence[str], extra: Sequence[str], nodes: int,
-                seconds: float, run_dir: Path, counter: LinkBytes) -> Curve:
+                seconds: float, run_dir: Path, counter: LinkBytes) -> tuple[Curve, Path]:
     """moshray's job (``moshray.jobs.train``) on the cluster for ``seconds`` plus
     ``MOSHRAY_STARTUP_S`` (its replicas' start-up, 10-25 s here, is inside its
-    ``max_seconds``)."""
+    ``max_seconds``); returns its curve and its checkpoint location. The job writes one
+    checkpoint, after its replicas finished (``every_steps`` beyond reach: none during the
+    timed window), for the held-out loss of its final model (``final_moshray_model``)."""
     from moshray.jobs.local.cluster import free_ports
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints = run_dir / "checkpoints"
     argv = [sys.executable, "-m", "moshray.jobs.train", "--json", "--trace", "off",
             "--max-seconds", str(seconds + MOSHRAY_STARTUP_S), "--metrics-port", str(free_ports(1)[0]),
             "--max-nodes", str(nodes), "--set", f"run_dir={run_dir / 'run'}",
-            "--set", "checkpoint.optional=true",
+            "--set", "checkpoint.optional=true", "--set", f"checkpoint.uri={checkpoints}",
+            "--set", f"checkpoint.run_id={CHECKPOINT_RUN_ID}",
+            "--set", f"checkpoint.every_steps={10**9}",
             *[a for s in (*sets, *extra) for a in ("--set", s)]]
     before = counter.read()
     status = _run_bounded(argv, _driver_env(cluster, run_dir / "home"), run_dir / "driver.log",
@@ -342,7 +393,45 @@ def run_moshray(name: str, cluster, sets: Sequence[str], extra: Sequence[str], n
         raise LinksBenchError(f"{name}: the job exited {status} without {saved}; see "
                               f"{run_dir / 'driver.log'}") from None
     points = [(float(h[1]), float(h[3])) for h in history if h[3] is not None]
-    return Curve(name, _relative(points), sum(sent) / len(sent))
+    return Curve(name, _relative(points), sum(sent) / len(sent)), checkpoints
+
+
+def final_moshray_model(checkpoints: Path, names: Sequence[str]) -> dict | None:
+    """The model state of the newest checkpoint under ``checkpoints`` as every replica of
+    its last step holds it (``swarm_model``), or None if there is none."""
+    from moshray.actors.replica.checkpoint import CheckpointStore
+
+    found = CheckpointStore(str(checkpoints), run_id=CHECKPOINT_RUN_ID).load_latest()
+    return None if found is None else swarm_model(found[1], names)
+
+
+def with_held_out(curves: dict[str, Curve], finals: dict, config, files: Sequence[str],
+                  names: Sequence[str]) -> tuple[dict[str, Curve], dict[str, str]]:
+    """Each curve with its final model's held-out loss as its one held-out point, at its
+    last step's time (``finals``: name -> DDP's state file or a moshray checkpoint
+    location); and, per run whose final model could not be evaluated, why (one line: the
+    run's figures then go without it)."""
+    from dataclasses import replace
+
+    from moshray.jobs.bench.goodput_runs import held_out_loss, raytrain_final_state
+
+    out, missing = dict(curves), {}
+    for name, curve in curves.items():
+        if not curve.points:  # (no step: nothing to place a point at)
+            continue
+        where = finals.get(name)
+        try:
+            state = (raytrain_final_state(where) if name == "ddp" else
+                     final_moshray_model(where, names) if where is not None else None)
+            loss = held_out_loss(config, files, state)
+        except (OSError, RuntimeError, ValueError, KeyError) as exc:
+            missing[name] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            continue
+        if loss is None:
+            missing[name] = f"no final state found ({where})"
+        else:
+            out[name] = replace(curve, held_out=((curve.points[-1][0], loss),))
+    return out, missing
 
 
 def mode_settings(local_steps: int) -> dict[str, tuple[str, ...]]:
@@ -352,6 +441,8 @@ def mode_settings(local_steps: int) -> dict[str, tuple[str, ...]]:
     return {"collaborative": ("training.mode=collaborative", "training.compression=fp16"),
             "diloco8": (*diloco, "training.compression=blockwise8"),
             "diloco4": (*diloco, "training.compression=blockwise4"),
+            "diloco_overlap": (*diloco, "training.compression=blockwise8",
+                               "training.overlap=on"),
             "auto": ("training.mode=auto",)}
 
 
@@ -367,15 +458,20 @@ def plot(path: Path, result: dict, curves: dict[str, Curve]) -> Path:
     ax = fig.subplots()
     for name, c in curves.items():
         pts = smoothed(c.points)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], linewidth=1.2, label=name)
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], linewidth=1.2, label=name)
+        if c.held_out:  # the final model's held-out loss: a marker in the run's colour
+            ax.plot([p[0] for p in c.held_out], [p[1] for p in c.held_out], marker="o",
+                    linestyle="none", color=line.get_color())
     finite = [p[1] for c in curves.values() for p in smoothed(c.points) if math.isfinite(p[1])]
     ddp_start = smoothed(curves["ddp"].points)[0][1] if curves["ddp"].points else None
     if finite and ddp_start is not None:  # a diverging run leaves the frame, not the scale
         ax.set_ylim(min(finite) - 0.1, max(ddp_start, result["target_loss"]) + 0.5)
+    held_out = any(c.held_out for c in curves.values())
     ax.axhline(result["target_loss"], color="grey", linestyle="--", linewidth=0.8,
                label="target (DDP's final loss)")
     ax.set_xlabel("wall seconds since the first step")
-    ax.set_ylabel(f"training loss (mean of {SMOOTH} steps)")
+    ax.set_ylabel(f"training loss (mean of {SMOOTH} steps)"
+                  + ("; dots: final model's held-out loss" if held_out else ""))
     ax.set_title(f"links: {result['profile']} ({result['link_mbit']} Mbit/s)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
@@ -404,6 +500,7 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
     print(choice.line, file=sys.stderr, flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     curves: dict[str, Curve] = {}
+    finals: dict = {}  # where each run's final model is (a state file, a checkpoint dir)
     failed: dict[str, str] = {}  # a moshray mode that failed: its one line (DDP's is fatal)
     settings = mode_settings(local_steps)
     cluster = LocalCluster(LocalClusterConfig(spot_nodes=nodes, hosts="netns",
@@ -416,11 +513,13 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
         for name in systems:
             started = time.monotonic()
             if name == "ddp":
-                curves[name] = run_ddp(cluster, sets, nodes, seconds, out_dir / name, counter)
+                curves[name], finals[name] = run_ddp(cluster, sets, nodes, seconds,
+                                                     out_dir / name, counter)
             else:
                 try:
-                    curves[name] = run_moshray(name, cluster, sets, settings[name], nodes,
-                                               seconds, out_dir / name, counter)
+                    curves[name], finals[name] = run_moshray(
+                        name, cluster, sets, settings[name], nodes, seconds, out_dir / name,
+                        counter)
                 except LinksBenchError as exc:
                     failed[name] = str(exc)
                     print(f"bench links: {exc}", file=sys.stderr, flush=True)
@@ -429,15 +528,39 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
                   f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     finally:
         cluster.shutdown()
+    curves, held_out_missing = with_held_out(curves, finals, *_held_out_inputs(
+        sets, nodes, out_dir / "ddp" / "home"))
+    for name, why in held_out_missing.items():
+        print(f"bench links: {name}: no held-out loss ({why})", file=sys.stderr, flush=True)
     result = figures(profile.name, curves, rates)
-    result.update(failed=failed, nodes=nodes, seconds_per_run=seconds, short=short, local_steps=local_steps,
+    result.update(failed=failed, held_out_missing=held_out_missing,
+                  not_run={n: "not named by --systems" for n in SYSTEMS + OPTIONAL
+                           if n not in systems},
+                  nodes=nodes, seconds_per_run=seconds, short=short, local_steps=local_steps,
                   gradient_bytes_fp16=wire_bytes, step_compute_s=round(compute_s, 4),
                   auto_choice={"mode": choice.mode, "local_steps": choice.local_steps,
                                "reason": choice.reason})
     result["plot"] = str(plot(out_dir / f"links-{profile.name}.png", result, curves))
     (out_dir / f"links-{profile.name}.json").write_text(json.dumps(
-        {**result, "curves": {n: c.points for n, c in curves.items()}}))
+        {**result, "curves": {n: c.points for n, c in curves.items()},
+         "held_out": {n: c.held_out for n, c in curves.items()}}))
     return result
+
+
+def _held_out_inputs(sets: Sequence[str], nodes: int, home: Path) -> tuple:
+    """(config, files, parameter names) for ``with_held_out``: the runs' model and
+    ``cluster.max_nodes`` (the corpus's regions, whose held-out ends are evaluated), and
+    the corpus the DDP driver trained on (built under its ``HOME``)."""
+    from moshray.jobs.examples.lm.corpus import resolve_data
+    from moshray.jobs.examples.lm.model import build_model
+
+    config = _config((*sets, f"cluster.max_nodes={nodes}"))
+    cache = config.data.cache_dir
+    cache = str(home / cache[2:]) if cache.startswith("~/") else os.path.expanduser(cache)
+    files = resolve_data(list(config.data.paths) or None, cache)
+    names = [n for n, _ in build_model(config.model.to_model_config(), seed=0)
+             .named_parameters()]
+    return config, files, names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -454,7 +577,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a tiny model and 2 nodes unless --nodes: a few minutes")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help=f"comma-separated, of {','.join(SYSTEMS + OPTIONAL)} (ddp "
-                             f"required; default: all but auto)")
+                             f"required; default: all but {' and '.join(OPTIONAL)}, each "
+                             f"one more run of --seconds)")
     parser.add_argument("--out", default="bench-links", help="directory for the PNG and JSON")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
 
@@ -483,9 +607,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"bench links: {exc}", file=sys.stderr)
         return 1
     if not args.json:
+        print(f"target: DDP's final training loss {result['target_loss']} (held out: "
+              f"{result['ddp_held_out_loss']})")
         for name, m in result["modes"].items():
             print(f"{name:>14}: to target {m['time_to_target_s']} s, "
-                  f"{m['bytes_per_node_to_target']} B/node to target, loss at "
-                  f"{result['equal_time_s']} s {m['loss_at_equal_time']}")
+                  f"{m['bytes_per_node_to_target']} B/node to target, held-out "
+                  f"{m['held_out_loss']}, training loss at {result['equal_time_s']} s "
+                  f"{m['loss_at_equal_time']}")
     print(json.dumps(result), flush=True)
     return 0

@@ -145,7 +145,11 @@ class TrainingSection(_Section):
     planned without it. ``overlap`` (collaborative mode): average step k's gradients while
     the replica accumulates step k+1's (one step of delay); ``auto`` turns it on for
     replicas that train on a GPU (where compute and the averaging's CPU work do not compete)
-    and off on CPUs (see ``overlaps``). ``min_part``: fewest values a part owner of an
+    and off on CPUs (see ``overlaps``). ``overlap = "on"`` with ``local_sgd`` and
+    ``outer_optimizer = "nesterov"``: Streaming DiLoCo's overlapped outer step (round k's
+    outer gradient travels while round k+1's inner steps run; see ``LocalSGD`` in
+    ``actors/replica/strategies.py``); without the outer step it is refused, and ``auto``
+    leaves it off. ``min_part``: fewest values a part owner of an
     averaging group gets (``RoundPlan.min_part``; default 262144: a small model's tensor has
     one owner, fewer transfers per round; owners take turns step by step, see
     ``partition.owner_shares``); 1: every member owns a part. ``lr_scaling`` (collaborative
@@ -248,11 +252,14 @@ class TrainingSection(_Section):
     """Checkpoint saves that may fail in a row before the job ends."""
 
     def overlaps(self, cuda: bool) -> bool:
-        """Whether a replica (on CUDA if ``cuda``) overlaps its averaging (only a strategy
-        that can: ``Strategy.can_overlap``)."""
-        if not strategy_class(self.mode).can_overlap or self.overlap == "off":
+        """Whether a replica (on CUDA if ``cuda``) overlaps its averaging: only a strategy
+        that can (``Strategy.can_overlap``) with these settings (``overlap_refusal``);
+        ``auto`` only where the strategy says so (``Strategy.overlap_auto``: collaborative
+        steps, not local_sgd's outer step, whose overlap changes the optimisation)."""
+        cls = strategy_class(self.mode)
+        if not cls.can_overlap or self.overlap == "off" or cls.overlap_refusal(self):
             return False
-        return self.overlap == "on" or cuda
+        return self.overlap == "on" or (cuda and cls.overlap_auto)
 
     @property
     def wire_codec(self) -> str:
@@ -275,6 +282,9 @@ class TrainingSection(_Section):
         _check(not (self.overlap == "on" and self.mode not in overlapping),
                self._path("overlap"), f"overlaps {' or '.join(overlapping)} steps only: set "
                f"training.mode = \"{overlapping[0]}\" or overlap = \"off\"", self.overlap)
+        if self.overlap == "on" and self.mode in overlapping:
+            refusal = strategy_class(self.mode).overlap_refusal(self)
+            _check(refusal is None, self._path("overlap"), str(refusal), self.overlap)
         for name in ("target_batch_size", "batch_size", "local_steps"):
             _positive_int(self._path(name), getattr(self, name))
         for name in ("lr", "outer_lr", "round_timeout_s", "deadline_floor_s"):

@@ -1,9 +1,9 @@
 """A replica group: one model replica made of N Ray actors joined in a ``torch.distributed``
 process group, the model sharded inside by FSDP2 or replicated by DDP (issue 47, item 1).
 
-This is the first, standalone piece of replica groups: a group that starts, trains a task for
-K steps and reports; it is not yet a peer of the swarm (no Coordinator, no averaging across
-groups). One rank per GPU (one per rank on CPU)::
+A group starts, trains a task for K steps and reports; groups also train together, averaged
+by shard, and a group joins by shard from a donor (item 2, below), but not yet as peers of the
+swarm (no Coordinator, no elastic controller). One rank per GPU (one per rank on CPU)::
 
     group = ReplicaGroup(GroupConfig(world_size=2, parallel="fsdp"))
     group.start()                      # actors placed, process group joined (bounded)
@@ -14,6 +14,19 @@ groups). One rank per GPU (one per rank on CPU)::
 
     other = ReplicaGroup(GroupConfig(world_size=3)); other.start()
     step = other.load_sharded(path, task)  # resharded from 2 ranks to 3; train() goes on
+
+    a, b, c = (ReplicaGroup(GroupConfig(name=n)) for n in "abc")   # each then start()ed
+    steps = train_together([a, b], task, 2)  # rank r of a averages its shard with b's rank r
+    c.join_from(a, task)                     # rank r copies a's rank r shard state
+    train_together([a, b, c], task, 1)       # all three bitwise equal after each step
+
+Averaging by shard (issue 47, item 2; group_averaging.py has the protocol and its pure
+parts): each rank hosts an ``Averager``, the swarm's Moshpit peer ``"<name>/r<rank>"``, and
+takes its transport calls; ``train_together`` runs each step's gradient phase and then its
+average-and-apply phase on every rank of every group, rank ``r`` averaging its local shard
+of the gradients with rank ``r`` of the other groups over ``rank_plan(epoch, groups, r)``; a
+group applies a step only if all its ranks got the whole plan's average (a vote). How a rank
+keeps its compute and the averaging apart: the threading rule in ``GroupRank``.
 
 Placement (issue 47, item 4): ``start`` reserves one bundle per rank (its CPU/GPU request,
 ``rank_bundles``) in a Ray placement group with ``STRICT_PACK``: every rank on one node, so
@@ -42,13 +55,15 @@ trains the batches s, s+1, ... and equals one process that never stopped.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -57,6 +72,18 @@ import ray
 import torch
 import torch.distributed as dist
 
+import moshray.cluster.collective.inline as inline
+from moshray.cluster.collective.averager import (
+    FINAL_FRACTION, Averager, AveragingError, flatten, unflatten,
+)
+from moshray.cluster.messages import Contribution, PartResult, RoundPlan
+
+from moshray.actors.replica.group_averaging import (
+    BatchPart, GradReport, GroupPeers, JoinAnswer, RankStep, ShardHandoff, StepTogether,
+    averaged_tensors, fill_local_state, incomplete, layout_difference, local_part,
+    local_state, rank_peer_id, rank_plan, rank_rows, shard_layout, state_digest,
+    write_averaged,
+)
 from moshray.actors.replica.group_checkpoint import (
     CheckpointAnswer, CheckpointError, CheckpointManifest, first_difference, load_state,
     read_manifest, save_state, staging_path, state_shapes,
@@ -97,6 +124,11 @@ class GroupConfig:
     timeout_s: float = 120.0
     name: str = "group"
     node_labels: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
+    # Averaging with other groups (group_averaging.py): the longest one Moshpit round waits
+    # (None: timeout_s / 2, so the round, its result fetch and the vote fit in the driver's
+    # wait), and the job's key its ranks' averagers sign and check with (None: unsigned).
+    round_timeout_s: float | None = None
+    job_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         labels = self.node_labels.items() if isinstance(self.node_labels, Mapping) \
@@ -123,6 +155,20 @@ class GroupConfig:
                              "(its placement bundle cannot be empty)")
         if not self.timeout_s > 0:
             raise ValueError(f"GroupConfig.timeout_s: must be > 0, got {self.timeout_s!r}")
+        if self.round_timeout_s is not None and not (
+                0 < FINAL_FRACTION * self.round_timeout_s < self.timeout_s):
+            raise ValueError(f"GroupConfig.round_timeout_s: must be > 0 and below timeout_s / "
+                             f"{FINAL_FRACTION:g} (a round may run that much longer), got "
+                             f"{self.round_timeout_s!r}")
+        if "/" in self.name or not self.name:
+            raise ValueError(f"GroupConfig.name: must be non-empty without '/' (its ranks "
+                             f"average as '<name>/r<rank>'), got {self.name!r}")
+
+    @property
+    def averaging_timeout_s(self) -> float:
+        """The timeout of one averaging round (see ``round_timeout_s``)."""
+        return self.round_timeout_s if self.round_timeout_s is not None \
+            else self.timeout_s / 2
 
 
 @dataclass(frozen=True)
@@ -312,9 +358,7 @@ def reference_train(task: GroupTask, device: str = "cpu") -> tuple[list[float], 
 # -- the rank actor -------------------------------------------------------------------------
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The part of a parameter this rank holds (a DTensor's local shard, else itself)."""
-    return t.to_local() if hasattr(t, "to_local") else t
+_local = local_part  # the part of a parameter this rank holds
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -354,7 +398,26 @@ def shard_model(model: torch.nn.Module, parallel: str, device: torch.device):
 @ray.remote
 class GroupRank:
     """One rank of a ``ReplicaGroup``: a process of the group's ``torch.distributed``
-    process group. Its device is the GPU Ray gave it (``cuda``), else the CPU."""
+    process group, and the averaging peer ``"<group>/r<rank>"`` of the same rank of other
+    groups (group_averaging.py). Its device is the GPU Ray gave it (``cuda``), else the CPU.
+
+    Threading rule. The actor is asyncio: Ray runs every call on its event loop, and the
+    loop only ever waits. It runs the ``Averager`` (a Moshpit round with the same rank of
+    the other groups) and takes its transport calls (``receive_contribution``,
+    ``receive_result``, the probes among them), and it awaits object refs. Every torch
+    operation (building and sharding the model, forward and backward, the process group's
+    collectives, the optimizer, state dicts) runs in the rank's one compute thread
+    (``_compute``), one call after the other in the order the calls came. So:
+
+    - a rank blocked in a collective of its own group (a slow or dead rank beside it) still
+      takes other groups' contributions and answers their probes: their rounds go on, and
+      fail over only if this rank never contributes, within their deadline;
+    - a round never waits behind compute, and compute never behind a round: the averaging
+      phase hands the compute thread a flat copy of the gradients and takes the average
+      back;
+    - the group's collectives are issued from one thread, in call order, which the driver
+      keeps the same on every rank; the averager's state is touched only on the loop.
+    """
 
     def __init__(self, rank: int, config: GroupConfig):
         # Not ``self.config``: cloudpickle ships this class by value and would take a method
@@ -365,15 +428,27 @@ class GroupRank:
         self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(self.device)
+        # The current CUDA device is per thread: the compute thread sets its own.
+        self._compute = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"rank{rank}-compute",
+            initializer=torch.cuda.set_device if cuda else None,
+            initargs=(self.device,) if cuda else ())
+        self.averager = Averager(rank_peer_id(config.name, rank), job_key=config.job_key)
         self.backend: str | None = None
         # What the rank holds between calls (train, full_state, save/load_sharded): the
         # model (sharded in place under FSDP2), the module to call (the DDP wrapper or the
-        # model), its optimizer and the next step to train.
+        # model), its optimizer and the next step to train; ``grads_of``: the step whose
+        # gradients the model holds for averaging (None: none).
         self.model: torch.nn.Module | None = None
         self.module = None
         self.opt: torch.optim.Optimizer | None = None
         self.optimizer_name = ""
         self.step = 0
+        self.grads_of: int | None = None
+
+    async def _run(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` in the compute thread (see the class docstring)."""
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     def _hold(self, task: GroupTask, model: torch.nn.Module) -> None:
         """Shard ``model`` (built from ``task``, on this rank's device) and keep it with a
@@ -383,9 +458,14 @@ class GroupRank:
         self.opt = OPTIMIZERS[task.optimizer](model.parameters(), lr=task.lr)
         self.optimizer_name, self.step = task.optimizer, 0
 
+    def _held(self, what: str) -> None:
+        if self.model is None:
+            raise GroupError(f"rank {self.rank}: {what}() before train() or load_sharded()")
+
     def describe(self) -> dict:
         return {"rank": self.rank, "device": str(self.device), "gpu_ids": self.gpu_ids,
-                "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
+                "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+                "peer": self.averager.peer_id}
 
     def rendezvous(self) -> Rendezvous:
         """Rank 0: this node's address and a port free on it now."""
@@ -394,8 +474,23 @@ class GroupRank:
             sock.bind((address, 0))
             return Rendezvous(address, sock.getsockname()[1])
 
-    def join(self, where: Rendezvous, backend: str) -> str:
+    # -- transport of the averaging (on the loop) ------------------------------------------
+
+    async def receive_contribution(self, c: Contribution, *chunks) -> None:
+        """A member's contribution; ``chunks``: its inline bytes (``collective/inline.py``)."""
+        self.averager.deliver_contribution(inline.join(c, chunks))
+
+    async def receive_result(self, r: PartResult, *chunks) -> None:
+        """A part's result; ``chunks``: its inline bytes (``collective/inline.py``)."""
+        self.averager.deliver_result(inline.join(r, chunks))
+
+    # -- the process group and training (in the compute thread) ----------------------------
+
+    async def join(self, where: Rendezvous, backend: str) -> str:
         """Join the process group (bounded by ``timeout_s``); returns the backend."""
+        return await self._run(self._join, where, backend)
+
+    def _join(self, where: Rendezvous, backend: str) -> str:
         if where.address.startswith("127."):  # gloo would pick the host's first interface
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(max(1, int(self.settings.cpus_per_rank)))
@@ -406,29 +501,40 @@ class GroupRank:
         self.backend = backend
         return backend
 
-    def train(self, task: GroupTask) -> RankReport:
+    def _forward_backward(self, task: GroupTask, batch: tuple) -> float:
+        """Forward and backward on this rank's ``batch``; the mean loss over the group's
+        ranks (a collective). FSDP2 reduce-scatters the gradients, DDP all-reduces them:
+        each rank holds the mean over the group's rows of its shard's (DDP: all) gradients."""
+        batch = tuple(t.to(self.device) for t in batch)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=task.amp):
+            loss = task.loss(self.module, batch)
+        loss.backward()
+        mean = loss.detach().float().reshape(1) / self.settings.world_size
+        dist.all_reduce(mean)
+        return float(mean)
+
+    async def train(self, task: GroupTask) -> RankReport:
         """Train ``task.steps`` steps on this rank's share of every batch, from the model,
         optimizer and step held (built from ``task`` at step 0 when none is held; the task's
         model, optimizer and lr are not used otherwise). Every rank calls this."""
+        return await self._run(self._train, task)
+
+    def _train(self, task: GroupTask) -> RankReport:
         world = self.settings.world_size
         if self.model is None:
             self._hold(task, task.build_model().to(self.device))
-        model, module, opt, first = self.model, self.module, self.opt, self.step
+        model, opt, first = self.model, self.opt, self.step
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         losses, seconds = [], []
+        opt.zero_grad(set_to_none=True)  # gradients a collaborative step left are not ours
+        self.grads_of = None
         for step in range(first, first + task.steps):
             t0 = time.perf_counter()
-            batch = tuple(t.to(self.device) for t in rank_slice(task.batch(step), self.rank,
-                                                                  world))
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=task.amp):
-                loss = task.loss(module, batch)
-            loss.backward()  # FSDP2 reduce-scatters, DDP all-reduces: the mean over ranks
+            losses.append(self._forward_backward(task, rank_slice(task.batch(step), self.rank,
+                                                                  world)))
             opt.step()
             opt.zero_grad(set_to_none=True)
-            mean = loss.detach().float().reshape(1) / world  # the global batch's mean loss
-            dist.all_reduce(mean)
-            losses.append(float(mean))
             if step > first:  # the first pays for warm-up (allocations, kernels, connections)
                 seconds.append(time.perf_counter() - t0)
             self.step = step + 1
@@ -440,23 +546,150 @@ class GroupRank:
                           digest(held), sum(t.numel() for t in held),
                           digest(full.values()), tuple(seconds), peak)
 
+    # -- a collaborative step with other groups (group_averaging.py) -----------------------
+
+    async def compute_grads(self, task: GroupTask, step: int, part: BatchPart) -> GradReport:
+        """The gradient phase of collaborative step ``step``: forward and backward on this
+        rank's rows of the group's ``part`` of ``task.batch(step)``, keeping the gradients
+        for ``average_and_apply``. Builds the model from ``task`` at step 0 when none is
+        held. ``GroupError`` when the rank holds another step. Every rank calls this."""
+        return await self._run(self._compute_grads, task, step, part)
+
+    def _compute_grads(self, task: GroupTask, step: int, part: BatchPart) -> GradReport:
+        if self.model is None:
+            self._hold(task, task.build_model().to(self.device))
+        if step != self.step:
+            raise GroupError(f"rank {self.rank}: asked for the gradients of step {step}, "
+                             f"holds step {self.step}")
+        self.opt.zero_grad(set_to_none=True)  # a step that was not applied leaves some
+        self.grads_of = None
+        index, count = rank_rows(part, self.rank, self.settings.world_size)
+        batch = rank_slice(task.batch(step), index, count)
+        loss = self._forward_backward(task, batch)
+        self.grads_of = step
+        return GradReport(self.rank, step, loss, int(batch[0].shape[0]))
+
+    async def average_and_apply(self, plan: RoundPlan, weight: float) -> RankStep:
+        """The averaging phase: average this rank's local gradients (and float buffers) with
+        the plan's peers (the same rank of the other groups), weighted by ``weight`` (the
+        group's samples), within the round timeout; then the group's ranks vote, and each
+        applies one optimizer step with the averaged gradient only if every rank of the
+        group got the whole plan's average (``incomplete``). Either way the gradients are
+        dropped. A rank that holds no gradients of its step (no ``compute_grads`` since)
+        votes no without averaging; an averaging that raises is voted down, then raised:
+        the other ranks are never left waiting in the vote."""
+        t0 = time.perf_counter()
+        step, flat = await self._run(self._flat_grads)
+        averaged, contributors, failure = None, (), None
+        reason = None if flat is not None else \
+            f"rank {self.rank}: no gradients of step {step} held (compute_grads first)"
+        try:
+            if flat is not None:
+                (averaged,), report = await self.averager.all_reduce(
+                    [flat], weight, plan, self.settings.averaging_timeout_s)
+                reason, contributors = incomplete(report, plan), report.contributors
+        except AveragingError as exc:  # the step errored: nothing of it is applied
+            reason = str(exc)
+        except Exception as exc:  # noqa: BLE001 - voted down first, raised below
+            reason, failure = f"{type(exc).__name__}: {exc}", exc
+        applied, reason = await self._run(self._apply_averaged,
+                                          averaged if reason is None else None, reason)
+        if failure is not None:
+            raise failure
+        return RankStep(self.rank, step, applied, reason, tuple(contributors),
+                        0 if flat is None else int(flat.size), time.perf_counter() - t0)
+
+    def _flat_grads(self) -> tuple[int, Any]:
+        """(step, the values to average as one float32 vector), or (step, None) when the
+        model holds no gradients of this rank's step."""
+        if self.model is None or self.grads_of != self.step:
+            return self.step, None
+        return self.step, flatten(averaged_tensors(self.model))
+
+    def _apply_averaged(self, averaged: Any, reason: str | None) -> tuple[bool, str | None]:
+        """The group's vote (a collective), then the step if every rank voted yes."""
+        votes = torch.tensor([0 if averaged is None else 1], device=self.device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN)
+        applied = bool(votes.item())
+        if applied:
+            write_averaged(self.model, unflatten(averaged, averaged_tensors(self.model)))
+            self.opt.step()
+            self.step += 1
+        elif reason is None:
+            reason = "another rank of the group did not get the whole average"
+        if self.opt is not None:
+            self.opt.zero_grad(set_to_none=True)
+        self.grads_of = None
+        return applied, reason
+
+    # -- state ------------------------------------------------------------------------------
+
     def _full_params(self) -> dict[str, torch.Tensor]:
         return {k: _full(p.detach()).cpu() for k, p in self.model.named_parameters()}
 
-    def full_state(self) -> dict[str, torch.Tensor]:
+    async def full_state(self) -> dict[str, torch.Tensor]:
         """The unsharded parameters on CPU (a collective: every rank calls this)."""
-        if self.model is None:
-            raise GroupError(f"rank {self.rank}: full_state() before train() or "
-                             f"load_sharded()")
+        return await self._run(self._full_state)
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        self._held("full_state")
         return self._full_params()
 
-    def save_sharded(self, staging: str, final: str) -> CheckpointAnswer:
+    async def shard_state(self) -> ShardHandoff:
+        """This rank's shard state (model and optimizer, local shards, CPU) put into the
+        object store, for the same rank of a joining group; taken between steps (the
+        compute thread runs one call at a time)."""
+        return await self._run(self._shard_state)
+
+    def _shard_state(self) -> ShardHandoff:
+        self._held("shard_state")
+        state = local_state(self.model, self.opt)
+        layout = shard_layout(state, self.settings.world_size, self.settings.parallel,
+                              self.optimizer_name)
+        return ShardHandoff(self.rank, self.step, layout, state_digest(state),
+                            (ray.put(state),))
+
+    async def load_shard_state(self, handoff: ShardHandoff, task: GroupTask) -> JoinAnswer:
+        """Copy the donor rank's shard state behind ``handoff`` into this rank's shards (a
+        model built from ``task`` when none is held) and take its step. The bytes are
+        fetched from the object store within ``timeout_s``. Every rank checks the layouts
+        (``layout_difference``) and the ranks vote before any copies, so a refused join
+        (or a failed fetch) copies nothing; the answer then says why."""
+        state, why = None, None
+        try:
+            state = await asyncio.wait_for(asyncio.wrap_future(handoff.refs[0].future()),
+                                           self.settings.timeout_s)
+        except asyncio.TimeoutError:
+            why = f"the donor's shard state did not arrive within {self.settings.timeout_s:g} s"
+        except ray.exceptions.RayError as exc:
+            why = f"the donor's shard state is lost ({type(exc).__name__})"
+        return await self._run(self._load_shard_state, handoff, state, why, task)
+
+    def _load_shard_state(self, handoff: ShardHandoff, state: dict | None, why: str | None,
+                          task: GroupTask) -> JoinAnswer:
+        if self.model is None:
+            self._hold(task, task.build_model().to(self.device))
+        if why is None:
+            mine = shard_layout(local_state(self.model, self.opt), self.settings.world_size,
+                                self.settings.parallel, self.optimizer_name)
+            difference = layout_difference(handoff.layout, mine)
+            why = f"rank {self.rank}: {difference}" if difference else None
+        votes = torch.tensor([0 if why else 1], device=self.device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN)
+        if not votes.item():
+            return JoinAnswer(None, None, why or "another rank of the group refused")
+        fill_local_state(self.model, self.opt, state)
+        self.step, self.grads_of = handoff.step, None
+        return JoinAnswer(self.step, state_digest(local_state(self.model, self.opt)))
+
+    async def save_sharded(self, staging: str, final: str) -> CheckpointAnswer:
         """Write this rank's shard to ``staging``; rank 0 publishes it as ``final`` (see
         group_checkpoint.py). Rank 0 decides whether to write at all (``final`` must not
         exist) and tells the others, so all enter the save or none does."""
-        if self.model is None:
-            raise GroupError(f"rank {self.rank}: save_sharded() before train() or "
-                             f"load_sharded()")
+        return await self._run(self._save_sharded, staging, final)
+
+    def _save_sharded(self, staging: str, final: str) -> CheckpointAnswer:
+        self._held("save_sharded")
         refused = [f"{final}: exists; not replaced"
                    if self.rank == 0 and os.path.exists(final) else None]
         dist.broadcast_object_list(refused, src=0)
@@ -466,11 +699,14 @@ class GroupRank:
             refused[0] = save_state(self.model, self.opt, staging, final, head, self.rank)
         return CheckpointAnswer(self.step, refused[0])
 
-    def load_sharded(self, path: str, task: GroupTask) -> CheckpointAnswer:
+    async def load_sharded(self, path: str, task: GroupTask) -> CheckpointAnswer:
         """Load the checkpoint at ``path`` into the model held, or into one built from
         ``task`` when none is held, resharded to this group. Rank 0 reads the manifest and
         compares it with the model (``first_difference``) and tells the others, so on a
         refusal no rank loads anything and the model held (if any) is unchanged."""
+        return await self._run(self._load_sharded, path, task)
+
+    def _load_sharded(self, path: str, task: GroupTask) -> CheckpointAnswer:
         model = self.model if self.model is not None else task.build_model().to(self.device)
         optimizer = self.optimizer_name if self.model is not None else task.optimizer
         verdict: list = [None, None]  # (step, why refused)
@@ -490,10 +726,17 @@ class GroupRank:
         if self.model is None:
             self._hold(task, model)
         load_state(self.model, self.opt, path)
-        self.step = step
+        self.step, self.grads_of = step, None
         return CheckpointAnswer(step)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Leave the process group; the compute thread ends after it."""
+        try:
+            await self._run(self._close)
+        finally:
+            self._compute.shutdown(wait=False)
+
+    def _close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -511,6 +754,7 @@ class ReplicaGroup:
     broken: bool = False  # a call failed or timed out since start()
     placement: Any = None  # the Ray placement group holding the ranks' bundles
     step: int | None = None  # the next step the ranks train; None until train / load
+    epoch: int = -1  # the last averaging epoch the ranks took part in (train_together)
 
     def _get(self, refs: list, what: str) -> list:
         """The results of one call per rank, in rank order, within ``timeout_s``. The first
@@ -640,6 +884,47 @@ class ReplicaGroup:
         self.step = answer.step
         return answer.step
 
+    def peers(self) -> GroupPeers:
+        """This group as the averaging plans see it (``group_averaging.rank_plan``)."""
+        return GroupPeers(self.config.name, self.config.parallel, tuple(self.ranks))
+
+    def join_from(self, donor: ReplicaGroup, task: GroupTask) -> int:
+        """Join by shard: rank ``r`` copies the shard state (model and optimizer, local
+        shards) of rank ``r`` of ``donor`` through the object store (the donor puts it, the
+        joiner fetches it by reference: no rank and not the driver sees the whole model),
+        into the model the ranks hold or one built from ``task``; the group then holds
+        exactly the donor's state, step and averaging epoch, checked by digest. ``donor``
+        must be a started group of the same world size and parallel mode that trained (or
+        loaded) something; the optimizer must be the same. Bounded by each group's
+        ``timeout_s``. ``GroupError`` (one line) when the layouts differ (nothing copied,
+        the group sound), a rank fails or times out, or the digests differ. Returns the
+        step now held."""
+        self._started("join_from")
+        donor._started("join_from")
+        mine, theirs = self.config, donor.config
+        if donor.step is None:
+            raise GroupError(f"group {mine.name}: join_from({theirs.name}): the donor holds "
+                             f"no state yet")
+        if (mine.world_size, mine.parallel) != (theirs.world_size, theirs.parallel):
+            raise GroupError(f"group {mine.name}: join_from({theirs.name}): shards differ "
+                             f"({mine.world_size} x {mine.parallel} here, {theirs.world_size} "
+                             f"x {theirs.parallel} at the donor)")
+        handoffs = donor._get([r.shard_state.remote() for r in donor.ranks], "shard_state")
+        answers = self._get([r.load_shard_state.remote(h, task)
+                             for r, h in zip(self.ranks, handoffs)], "load_shard_state")
+        for rank, (h, a) in enumerate(zip(handoffs, answers)):
+            if a.refused:
+                raise GroupError(f"group {mine.name}: join_from({theirs.name}) refused: "
+                                 f"{a.refused}")
+            if a.digest != h.digest:
+                self.broken = True
+                raise GroupError(f"group {mine.name}: join_from({theirs.name}): rank {rank} "
+                                 f"holds state {a.digest}, the donor's is {h.digest}")
+        self.step, self.epoch = handoffs[0].step, max(self.epoch, donor.epoch)
+        log.info("group %s: joined from %s at step %d (%d shards)", mine.name, theirs.name,
+                 self.step, mine.world_size)
+        return self.step
+
     def _started(self, what: str) -> None:
         if not self.ranks:
             raise GroupError(f"group {self.config.name}: {what}() before start()")
@@ -667,4 +952,77 @@ class ReplicaGroup:
             except ray.exceptions.RayError as exc:  # the driver lost the cluster: gone anyway
                 log.warning("group %s: remove placement group: %s", self.config.name,
                             type(exc).__name__)
-        self.broken, self.step = False, None
+        self.broken, self.step, self.epoch = False, None, -1
+
+
+# -- groups that train together ------------------------------------------------------------
+
+
+def train_together(groups: Sequence[ReplicaGroup], task: GroupTask,
+                   steps: int | None = None) -> list[StepTogether]:
+    """Train ``steps`` (default ``task.steps``) collaborative steps with ``groups``, averaged
+    by shard (group_averaging.py). The groups must be started, of one world size and
+    parallel mode, with unique names, and hold the same step (or none: step 0, models built
+    from ``task``). Data: the global batch of step ``s`` (``task.batch(s)``) is split into
+    ``len(groups)`` contiguous equal parts, group ``g`` (in the order given) training part
+    ``g`` and each of its ranks its slice of that (the rows must divide by groups x ranks);
+    a group's weight is its rows. So with no failures a step equals one process on the whole
+    batch, and every group holds bitwise the same state after it.
+
+    Each step runs its two phases on every rank of every group, each bounded by the group's
+    ``timeout_s``: the gradients, then the average-and-apply over ``rank_plan(epoch, ...,
+    r)`` (a fresh epoch above every group's last). ``GroupError`` (one line) when a rank
+    fails or times out (naming the group and rank; that group is marked broken), or when a
+    group did not apply a step (its round was incomplete: the reason named); groups that
+    applied it moved on to the next step, the others stay at it."""
+    steps = task.steps if steps is None else steps
+    if not groups:
+        raise GroupError("train_together: no groups")
+    for g in groups:
+        g._started("train_together")
+    at = {g.config.name: g.step or 0 for g in groups}
+    if len(set(at.values())) != 1:
+        raise GroupError(f"train_together: the groups hold different steps ({at}); a group "
+                         f"behind joins from one ahead first (join_from)")
+    try:
+        peers = [g.peers() for g in groups]
+        rank_plan(0, peers, 0)  # the checks: names, world sizes, parallel modes
+    except ValueError as exc:
+        raise GroupError(f"train_together: {exc}") from None
+    world, names = groups[0].config.world_size, tuple(at)
+    done: list[StepTogether] = []
+    for _ in range(steps):
+        step = groups[0].step or 0
+        t0 = time.perf_counter()
+        grads = [g._get([r.compute_grads.remote(task, step, BatchPart(i, len(groups)))
+                         for r in g.ranks], f"compute_grads (step {step})")
+                 for i, g in enumerate(groups)]
+        t1 = time.perf_counter()
+        epoch = max(g.epoch for g in groups) + 1
+        plans = [rank_plan(epoch, peers, r) for r in range(world)]
+        weights = [float(sum(report.samples for report in reports)) for reports in grads]
+        calls = []
+        for g, weight in zip(groups, weights):
+            g.epoch = epoch
+            calls.append([r.average_and_apply.remote(plans[rank], weight)
+                          for rank, r in enumerate(g.ranks)])
+        outcomes = [g._get(refs, f"average_and_apply (step {step})")
+                    for g, refs in zip(groups, calls)]
+        t2 = time.perf_counter()
+        failed = []
+        for g, ranks in zip(groups, outcomes):
+            if all(o.applied for o in ranks):
+                g.step = step + 1
+            else:
+                first = next(o for o in ranks if o.reason)
+                failed.append(f"{g.config.name} (rank {first.rank}: {first.reason})")
+        if failed:
+            raise GroupError(f"train_together: step {step} not applied by group(s) "
+                             f"{'; '.join(failed)}")
+        losses = tuple(reports[0].loss for reports in grads)
+        mean = sum(w * x for w, x in zip(weights, losses)) / sum(weights)
+        done.append(StepTogether(step, epoch, names, losses, mean,
+                                 tuple(o.numel for o in outcomes[0]), t1 - t0, t2 - t1))
+        log.info("groups %s: step %d averaged by shard (epoch %d, loss %.4f)",
+                 ",".join(names), step, epoch, mean)
+    return done

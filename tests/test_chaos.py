@@ -197,7 +197,7 @@ def test_short_chaos_run_loses_nothing_and_quarantines_the_bad_replicas(tmp_path
     # disk_full needs root (a small tmpfs for the checkpoints); elsewhere it is ruled out
     # with that reason, and not planned.
     full_disk = 0 if "disk_full" in fig["faults_ruled_out"] else 1
-    assert fig["faults_by_kind"] == {"notice": 1, "kill": 2, "coordinator": 2, "nan": 1,
+    assert fig["faults_by_kind"] == {"notice": 1, "kill": 1, "coordinator": 2, "nan": 1,
                                      "shape": 1, "replica_kill": 1, "user_error": 1,
                                      "disk_full": full_disk, "partition": 0, "slow_node": 0}
     assert fig["faults_missed"] == [] and fig["faults_planned"] == fig["faults_by_kind"]

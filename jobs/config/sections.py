@@ -233,7 +233,8 @@ class TrainingSection(_Section):
     the step is planned without it."""
     overlap: Overlap = "auto"
     """Collaborative mode: average step k while accumulating step k+1 (one step of delay);
-    ``auto``: on for replicas on a GPU, off on CPUs."""
+    ``auto``: on for replicas on a GPU, off on CPUs. ``local_sgd`` with the outer step:
+    ``on`` overlaps each outer average with the next inner steps (streaming DiLoCo)."""
     min_part: int = 262144  # partition.MIN_PART
     """Fewest values a part owner of an averaging group gets; 1: every member owns a
     part."""

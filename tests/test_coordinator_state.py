@@ -38,6 +38,13 @@ def coordinator(kv: MemoryKV, clock: Clock, target: int = 16) -> CoordinatorCore
     return core
 
 
+def ready(core: CoordinatorCore, peers) -> None:
+    """Register ``peers`` (each its own handle) ready at epoch 0."""
+    for p in peers:
+        core.register(p, p)
+        core.mark_ready(p, 0)
+
+
 def step(core: CoordinatorCore, clock: Clock, peers, epoch: int, samples: int = 8) -> None:
     """Every peer reports ``samples`` at ``epoch`` (the batch fills: a plan), then applies
     the step and reports at ``epoch + 1``, saving after each call as the actor does."""
@@ -90,9 +97,7 @@ def test_a_restarted_coordinator_gets_back_everything_the_summary_and_plans_need
 def test_a_fall_back_below_a_step_committed_before_the_restart_is_a_rollback():
     kv, clock = MemoryKV(), Clock()
     core = coordinator(kv, clock)
-    for p in ("a", "b"):
-        core.register(p, p)
-        core.mark_ready(p, 0)
+    ready(core, ("a", "b"))
     for epoch in range(3):
         step(core, clock, ("a", "b"), epoch)
     core.save()
@@ -111,9 +116,7 @@ def test_the_newest_checkpoint_survives_a_restart_and_counts_the_steps_it_rolls_
     replica that saved it; the steps between it and the newest committed one are counted."""
     kv, clock = MemoryKV(), Clock()
     core = coordinator(kv, clock)
-    for p in ("a", "b"):
-        core.register(p, p)
-        core.mark_ready(p, 0)
+    ready(core, ("a", "b"))
     for epoch in range(4):
         step(core, clock, ("a", "b"), epoch)
         if epoch == 1:

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from moshray.actors.replica.group_checkpoint import first_entry_difference
 from moshray.cluster.collective.grid import DEFAULT_MAX_GROUP, plan_grid
 from moshray.cluster.messages import AllReduceReport, RoundPlan
 
@@ -220,18 +221,11 @@ def layout_difference(donor: ShardLayout, mine: ShardLayout) -> str | None:
         if getattr(donor, what) != getattr(mine, what):
             return f"{what}: the donor has {getattr(donor, what)}, this group " \
                    f"{getattr(mine, what)}"
-    ours = dict(mine.entries)
-    for path, shape in donor.entries:
-        if path not in ours:
-            return f"{path!r} is in the donor's state, not in this rank's"
-        if tuple(ours[path]) != tuple(shape):
-            return (f"{path!r} has local shape {tuple(shape)} at the donor, "
-                    f"{tuple(ours[path])} here")
-    theirs = {p for p, _ in donor.entries}
-    for path, _ in mine.entries:
-        if path not in theirs:
-            return f"{path!r} is in this rank's state, not in the donor's"
-    return None
+    return first_entry_difference(
+        donor.entries, mine.entries,
+        missing="{name} is in the donor's state, not in this rank's",
+        extra="{name} is in this rank's state, not in the donor's",
+        shape="{name} has local shape {theirs} at the donor, {ours} here")
 
 
 # -- the rank side (torch; the GroupRank's compute thread calls these) ------------------------

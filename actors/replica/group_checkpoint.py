@@ -103,6 +103,22 @@ def state_shapes(state: Mapping[str, object]) -> tuple[tuple[str, tuple[int, ...
     return tuple((k, tuple(v.shape)) for k, v in state.items() if isinstance(v, torch.Tensor))
 
 
+def first_entry_difference(theirs, ours, missing: str, extra: str, shape: str) -> str | None:
+    """The first difference between two ``(name, shape)`` sequences, in one line, or None:
+    an entry of ``theirs`` that ``ours`` lacks (``missing``) or holds in another shape
+    (``shape``), in ``theirs``' order, then one only ``ours`` has (``extra``). The three are
+    format strings over ``{name}`` (the entry's repr) and, for ``shape``, ``{theirs}`` and
+    ``{ours}`` (the two shapes). Pure; shared by checkpoint loads and shard joins."""
+    mine = dict(ours)
+    for name, dims in theirs:
+        if name not in mine:
+            return missing.format(name=repr(name))
+        if tuple(mine[name]) != tuple(dims):
+            return shape.format(name=repr(name), theirs=tuple(dims), ours=tuple(mine[name]))
+    known = {name for name, _ in theirs}
+    return next((extra.format(name=repr(name)) for name, _ in ours if name not in known), None)
+
+
 def first_difference(saved: CheckpointManifest, model: tuple[tuple[str, tuple[int, ...]], ...],
                      optimizer: str) -> str | None:
     """The first way the checkpoint ``saved`` does not fit a model with state ``model``
@@ -110,18 +126,10 @@ def first_difference(saved: CheckpointManifest, model: tuple[tuple[str, tuple[in
     fits. Entries are compared in the checkpoint's order, then the model's extra ones."""
     if saved.optimizer != optimizer:
         return f"optimizer: the checkpoint has {saved.optimizer}, the task {optimizer}"
-    mine = dict(model)
-    for name, shape in saved.state:
-        if name not in mine:
-            return f"{name!r} is in the checkpoint, not in the model"
-        if tuple(mine[name]) != tuple(shape):
-            return (f"{name!r} has shape {tuple(shape)} in the checkpoint, "
-                    f"{tuple(mine[name])} in the model")
-    theirs = {name for name, _ in saved.state}
-    for name, _ in model:
-        if name not in theirs:
-            return f"{name!r} is in the model, not in the checkpoint"
-    return None
+    return first_entry_difference(
+        saved.state, model, missing="{name} is in the checkpoint, not in the model",
+        extra="{name} is in the model, not in the checkpoint",
+        shape="{name} has shape {theirs} in the checkpoint, {ours} in the model")
 
 
 def torn_file(saved: CheckpointManifest, present: Mapping[str, int]) -> str | None:

@@ -197,15 +197,12 @@ class StepManager:
         back below a committed step is the Coordinator's counted rollback.
         ``RuntimeError`` after ``SYNC_ATTEMPTS`` tries; a checkpoint that cannot be read
         is logged and the initial state used."""
-        newest: list = []  # [state of the newest checkpoint, or None], filled on first need
+        newest: dict | None = None  # the newest checkpoint's state (read on first need)
+        read = False
+        held = None  # the donorless state loaded last ("checkpoint", "initial"): loaded once
         for attempt in range(SYNC_ATTEMPTS):
             donor = await self.coordinator.donor.remote(self.peer_id)
-            if donor is None and not newest:
-                newest.append(await self._newest_checkpoint())
-            if donor is None and newest[0] is not None:
-                await self._load(newest[0], from_donor=False)
-                await self.coordinator.resume_from.remote(self.state.epoch)
-            elif donor is not None:
+            if donor is not None:
                 try:
                     _, [ref] = await donor[1].get_state.remote()
                     loaded = await ref
@@ -215,9 +212,18 @@ class StepManager:
                     await asyncio.sleep(0.2)
                     continue
                 await self._load(loaded, from_donor=True)
-            elif self._init_state_ref:
-                await self._load(await self._init_state_ref[0], from_donor=False)
-                await self.coordinator.resume_from.remote(self.state.epoch)
+                held = None
+            else:
+                if not read:
+                    newest, read = await self._newest_checkpoint(), True
+                source = ("checkpoint" if newest is not None else
+                          "initial" if self._init_state_ref else None)
+                if source is not None and held != source:
+                    await self._load(newest if newest is not None
+                                     else await self._init_state_ref[0], from_donor=False)
+                    held = source
+                if source is not None:
+                    await self.coordinator.resume_from.remote(self.state.epoch)
             if await self.coordinator.mark_ready.remote(self.peer_id, self.state.epoch):
                 log.info("%s ready at epoch %d (attempt %d)", self.peer_id, self.state.epoch,
                          attempt)

@@ -51,7 +51,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(("bench", "report"), "moshray.jobs.bench.report",
             "render docs/performance.md and the README's table from docs/results"),
     Command(("config", "table"), "moshray.jobs.config.table",
-            "write the README's settings table from the config schema (--check: compare)"),
+            "write docs/settings.md's settings table from the config schema (--check: compare)"),
     Command(("watch",), "moshray.autoscaler.watch",
             "run the spot-notice watcher of this node"),
 )

@@ -36,9 +36,9 @@ def test_readme_keeps_the_opening_block_ci_runs():
     assert first == lines[4] and first.endswith("python -m pytest -q tests")
 
 
-def test_readme_settings_table_is_the_schemas():
-    args = argparse.Namespace(readme=str(README), check=True, print=False)
-    assert table.main(args) == 0, "run `moshray config table` and commit README.md"
+def test_settings_page_table_is_the_schemas():
+    args = argparse.Namespace(file=str(ROOT / table.DEFAULT_FILE), check=True, print=False)
+    assert table.main(args) == 0, "run `moshray config table` and commit docs/settings.md"
 
 
 def test_readme_and_performance_page_are_rendered_from_docs_results(monkeypatch):
@@ -87,11 +87,11 @@ def test_field_docs_read_the_string_under_each_field():
 def test_table_check_write_and_bad_markers(tmp_path: Path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n{table.BEGIN}\n| stale |\n{table.END}\n\nafter\n")
-    args = argparse.Namespace(readme=str(readme), check=True, print=False)
+    args = argparse.Namespace(file=str(readme), check=True, print=False)
     assert table.main(args) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "run `moshray config table`" in err
-    assert table.main(argparse.Namespace(readme=str(readme), check=False, print=False)) == 0
+    assert table.main(argparse.Namespace(file=str(readme), check=False, print=False)) == 0
     text = readme.read_text()
     assert text.startswith("# x\n\n") and text.endswith(f"{table.END}\n\nafter\n")
     assert table.render() in text

@@ -25,7 +25,7 @@ from __future__ import annotations
 #   sections.py  the sections and TrainConfig (validated on construction)
 #   load.py      TOML / JSON files and dotted-key overrides -> TrainConfig
 #   cli.py       --config, --set, convenience flags, exit status 2 on a bad value
-#   table.py     the README's settings table, generated from the schema
+#   table.py     the settings table of docs/settings.md, generated from the schema
 from moshray.jobs.config.cli import (add_config_arguments, config_from_args,
                                      exit_on_config_error, parse_set)
 from moshray.jobs.config.fields import ConfigError

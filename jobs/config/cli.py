@@ -66,8 +66,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         action="append",
         default=None,
-        help="override one setting, e.g. --set training.lr=1e-3 (repeatable; the README's "
-             "settings table lists every key)",
+        help="override one setting, e.g. --set training.lr=1e-3 (repeatable; docs/settings.md "
+             "lists every key)",
     )
     group.add_argument("--local-nodes", metavar="N",
                        help=key_help("cluster.local_nodes",

@@ -7,8 +7,8 @@ configuration: the sections and the top-level keys (``run_dir``, ``json``).
 ``TrainConfig.from_dict(config.to_dict())`` gives an equal config; :func:`valid_keys` lists
 every dotted key. ``_SECTIONS`` and ``_TOP_LEVEL`` name what a file or an override may set
 (``jobs/config/load.py``). Every field has a docstring, the string right under it: its line
-in the README's settings table (``moshray config table``, ``jobs/config/table.py``; a field
-without one fails ``tests/test_readme.py``). Pure: no I/O.
+in the settings table of docs/settings.md (``moshray config table``,
+``jobs/config/table.py``; a field without one fails ``tests/test_readme.py``). Pure: no I/O.
 """
 
 from __future__ import annotations

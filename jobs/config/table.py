@@ -1,4 +1,4 @@
-"""`moshray config table`: the README's settings table, generated from the config schema.
+"""`moshray config table`: the settings reference (docs/settings.md), generated from the config schema.
 
 The table has one row per setting, in schema order: the dotted key (``section.field``, or a
 top-level key), its default, and what it does: the field's docstring in
@@ -6,11 +6,12 @@ top-level key), its default, and what it does: the field's docstring in
 source with :mod:`ast`), followed by the choices of a ``Literal`` field or of a registry
 (the codecs of ``cluster/collective/codecs.py``, the clouds of ``autoscaler/clouds/``: the
 names registered when the table is made). A field without a docstring is an error (:class:`TableError`, one line naming the field), so a new
-setting cannot reach the README undocumented.
+setting cannot reach the page undocumented.
 
 The command writes the table between ``<!-- settings:begin -->`` and
-``<!-- settings:end -->`` in the README (``--readme``, default ``README.md``);
-``--check`` changes nothing and exits 1 with one line when the README's table differs,
+``<!-- settings:end -->`` in the settings page (``--file``, default ``docs/settings.md``;
+the README links it); ``--check`` changes nothing and exits 1 with one line when the
+page's table differs,
 ``--print`` prints the table. ``tests/test_readme.py`` runs the check. Pure apart from
 reading the schema's source and the README.
 """
@@ -28,6 +29,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 BEGIN = "<!-- settings:begin -->"
 END = "<!-- settings:end -->"
+DEFAULT_FILE = "docs/settings.md"  # the settings reference the README links
 
 
 class TableError(ValueError):
@@ -129,7 +131,7 @@ def render() -> str:
     return "\n".join(lines)
 
 
-def splice(text: str, table: str, *, name: str = "README.md") -> str:
+def splice(text: str, table: str, *, name: str = "docs/settings.md") -> str:
     """``text`` with everything between the markers replaced by ``table``; TableError if
     the markers are missing, repeated or out of order."""
     if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
@@ -141,8 +143,8 @@ def splice(text: str, table: str, *, name: str = "README.md") -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--readme", default="README.md", metavar="FILE",
-                        help="the Markdown file with the settings markers (default README.md)")
+    parser.add_argument("--file", default=DEFAULT_FILE, metavar="FILE",
+                        help="the Markdown file with the settings markers")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true",
                       help="change nothing; exit 1 if the file's table differs")
@@ -156,11 +158,11 @@ def main(args: argparse.Namespace) -> int:
         if args.print:
             print(table)
             return 0
-        path = Path(args.readme)
+        path = Path(args.file)
         try:
             text = path.read_text()
         except OSError as exc:
-            raise TableError(f"{path}: cannot read it ({exc.strerror}); pass --readme FILE")
+            raise TableError(f"{path}: cannot read it ({exc.strerror}); pass --file FILE")
         new = splice(text, table, name=str(path))
     except TableError as exc:
         print(f"moshray config table: {exc}", file=sys.stderr)

@@ -286,6 +286,7 @@ def test_a_shipped_trace_name_passes_the_trace_check(tmp_path, capsys):
     (["--set", "model.n_layers"], "KEY=VALUE"),
     (["--set", "training.lr=-1"], "training.lr"),
     (["--set", "model.d_modle=64"], "model.d_modle"),
+    (["--links", "lan"], "unknown link profile 'lan'; choose one of fast"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, needle):
     trace = tmp_path / "t.csv"

@@ -77,6 +77,23 @@ def test_profiles_shape_the_links() -> None:
         links.get_profile("slow").node_ratios(0)
 
 
+def test_a_profile_laid_onto_slots_crosses_processes_and_configures_a_cluster() -> None:
+    from moshray.jobs.local.cluster import LocalClusterConfig
+
+    laid = links.lay_out(links.get_profile("zones"), 3, 200_000, 0.05)
+    assert laid.mbit == (None, None, 5.0) and laid.zones == ((0, "a"), (1, "a"), (2, "b"))
+    assert links.NodeLinks.from_json(laid.to_json()) == laid
+    fields = laid.cluster_fields()
+    assert fields == {"link_mbit": ((2, 5.0),), "zones": laid.zones}
+    assert LocalClusterConfig(hosts="netns", **fields).link_mbit == ((2, 5.0),)
+    with pytest.raises(ValueError, match="needs hosts='netns'"):
+        LocalClusterConfig(**fields)
+    with pytest.raises(ValueError, match="slot 1's rate must be a positive"):
+        LocalClusterConfig(hosts="netns", link_mbit=((1, 0),))
+    with pytest.raises(ValueError, match="not a NodeLinks"):
+        links.NodeLinks.from_json('{"mbit": []}')
+
+
 # ----------------------------------------------------------------------- figures
 
 

@@ -67,8 +67,22 @@ went missing), ``run_cpu`` (CPU by role), ``goodput_moshray`` and ``goodput_runs
 runners and calibrations: every run of either system is a fresh driver process),
 ``goodput_report`` (plot and tables); this one parses the command and runs them.
 
-Bad arguments (missing or malformed trace, non-positive sizes, bad ``--set``) exit with status
-2 and one line on stderr.
+``--links PROFILE`` (a profile of ``jobs/local/links.py``: ``slow``, ``straggler``, ``zones``,
+``fast``) runs every cluster of the bench, both systems' calibrations and trace runs, in the
+separate-hosts mode (``cluster.hosts = "netns"``: one network namespace per spot node) with
+the profile's ``tc`` shaping, laid out as ``moshray bench links`` lays it out (the rates
+follow from the model's fp16 gradient bytes and its measured step compute on
+``--max-nodes`` nodes, ``bench links``' ``profile_links``): each slot's node gets its link
+as it starts, a node the trace adds again included. Ray Train's gloo runs on each node's
+shaped ``eth0``. The separate hosts have no durable store, so the moshray runs keep no
+checkpoints (``checkpoint.optional``; a swarm that loses every replica starts over, and its
+held-out loss is not measured), while Ray Train keeps checkpointing to this machine's disk,
+which its workers share: an advantage to Ray Train. The JSON's ``links`` says the profile,
+its rates and the model figures they follow from.
+
+Bad arguments (missing or malformed trace, non-positive sizes, bad ``--set``, an unknown
+``--links`` profile or separate hosts this machine cannot make) exit with status 2 and one
+line on stderr.
 """
 
 from __future__ import annotations
@@ -142,6 +156,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a TrainConfig setting, e.g. --set model.n_layers=4 "
                              "(defaults: the small model " + " ".join(
                                  f"{k}={v}" for k, v in BENCH_DEFAULTS.items()) + ")")
+    parser.add_argument("--links", metavar="PROFILE", default=None,
+                        help="run both systems on separate hosts with this link profile's "
+                             "shaped links (jobs/local/links.py: slow, straggler, zones, fast)")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     add_results_argument(parser)
 
@@ -170,6 +187,17 @@ def _check_args(args: argparse.Namespace) -> Path:
         raise BenchError("--raytrain-resize-interval must be >= 0")
     if args.checkpoint_every < 1:
         raise BenchError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    if args.links is not None:
+        from moshray.jobs.local.links import get_profile
+        from moshray.jobs.local.netns import unavailable
+
+        try:
+            get_profile(args.links)
+        except ValueError as exc:
+            raise BenchError(f"--links: {exc}") from None
+        why = unavailable()
+        if why:
+            raise BenchError(f"--links needs separate hosts (network namespaces): {why}")
     return trace_path
 
 
@@ -230,6 +258,9 @@ def run(args: argparse.Namespace) -> dict:
         "run_dir": str(out_dir),
     })
     overrides.pop("training.max_steps", None)
+    if args.links is not None:  # separate hosts: no durable store for moshray's checkpoints
+        overrides.update({"cluster.hosts": "netns", "checkpoint.optional": "true"})
+        del overrides["checkpoint.uri"]
     config = load_config(args.config, overrides)
     config = replace(config, training=replace(config.training, max_steps=None))
     files = resolve_data(list(config.data.paths) or None,
@@ -239,10 +270,22 @@ def run(args: argparse.Namespace) -> dict:
     print(f"trace {trace.name}: time scale {time_scale:.2f}, {len(events)} node events in "
           f"{duration:.0f} s, {node_seconds:.0f} live node-seconds, counts "
           f"{ {n: round(s, 1) for n, s in sorted(seconds_at.items())} }", flush=True)
+    links = shaped = None
+    if args.links is not None:
+        from moshray.jobs.bench.links import LinksBenchError, profile_links
+
+        try:
+            links, wire_bytes, compute_s = profile_links(args.links, config, args.max_nodes)
+        except LinksBenchError as exc:
+            raise BenchError(str(exc)) from None
+        shaped = {"profile": links.profile, "link_mbit": list(links.mbit),
+                  "zones": dict(links.zones), "gradient_bytes_fp16": wire_bytes,
+                  "step_compute_s": round(compute_s, 4)}
     options = RayTrainOptions(
         max_workers=args.max_nodes, checkpoint_every=args.checkpoint_every,
         resize_interval_s=args.raytrain_resize_interval, fixed=args.raytrain_fixed,
-        startup_timeout_s=args.startup_timeout, finish_timeout_s=args.finish_timeout)
+        startup_timeout_s=args.startup_timeout, finish_timeout_s=args.finish_timeout,
+        links=links)
 
     # The machine's speed before, between and after the runs (machine_probe.py).
     machine: dict[str, float | None] = {}
@@ -262,7 +305,7 @@ def run(args: argparse.Namespace) -> dict:
     for n in calib_counts:
         m_rates.update(calibrate_moshray(config, [n], args.calib_seconds,
                                          out_dir / f"moshray-calib-{stamp}",
-                                         args.startup_timeout, args.finish_timeout))
+                                         args.startup_timeout, args.finish_timeout, links))
         rt_rates.update(calibrate_raytrain(config, [n], args.calib_seconds, options,
                                            out_dir / f"raytrain-calib-{stamp}"))
     rates = compare_rates(m_rates, rt_rates, seconds_at, args.calib_nodes)
@@ -276,7 +319,8 @@ def run(args: argparse.Namespace) -> dict:
     with CpuSampler() as m_cpu:  # where the machine's CPU went, by role
         m_summary, m_records, _ = run_moshray_driver(config, m_dir,
                                                      startup_timeout_s=args.startup_timeout,
-                                                     finish_timeout_s=args.finish_timeout)
+                                                     finish_timeout_s=args.finish_timeout,
+                                                     links=links)
     moshray = summarize("moshray", m_records, duration, args.stall_gap)
     # (the driver ran with run_dir=m_dir: its checkpoints are that run's)
     m_state = moshray_final_state(replace(config, run_dir=str(m_dir)))
@@ -302,9 +346,11 @@ def run(args: argparse.Namespace) -> dict:
                      {"moshray": to_end(moshray.curve, duration),
                       "Ray Train": to_end(raytrain.curve, duration),
                       "ideal": ideal_curve(events, rates.ideal, duration)},
-                     f"{trace.name}, {args.max_nodes} nodes, time scale {time_scale:.0f}x")
+                     f"{trace.name}, {args.max_nodes} nodes, time scale {time_scale:.0f}x"
+                     + (f", links {links.profile}" if links else ""))
     result = {
         "trace": str(args.trace), "time_scale": time_scale, "max_nodes": args.max_nodes,
+        "links": shaped,  # None: every node on loopback
         "duration_s": duration, "live_node_seconds": node_seconds,
         "node_events": sum(1 for e in events if e.at_s > 0),
         "seconds_by_nodes": {str(n): s for n, s in sorted(seconds_at.items())},
@@ -345,6 +391,10 @@ def run(args: argparse.Namespace) -> dict:
     print(rates_table(rates))
     print(table([("moshray", moshray, moshray_eval), ("Ray Train", raytrain, raytrain_eval)]))
     print(f"{'ideal':<10} {ideal:>9.0f} {ideal / duration:>10.1f}")
+    if links is not None:  # the two systems side by side on the same shaped links
+        print(f"links {links.profile} ({links.mbit} Mbit/s): moshray {moshray.samples} "
+              f"samples, Ray Train {raytrain.samples}: moshray / Ray Train "
+              f"{fmt(result['moshray_vs_raytrain'])}", flush=True)
     print(f"moshray / ideal {fmt(result['moshray_vs_ideal'])}, moshray / Ray Train "
           f"{fmt(result['moshray_vs_raytrain'])}; Ray Train restarts "
           f"{result['raytrain_restarts']}, lost samples "

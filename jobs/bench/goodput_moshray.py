@@ -60,10 +60,14 @@ def steady_stop(n: int, seconds: float):
     return lambda stats: steady_elapsed(stats.get("history", []), n) >= seconds
 
 
-def moshray_history(config, steady: tuple[int, float] | None = None
+def moshray_history(config, steady: tuple[int, float] | None = None, links=None
                     ) -> tuple[dict, list[list]]:
     """Run ``moshray.jobs.train.run(config)`` in this process; returns its summary and the
     Coordinator's history rows ``[epoch, at_s, samples, loss, peers]``.
+
+    ``links`` (a ``NodeLinks``; ``cluster.hosts = "netns"``): the embedded cluster's nodes
+    get the links a link profile lays out (``run_embedded``), the job's driver the same as
+    ``train.run``'s.
 
     ``steady = (n, seconds)``: end the job (as its time limit would) ``seconds`` after its
     first step with at least ``n`` participants (:func:`steady_stop`;
@@ -77,7 +81,13 @@ def moshray_history(config, steady: tuple[int, float] | None = None
     from moshray.jobs import train as train_job
 
     stop_when = None if steady is None else steady_stop(*steady)
-    summary = train_job.run(config, stop_when=stop_when)
+    if links is None:
+        summary = train_job.run(config, stop_when=stop_when)
+    else:
+        from moshray.jobs.local.cloud import run_embedded
+
+        summary = run_embedded(config, lambda address: train_job.run_job(
+            config, address, stop_when=stop_when), links=links)
     saved = Path(config.run_dir).expanduser() / "summary.json"
     try:
         history = json.loads(saved.read_text())["history"]
@@ -87,22 +97,24 @@ def moshray_history(config, steady: tuple[int, float] | None = None
 
 
 def _driver_command(config_file: Path, out_file: Path,
-                    steady: tuple[int, float] | None) -> list[str]:
+                    steady: tuple[int, float] | None, links=None) -> list[str]:
     cmd = [sys.executable, "-m", "moshray.jobs.bench.goodput_moshray", "--config", str(config_file),
            "--out", str(out_file)]
+    if links is not None:
+        cmd += ["--links", links.to_json()]
     if steady is not None:
         cmd += ["--steady-nodes", str(steady[0]), "--steady-seconds", repr(steady[1])]
     return cmd
 
 
 def run_moshray_driver(config, run_dir: Path, steady: tuple[int, float] | None = None,
-                       startup_timeout_s: float = 300.0, finish_timeout_s: float = 240.0
-                       ) -> tuple[dict, list[Progress], list[int]]:
+                       startup_timeout_s: float = 300.0, finish_timeout_s: float = 240.0,
+                       links=None) -> tuple[dict, list[Progress], list[int]]:
     """:func:`moshray_history` as a driver process of its own (``python -m
     moshray.jobs.bench.goodput_moshray``, its own embedded cluster, ``RAY_ADDRESS`` unset), with
     its config, result and log (``moshray-driver.log``: the job's progress and errors) under
     ``run_dir``, which is also the job's own ``run_dir`` (its ``summary.json`` and
-    ``training.png``). Bounded by ``training.max_seconds + startup_timeout_s + finish_timeout_s``,
+    ``training.png``); ``links``: its cluster's shaped links (``moshray_history``). Bounded by ``training.max_seconds + startup_timeout_s + finish_timeout_s``,
     then SIGTERM and, ``TERM_GRACE_S`` later, SIGKILL of the driver's process group. Raises
     ``BenchError`` (one line naming the log) if the driver ends without a result."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -113,10 +125,10 @@ def run_moshray_driver(config, run_dir: Path, steady: tuple[int, float] | None =
     out_file.unlink(missing_ok=True)
     log_path = run_dir / "moshray-driver.log"
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_ADDRESS", None)  # (its own cluster: the netns mode allows its addresses)
     bound = (config.training.max_seconds or 0.0) + startup_timeout_s + finish_timeout_s
     with open(log_path, "w") as driver_log:
-        proc = subprocess.Popen(_driver_command(config_file, out_file, steady),
+        proc = subprocess.Popen(_driver_command(config_file, out_file, steady, links),
                                 stdout=driver_log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         try:
@@ -152,14 +164,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def calibrate_moshray(config, counts: Sequence[int], seconds: float, out_dir: Path,
-                      startup_timeout_s: float = 300.0, finish_timeout_s: float = 240.0
-                      ) -> dict[int, float]:
+                      startup_timeout_s: float = 300.0, finish_timeout_s: float = 240.0,
+                      links=None) -> dict[int, float]:
     """Failure-free moshray samples/s with each node count in ``counts``: n nodes, no trace,
     no checkpoints, training for ``seconds`` after the first step every node took part in
     (its start-up is not part of the window, as in ``calibrate_raytrain``); the rate over
     that window (``steady_rate``). Each count is a driver process of its own
     (:func:`run_moshray_driver`, files under ``out_dir/moshray-calib-<n>``), bounded by
-    ``startup_timeout_s + seconds + finish_timeout_s``."""
+    ``startup_timeout_s + seconds + finish_timeout_s``; ``links``: shaped links, as for a
+    trace run."""
     from moshray.jobs.bench.goodput_runs import print_rate
 
     rates: dict[int, float] = {}
@@ -174,7 +187,8 @@ def calibrate_moshray(config, counts: Sequence[int], seconds: float, out_dir: Pa
             # the job's own max_seconds already holds the start-up bound
             _, records, peers = run_moshray_driver(cfg, run_dir, steady=(n, seconds),
                                                    startup_timeout_s=0.0,
-                                                   finish_timeout_s=finish_timeout_s)
+                                                   finish_timeout_s=finish_timeout_s,
+                                                   links=links)
             rates[n] = steady_rate(records, peers, n)
         except BenchError as exc:
             raise BenchError(f"moshray with {n} node(s): {exc}") from None
@@ -185,6 +199,7 @@ def calibrate_moshray(config, counts: Sequence[int], seconds: float, out_dir: Pa
 def main(argv: Sequence[str] | None = None) -> int:
     """The driver process: run the job of ``--config`` and write its result to ``--out``."""
     from moshray.jobs.config import load_config
+    from moshray.jobs.local.links import NodeLinks
     from moshray.jobs.train import stop_on_sigterm
 
     parser = argparse.ArgumentParser(prog="python -m moshray.jobs.bench.goodput_moshray")
@@ -192,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="where the result JSON goes")
     parser.add_argument("--steady-nodes", type=int, default=None)
     parser.add_argument("--steady-seconds", type=float, default=None)
+    parser.add_argument("--links", default=None, help="NodeLinks JSON: shaped links")
     args = parser.parse_args(argv)
     if (args.steady_nodes is None) != (args.steady_seconds is None):
         parser.error("--steady-nodes and --steady-seconds go together")
@@ -199,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(args.config)
     steady = None if args.steady_nodes is None else (args.steady_nodes, args.steady_seconds)
     stop_on_sigterm()
-    summary, history = moshray_history(config, steady)
+    links = None if args.links is None else NodeLinks.from_json(args.links)
+    summary, history = moshray_history(config, steady, links)
     out = Path(args.out)
     partial = out.with_suffix(".partial")
     partial.write_text(json.dumps({"summary": summary, "history": history}))

@@ -41,8 +41,10 @@ CALIB_NO_CHECKPOINT = 10**9  # a checkpoint interval no calibration run reaches
 class RayTrainOptions:
     """How the Ray Train baseline runs: ``max_workers`` (the elastic upper bound, or the fixed
     size with ``fixed``), the checkpoint interval in steps, the elastic resize interval, the
-    bounds on the driver's start and on its end after the window, and ``steady_seconds``
-    (if set, workers stop that many seconds after their group's first step)."""
+    bounds on the driver's start and on its end after the window, ``steady_seconds``
+    (if set, workers stop that many seconds after their group's first step) and ``links``
+    (a ``NodeLinks``: the cluster is on separate hosts with a link profile's shaped links,
+    gloo on each node's ``eth0``; None: every node on loopback)."""
 
     max_workers: int
     checkpoint_every: int = 20
@@ -51,6 +53,7 @@ class RayTrainOptions:
     startup_timeout_s: float = 300.0
     finish_timeout_s: float = 240.0
     steady_seconds: float | None = None
+    links: object = None  # NodeLinks | None
 
 
 def calibrate_raytrain(config, counts: Sequence[int], seconds: float, options: RayTrainOptions,
@@ -108,13 +111,15 @@ class RayTrainRun:
 
 
 def _raytrain_command(duration_s: float, options: RayTrainOptions, address: str,
-                      recorder: str, storage: str, config_file: str) -> list[str]:
+                      recorder: str, storage: str, config_file: str,
+                      gloo_ifname: str) -> list[str]:
     cmd = [sys.executable, "-m", "moshray.jobs.bench.raytrain_baseline", "--address", address,
            "--config", config_file, "--duration", str(duration_s),
            "--max-workers", str(options.max_workers),
            "--checkpoint-every", str(options.checkpoint_every), "--storage-path", storage,
            "--cpus-per-worker", str(CPUS_PER_NODE),
-           "--resize-interval", str(options.resize_interval_s), "--recorder", recorder]
+           "--resize-interval", str(options.resize_interval_s), "--recorder", recorder,
+           "--gloo-ifname", gloo_ifname]
     if options.steady_seconds is not None:
         cmd += ["--steady-seconds", str(options.steady_seconds)]
     return cmd + (["--fixed"] if options.fixed else [])
@@ -138,18 +143,24 @@ def run_raytrain(config, events, duration_s: float, options: RayTrainOptions,
     storage = str(out_dir / "raytrain")
     config_file = out_dir / "raytrain-config.json"
     config_file.write_text(json.dumps(config.to_dict()))
-    local = LocalCluster(LocalClusterConfig(spot_nodes=0, cpus_per_node=CPUS_PER_NODE))
+    shaped = options.links
+    local = LocalCluster(LocalClusterConfig(
+        spot_nodes=0, cpus_per_node=CPUS_PER_NODE,
+        **({} if shaped is None else dict(hosts="netns", **shaped.cluster_fields()))))
     node_log: list[tuple[float, str, int]] = []
     proc = None
     driver_log = open(out_dir / "raytrain-driver.log", "w")  # noqa: SIM115 - closed below
     try:
         for slot in initial_slots(events):
             local.add_node(slot)
-        env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo")
-        env.pop("RAY_ADDRESS", None)
+        env = local.driver_env()
+        env.pop("RAY_ADDRESS", None)  # (--address names it)
+        # separate hosts: gloo on each node's side of its (shaped) link
+        gloo_ifname = "lo" if shaped is None else "eth0"
+        env["GLOO_SOCKET_IFNAME"] = gloo_ifname
         proc = subprocess.Popen(
             _raytrain_command(duration_s, options, local.address, recorder, storage,
-                              str(config_file)),
+                              str(config_file), gloo_ifname),
             stdout=subprocess.PIPE, stderr=driver_log, text=True, env=env)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],

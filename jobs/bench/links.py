@@ -241,14 +241,14 @@ def _round(value: float | None) -> float | None:
 # --------------------------------------------------------------------------- the edge
 
 
-def model_figures(sets: Sequence[str], nodes: int, repeats: int = 5) -> tuple[int, float]:
-    """(fp16 gradient bytes, compute seconds of one node's share of a global step) of the
-    model ``sets`` configures, measured here on one thread as a replica runs."""
+def model_figures(config, nodes: int, repeats: int = 5) -> tuple[int, float]:
+    """(fp16 gradient bytes, compute seconds of one node's share of a global step) of
+    ``config``'s model (a ``TrainConfig``) on ``nodes`` nodes, measured here on one thread
+    as a replica runs."""
     import torch
 
     from moshray.jobs.examples.lm.model import build_model
 
-    config = _config(sets)
     torch.set_num_threads(1)
     model = build_model(config.model.to_model_config(), seed=0)
     params = sum(p.numel() for p in model.parameters())
@@ -261,6 +261,26 @@ def model_figures(sets: Sequence[str], nodes: int, repeats: int = 5) -> tuple[in
     micro_s = (time.perf_counter() - started) / repeats
     accum = max(1, math.ceil(t.target_batch_size / (nodes * t.batch_size)))
     return 2 * params, micro_s * accum
+
+
+def profile_links(profile_name: str, config, nodes: int):
+    """``(NodeLinks, wire_bytes, compute_s)``: link profile ``profile_name`` laid onto
+    ``nodes`` separate hosts for ``config``'s model (``model_figures``: the rates give the
+    profile's compute-to-communication ratio), after one line on stderr saying so.
+    ``ValueError`` (one line naming the choices) for an unknown profile;
+    ``LinksBenchError`` where network namespaces cannot be made here."""
+    from moshray.jobs.local import links, netns
+
+    profile = links.get_profile(profile_name)
+    why = netns.unavailable()
+    if why:
+        raise LinksBenchError(f"link profiles need separate hosts (network namespaces): {why}")
+    wire_bytes, compute_s = model_figures(config, nodes)
+    laid = links.lay_out(profile, nodes, wire_bytes, compute_s)
+    print(f"links {profile.name}: {profile.description}; model {wire_bytes / 1e3:.0f} kB fp16 "
+          f"gradients, {compute_s * 1e3:.0f} ms compute per node per step -> links "
+          f"{laid.mbit} Mbit/s", file=sys.stderr, flush=True)
+    return laid, wire_bytes, compute_s
 
 
 def _config(sets: Sequence[str]):
@@ -284,11 +304,9 @@ class LinkBytes:
 
 
 def _driver_env(cluster, home: Path) -> dict:
-    env = dict(os.environ, RAY_ADDRESS=cluster.address, RAY_AUTH_MODE="token",
-               RAY_AUTH_TOKEN_PATH=cluster.auth_token_path,
-               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", HOME=str(home))
-    for name in ("RAY_AUTH_TOKEN", "MOSHRAY_CHECKPOINT_URI"):
-        env.pop(name, None)
+    env = cluster.driver_env()
+    env["HOME"] = str(home)
+    env.pop("MOSHRAY_CHECKPOINT_URI", None)
     home.mkdir(parents=True, exist_ok=True)
     return env
 
@@ -480,21 +498,15 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
         out_dir: Path, systems: Sequence[str] = SYSTEMS) -> dict:
     """The whole bench (see the module docstring); returns the JSON object."""
     from moshray.actors.replica.mode_choice import choose_mode
-    from moshray.jobs.local import links, netns
+    from moshray.jobs.local import links
     from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig
 
     profile = links.get_profile(profile_name)
-    why = netns.unavailable()
-    if why:
-        raise LinksBenchError(f"bench links needs separate hosts (network namespaces): {why}")
     sets = SHORT_MODEL if short else FULL_MODEL
-    wire_bytes, compute_s = model_figures(sets, nodes)
-    rates = links.node_rates(profile, nodes, wire_bytes, compute_s)
+    laid, wire_bytes, compute_s = profile_links(profile_name, _config(sets), nodes)
+    rates = laid.mbit
     slowest = min((r for r in rates if r is not None), default=None)
     choice = choose_mode(slowest * 1e6 if slowest else 10e9, wire_bytes, compute_s)
-    print(f"bench links: {profile.name}: {profile.description}; model {wire_bytes / 1e3:.0f} "
-          f"kB fp16 gradients, {compute_s * 1e3:.0f} ms compute per node per step -> links "
-          f"{rates} Mbit/s", file=sys.stderr, flush=True)
     print(choice.line, file=sys.stderr, flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     curves: dict[str, Curve] = {}
@@ -504,9 +516,8 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
     cluster = LocalCluster(LocalClusterConfig(spot_nodes=nodes, hosts="netns",
                                               cpus_per_node=1, head_cpus=1,
                                               object_store_bytes=100 * 1024 * 1024,
-                                              zones=profile.node_zones(nodes)))
+                                              **laid.cluster_fields()))
     try:
-        links.apply(cluster, rates)
         counter = LinkBytes(cluster, range(nodes))
         for name in systems:
             started = time.monotonic()

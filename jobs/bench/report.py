@@ -179,6 +179,27 @@ def _goodput_rows(f: Mapping) -> Rows:
     ]
 
 
+def _links_of(f: Mapping) -> str:
+    links = f.get("links") or {}
+    return f"{links.get('profile', '-')} ({links.get('link_mbit', '-')} Mbit/s)"
+
+
+def _goodput_links_line(f: Mapping) -> str:
+    rt = f.get("moshray_vs_raytrain")
+    return (f"links {_links_of(f)}: `moshray_vs_raytrain` {fmt(rt, '.2f')}{_met(rt, 3.0)}, "
+            f"`moshray_vs_ideal` {fmt(f.get('moshray_vs_ideal'), '.3f')}")
+
+
+def _goodput_links_rows(f: Mapping) -> Rows:
+    rt = f.get("moshray_vs_raytrain")
+    rows = [("link profile (Mbit/s per node)", _links_of(f))]
+    rows += [(label, value) for label, value in _goodput_rows(f)
+             if not label.startswith("`moshray_vs_raytrain`")]
+    rows.insert(3, ("`moshray_vs_raytrain` on these links (target >= 3)",
+                    fmt(rt, ".2f") + _met(rt, 3.0)))
+    return rows
+
+
 _RECOVERY = (("notice_to_rebalanced_s", "notice -> rebalanced", 1.0),
              ("hard_kill_to_progress_s", "hard kill -> progress", 5.0),
              ("join_to_contribution_s", "join -> first contribution", 15.0),
@@ -282,7 +303,12 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("goodput", "goodput under a real AWS spot trace, against Ray Train",
              "moshray bench goodput --trace aws-g4dn-xlarge-us-east-1c-2020-11-20 "
              "--max-nodes 4 --duration 600 --calib-seconds 40 --json",
-             _goodput_line, _goodput_rows),
+             _goodput_line, _goodput_rows, takes=lambda command: "--links" not in command),
+    Headline("goodput", "goodput under a spot trace and slow links at once, against Ray Train",
+             "moshray bench goodput --trace aws-g4dn-xlarge-us-east-1c-2020-11-20 "
+             "--time-scale 30 --links slow --max-nodes 3 --duration 150 --calib-nodes 3 "
+             "--calib-seconds 30 --json", _goodput_links_line, _goodput_links_rows, key="goodput-links",
+             takes=lambda command: "--links" in command),
     Headline("recovery", "recovery of the training job: notice, hard kill, join, experts",
              "moshray bench recovery --trials 1 --json", _recovery_line, _recovery_rows),
     Headline("allreduce", "Moshpit All-Reduce against torch.distributed gloo",

@@ -211,9 +211,13 @@ def _trace_events(config):
 
 def run_embedded(config, job: Callable[[str], dict],
                  on_cloud_event: Callable[[CloudEvent], None] | None = None,
-                 on_cloud: Callable[[LocalCloud], None] | None = None) -> dict:
+                 on_cloud: Callable[[LocalCloud], None] | None = None,
+                 links=None) -> dict:
     """Start the embedded cluster, run ``job(address)`` on it while replaying the trace,
     stop everything; returns what ``job`` returned (re-raises what it raised).
+    ``links`` (a ``jobs.local.links.NodeLinks``, with ``cluster.hosts = "netns"``): every
+    node's link and zone as a link profile lays them out, a node the trace adds again
+    included (a benchmark's shaped network; the job is not told).
     ``on_cloud_event`` hears each event the cloud carried out or could not
     (``LocalCloud``), on the main thread. ``on_cloud`` receives the ``LocalCloud`` before the
     job starts: a harness that plays more of the cloud (the chaos bench's network faults)
@@ -229,7 +233,8 @@ def run_embedded(config, job: Callable[[str], dict],
     slots = initial_slots(events) if c.trace else tuple(range(c.local_nodes))
     cluster = LocalCluster(LocalClusterConfig(spot_nodes=0, cpus_per_node=2,
                                               gpus_per_node=c.local_gpus, hosts=c.hosts,
-                                              dashboard=c.dashboard))
+                                              dashboard=c.dashboard,
+                                              **(links.cluster_fields() if links else {})))
     result: dict = {}
     done = threading.Event()
     try:

@@ -235,6 +235,10 @@ class LocalClusterConfig:
     # (slot, zone) pairs: the node's ray.io/availability-zone label, as a cloud node's own
     # setup gives it (the Coordinator's grid averages inside a zone first); others have none.
     zones: tuple[tuple[int, str], ...] = ()
+    # netns: (slot, Mbit/s) pairs: the slot's link is shaped to that rate each way as its
+    # node starts, before its raylet joins (a node a trace adds again gets the same link);
+    # others are not shaped. ``jobs/local/links.py`` lays a link profile out this way.
+    link_mbit: tuple[tuple[int, float], ...] = ()
 
     def labels(self, slot: int) -> dict[str, str]:
         """The Ray node labels of ``slot``'s raylet."""
@@ -248,6 +252,13 @@ class LocalClusterConfig:
             raise ValueError(f"spot_nodes must be >= 0, got {self.spot_nodes}")
         if self.object_store_bytes < 80 * 1024 * 1024:
             raise ValueError("object_store_bytes must be at least 80 MiB")
+        if self.link_mbit and self.hosts != "netns":
+            raise ValueError("link_mbit shapes links between separate hosts: it needs "
+                             "hosts='netns'")
+        for slot, mbit in self.link_mbit:
+            if not (isinstance(mbit, (int, float)) and mbit > 0):
+                raise ValueError(f"link_mbit: slot {slot}'s rate must be a positive Mbit/s, "
+                                 f"got {mbit!r}")
 
 
 class LocalCluster:
@@ -332,6 +343,18 @@ class LocalCluster:
     def auth_token_path(self) -> str | None:
         """File holding the token when token authentication is on (else None)."""
         return self._auth.token_path if self._auth else None
+
+    def driver_env(self, base: dict | None = None) -> dict:
+        """The environment of a driver process of its own joining this cluster (``base``,
+        default this process's, with these set): ``RAY_ADDRESS``, the token where
+        authentication is on (``RAY_AUTH_TOKEN`` of ``base`` dropped, so no other wins) and
+        Ray's address rule of this mode (loopback only, or the bridge's addresses)."""
+        env = dict(os.environ if base is None else base, RAY_ADDRESS=self.address,
+                   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1" if self.net else "0")
+        env.pop("RAY_AUTH_TOKEN", None)
+        if self._auth is not None:
+            env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self._auth.token_path)
+        return env
 
     @property
     def dashboard_url(self) -> str | None:
@@ -422,6 +445,9 @@ class LocalCluster:
         imds = None
         proc = None
         try:
+            mbit = dict(self.config.link_mbit).get(slot)
+            if mbit is not None:  # shaped before anything of the node's talks on it
+                self.net.shape(slot, mbit)
             imds = IMDSv2Server(instance_id=f"i-netns{slot:012d}",
                                 listen=self.net.listen_in(slot))
             root = tempfile.mkdtemp(prefix=f"slot{slot}-", dir=self._homes)

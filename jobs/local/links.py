@@ -36,6 +36,7 @@ Profiles (``PROFILES``; the ratio of each node's link, 0 = not shaped):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 REAL_PARAMS = 1e9  # the 1B-parameter model
@@ -117,6 +118,48 @@ def node_rates(profile: LinkProfile, nodes: int, wire_bytes: float,
     ``step_compute_s`` of compute on one node."""
     return tuple(None if r is None else round(mbit_for_ratio(wire_bytes, step_compute_s, r), 3)
                  for r in profile.node_ratios(nodes))
+
+
+@dataclass(frozen=True)
+class NodeLinks:
+    """A profile laid onto a cluster's node slots: slot ``i``'s link at ``mbit[i]`` Mbit/s
+    (None: not shaped) and the zone labels the profile gives (``LinkProfile.node_zones``).
+    Crosses process boundaries as JSON (``to_json`` / ``from_json``): a bench hands it to
+    the driver process that starts its own embedded cluster."""
+
+    profile: str
+    mbit: tuple[float | None, ...]
+    zones: tuple[tuple[int, str], ...] = ()
+
+    def cluster_fields(self) -> dict:
+        """The ``LocalClusterConfig`` fields that lay these links out (with
+        ``hosts="netns"``): every node the cluster starts in a listed slot, at the start or
+        later, gets its link and zone."""
+        return {"link_mbit": tuple((i, r) for i, r in enumerate(self.mbit) if r is not None),
+                "zones": self.zones}
+
+    def to_json(self) -> str:
+        return json.dumps({"profile": self.profile, "mbit": list(self.mbit),
+                           "zones": [list(z) for z in self.zones]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "NodeLinks":
+        """The inverse of ``to_json``; ``ValueError`` for anything else."""
+        try:
+            raw = json.loads(text)
+            return cls(str(raw["profile"]), tuple(None if r is None else float(r)
+                                                  for r in raw["mbit"]),
+                       tuple((int(s), str(z)) for s, z in raw.get("zones", ())))
+        except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not a NodeLinks JSON object: {exc}") from None
+
+
+def lay_out(profile: LinkProfile, nodes: int, wire_bytes: float,
+            step_compute_s: float) -> NodeLinks:
+    """``profile`` on ``nodes`` node slots for a model whose exchange is ``wire_bytes`` and
+    whose step takes ``step_compute_s`` on one node (``node_rates``)."""
+    return NodeLinks(profile.name, node_rates(profile, nodes, wire_bytes, step_compute_s),
+                     profile.node_zones(nodes))
 
 
 def apply(cluster, rates: tuple[float | None, ...]) -> None:

@@ -322,6 +322,7 @@ def _fresh_coordinator(config: TrainConfig):
                          max_group=t.max_group, min_part=t.min_part),
         target_batch_size=t.target_batch_size, name=placement.COORDINATOR_NAME,
         metrics_port=config.metrics.port, step_grace_s=t.step_grace_s,
+        local_steps=t.averaging_local_steps,
         prices=Prices(config.metrics.spot_price_per_hour, config.metrics.on_demand_price_per_hour))
     try:
         ray.get(coordinator.metrics_address.remote(), timeout=60)

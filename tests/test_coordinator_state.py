@@ -273,3 +273,38 @@ def test_the_driver_keeps_every_row_over_a_restart_and_takes_the_restored_histor
     assert after["history"][:3] == held["history"][:3]  # the rows before the restart
     assert after["history"][3][1] > held["history"][3][1]  # step 4's row: the new plan's
     assert read_stats(fetch, after)["history"] == after["history"] and asked[-1] == 4
+
+
+# --------------------------------------------------------------------------- the step trigger
+
+
+def test_step_due_counts_samples_for_collaborative_steps_and_local_steps_for_local_sgd():
+    from moshray.cluster.coordinator.progress import step_due
+
+    a, b = ProgressReport("a", 3, 48, micro=3), ProgressReport("b", 3, 80, micro=5)
+    assert step_due([a, b], 2, target_batch_size=128)  # 128 samples: a collaborative step
+    assert not step_due([a, b], 2, target_batch_size=129)
+    # local SGD: 8 local steps between averages, 2 eligible peers: 16 micro-batches needed,
+    # whatever the samples (the old trigger fired after 128 samples, i.e. 8 steps together)
+    assert step_due([a, b], 2, target_batch_size=128, local_steps=4)
+    assert not step_due([a, b], 2, target_batch_size=128, local_steps=8)
+    assert step_due([ProgressReport("a", 3, 1000, micro=10), ProgressReport("b", 3, 900, micro=6)],
+                    2, target_batch_size=1, local_steps=8)
+    # an eligible peer that has not reported at this epoch counts as zero local steps
+    assert not step_due([ProgressReport("a", 3, 1000, micro=10)], 2, 1, local_steps=8)
+    assert not step_due([ProgressReport("a", 3, 0, micro=0)], 1, 1, local_steps=0)
+
+
+def test_a_local_sgd_coordinator_plans_after_local_steps_not_after_target_samples():
+    core = CoordinatorCore(MembershipConfig(peer_ttl_s=30.0), clock=Clock(),
+                           target_batch_size=16, local_steps=4)
+    core.progress.grace_s = 0.0
+    ready(core, ["a", "b"])
+    # 3 local steps of 16 samples each: far past target_batch_size, but no step yet
+    for p in ("a", "b"):
+        assert core.report(ProgressReport(p, 0, 48, micro=3)).plan is None
+    assert core.epoch == 0
+    core.report(ProgressReport("a", 0, 64, micro=4))
+    assert core.epoch == 0  # 7 of the 8 local steps the two peers owe
+    reply = core.report(ProgressReport("b", 0, 64, micro=4))
+    assert core.epoch == 1 and reply.plan is not None and dict(reply.plan.shares).keys() == {"a", "b"}

@@ -47,7 +47,8 @@ class Swarm:
         self.config = config
         self.coordinator = coordinator_mod.get_or_create(
             MembershipConfig(peer_ttl_s=max(3.0, t.round_timeout_s)),
-            target_batch_size=t.target_batch_size, name=f"test-swarm-{next(_names)}")
+            target_batch_size=t.target_batch_size, local_steps=t.averaging_local_steps,
+            name=f"test-swarm-{next(_names)}")
         files = resolve_data(None, "~/.cache/moshray/corpus")
         self.supervisor = ReplicaSupervisor(config, files, self.coordinator, None)
         for slot in slots:

@@ -323,7 +323,8 @@ class StepManager:
         s = self.state
         report = ProgressReport(self.peer_id, s.epoch, self.tally.samples,
                                 self.tally.mean_loss, s.step_checksum, self.own_rejections,
-                                tuple(self._saw_rejections), self._numel(), self._contributed)
+                                tuple(self._saw_rejections), self._numel(), self._contributed,
+                                self.tally.micro)
         self._saw_rejections.clear()
         self._contributed = None
         ref = self.coordinator.report.remote(report)

@@ -210,8 +210,11 @@ def get_or_create(
     config: MembershipConfig | None = None, target_batch_size: int = 256, name: str | None = None,
     metrics_port: int | None = None, metrics_host: str = metrics.LOOPBACK,
     prices: metrics.Prices | None = None, step_grace_s: float = 2.0,
+    local_steps: int | None = None,
 ) -> ray.actor.ActorHandle:
     """The cluster's Coordinator: created detached on the head node on first call.
+    ``local_steps``: local SGD's local steps between averages (None: collaborative steps of
+    ``target_batch_size`` samples; ``progress.step_due``).
 
     With ``metrics_port`` (0: any free port) it serves Prometheus metrics on
     ``metrics_host``; ``metrics_address.remote()`` tells where. Ignored if it exists already.
@@ -231,7 +234,7 @@ def get_or_create(
         **placement.on_head(),
     ).remote(config or MembershipConfig(), target_batch_size=target_batch_size,
              metrics_port=metrics_port, metrics_host=metrics_host, prices=prices,
-             step_grace_s=step_grace_s, state_key=f"{name}/{uuid.uuid4().hex}")
+             step_grace_s=step_grace_s, local_steps=local_steps, state_key=f"{name}/{uuid.uuid4().hex}")
 
 
 def remove(coordinator, timeout_s: float = 10.0) -> None:

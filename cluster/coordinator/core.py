@@ -51,6 +51,7 @@ class CoordinatorCore:
         clock: Callable[[], float] = time.monotonic,
         target_batch_size: int = 256,
         step_grace_s: float = 2.0,
+        local_steps: int | None = None,
         restarted: bool = False,
         store: DurableState | None = None,
     ):
@@ -62,7 +63,7 @@ class CoordinatorCore:
         self.started = clock()
         self.history_id = uuid.uuid4().hex  # names the step history (kept over restarts)
         self.restarts = 0
-        self.steps = StepService(config, target_batch_size, step_grace_s)
+        self.steps = StepService(config, target_batch_size, step_grace_s, local_steps)
         self.steps.on_plan = self._on_plan
         self.notices = NoticeBook()
         self.shards = ShardService()

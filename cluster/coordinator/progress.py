@@ -1,9 +1,11 @@
 """DeDLOC-style collaborative steps: pure bookkeeping behind the Coordinator.
 
 Replicas report, after each micro-batch, the last global step they applied (``epoch``),
-the samples accumulated since, the mean loss of those samples and a digest of their
-parameters. When the samples reported by ready peers at the current epoch reach
-``target_batch_size``, the tracker asks ``Membership`` for the plan of the next epoch over
+the samples and micro-batches accumulated since, the mean loss of those samples and a
+digest of their parameters. When the step is due (``step_due``: in collaborative mode the
+samples reported by ready peers at the current epoch reach ``target_batch_size``; in local
+SGD the ready peers' micro-batches, their local steps, average ``local_steps``), the tracker
+asks ``Membership`` for the plan of the next epoch over
 *every* ready, live, non-draining peer at the current epoch, each contributing what it has
 (zero samples allowed). A ready peer still finishing the previous step gets a short grace
 (``grace_s``) to report at the current epoch before the plan is made without it. The plan
@@ -26,6 +28,7 @@ back over steps nobody was ever seen applying is an *abandoned* plan, not a roll
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from moshray.cluster.coordinator.membership import Membership
@@ -53,6 +56,21 @@ class ProgressReport:
     # (epoch, samples): what this peer put into the step ``epoch`` it just applied, once
     # (see step_samples.py); None otherwise
     contributed: tuple[int, int] | None = None
+    micro: int = 0  # micro-batches (local steps in local SGD) since ``epoch``
+
+
+def step_due(current: Sequence[ProgressReport], eligible: int, target_batch_size: int,
+             local_steps: int | None = None) -> bool:
+    """Is the next global step due, from the reports at the current epoch of the
+    ``eligible`` ready, live peers? Collaborative steps (``local_steps`` None): once their
+    samples reach ``target_batch_size``. Local SGD: once their micro-batches (local steps)
+    since the last average reach ``local_steps`` per eligible peer on average (a slow peer
+    contributes fewer, a fast one more; the average weighs them by samples), and some
+    samples were taken. Pure."""
+    samples = sum(r.samples for r in current)
+    if local_steps is None:
+        return samples >= target_batch_size
+    return samples > 0 and sum(r.micro for r in current) >= local_steps * max(eligible, 1)
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,7 @@ class StepTiming:
 class ProgressTracker:
     membership: Membership
     target_batch_size: int
+    local_steps: int | None = None  # local SGD: the local steps between averages (step_due)
     ready: set[str] = field(default_factory=set)
     reports: dict[str, ProgressReport] = field(default_factory=dict)
     plan: RoundPlan | None = None  # the latest published plan (of the current epoch)
@@ -350,8 +369,7 @@ class ProgressTracker:
             return
         current = [self.reports[p] for p in eligible
                    if p in self.reports and self.reports[p].epoch == self.epoch]
-        samples = sum(r.samples for r in current)
-        if samples < self.target_batch_size:
+        if not step_due(current, len(eligible), self.target_batch_size, self.local_steps):
             self._full_since = None
             return
         if self._full_since is None:

@@ -37,9 +37,9 @@ class StepService:
     """
 
     def __init__(self, config: MembershipConfig, target_batch_size: int = 256,
-                 step_grace_s: float = 2.0):
+                 step_grace_s: float = 2.0, local_steps: int | None = None):
         self.membership = Membership(config)
-        self.progress = ProgressTracker(self.membership, target_batch_size,
+        self.progress = ProgressTracker(self.membership, target_batch_size, local_steps,
                                         grace_s=step_grace_s, hold_s=2 * config.peer_ttl_s)
         self._lost_peer = False  # a ready peer left: re-plan without it (``replan``)
         self.checkpoint: CheckpointRef | None = None  # the newest one saved (``note_checkpoint``)

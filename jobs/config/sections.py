@@ -263,6 +263,13 @@ class TrainingSection(_Section):
         return self.overlap == "on" or (cuda and cls.overlap_auto)
 
     @property
+    def averaging_local_steps(self) -> int | None:
+        """The Coordinator's step trigger: ``local_steps`` in ``local_sgd`` mode (a global
+        step after that many local steps per replica on average), None for collaborative
+        steps of ``target_batch_size`` samples (``mode`` "auto" is resolved before)."""
+        return self.local_steps if self.mode == "local_sgd" else None
+
+    @property
     def wire_codec(self) -> str:
         """The codec ``compression`` resolves to for this mode."""
         if self.compression != "auto":

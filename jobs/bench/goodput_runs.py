@@ -98,7 +98,7 @@ class RayTrainRun:
     rewinds: tuple[tuple[float, int], ...]  # (t_s, resumed-from step) per worker group start
     checkpoint: str | None  # the final state file, else the newest persisted (``latest_persisted``)
     error: str | None
-    node_log: tuple[tuple[float, str, int], ...]  # (t_s, add|remove, slot) as applied
+    node_log: tuple[tuple[float, str, int], ...]  # (t_s, add|remove|add-failed, slot)
     worlds: tuple[int, ...] = ()  # the worker group's size at each record
 
     def to_json(self) -> dict:
@@ -181,7 +181,14 @@ def run_raytrain(config, events, duration_s: float, options: RayTrainOptions,
             if ev.kind == "add" and ev.slot not in local.live_slots():
                 if ev.slot in removals:  # the slot's old raylet must be gone first
                     removals.pop(ev.slot).join(timeout=120)
-                local.add_node(ev.slot)  # raylets start only from the main thread
+                try:
+                    local.add_node(ev.slot)  # raylets start only from the main thread
+                except RuntimeError as exc:  # the node never came, as moshray's cloud
+                    # records it (LocalCloud.add): `ray start` failed or never registered
+                    node_log.append((time.time() - t0, "add-failed", ev.slot))
+                    print(f"raytrain: add slot {ev.slot} failed at {node_log[-1][0]:.1f} s: "
+                          f"{str(exc).splitlines()[0][:200]}", flush=True)
+                    continue
             elif ev.kind in ("remove", "kill") and ev.slot in local.live_slots():
                 # A removal happens at its deadline, with no notice to Ray Train; a kill is a
                 # hard loss. Stopping a raylet can take seconds under load: do it aside so

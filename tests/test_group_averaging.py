@@ -227,6 +227,7 @@ def test_a_group_whose_peer_dies_between_the_phases_applies_nothing(ray_local):
         assert "missing d-b/r1" in outcomes[1].reason
         assert outcomes[0].reason == "another rank of the group did not get the whole average"
         assert digest(a.full_state().values()) == digest(before.values())
-        with pytest.raises(GroupError, match="group d-b: rank 1 failed in compute_grads"):
+        # b's rank 0 may fail first (its gloo peer is gone): either rank is named
+        with pytest.raises(GroupError, match="group d-b: rank [01] failed in compute_grads"):
             train_together([a, b], t, steps=1)
         assert b.broken and not a.broken  # close() kills b's ranks without asking

@@ -79,10 +79,10 @@ from moshray.cluster.collective.averager import (
 from moshray.cluster.messages import Contribution, PartResult, RoundPlan
 
 from moshray.actors.replica.group_averaging import (
-    BatchPart, GradReport, GroupPeers, JoinAnswer, RankStep, ShardHandoff, StepTogether,
-    averaged_tensors, fill_local_state, incomplete, layout_difference, local_part,
-    local_state, rank_peer_id, rank_plan, rank_rows, shard_layout, state_digest,
-    write_averaged,
+    BatchPart, GradReport, GroupFailure, GroupPeers, JoinAnswer, LocalReport, RankStep,
+    ShardHandoff, StepTogether, averaged_tensors, fill_local_state, incomplete,
+    layout_difference, local_part, local_state, parameter_tensors, rank_peer_id, rank_plan,
+    rank_rows, shard_layout, state_digest, write_averaged,
 )
 from moshray.actors.replica.group_checkpoint import (
     CheckpointAnswer, CheckpointError, CheckpointManifest, first_difference, load_state,
@@ -93,6 +93,8 @@ log = logging.getLogger(__name__)
 
 PARALLEL = ("fsdp", "ddp")  # FSDP2 (fully_shard): each rank holds 1/W; DDP: every rank all
 BACKENDS = ("auto", "gloo", "nccl")
+NODE_ID_LABEL = "ray.io/node-id"  # Ray's own label: GroupConfig.node_labels pins one node
+PLACE_POLL_S = 1.0  # a pinned placement checks this often that its node is still alive
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adamw": torch.optim.AdamW,
@@ -519,25 +521,37 @@ class GroupRank:
         model, optimizer and lr are not used otherwise). Every rank calls this."""
         return await self._run(self._train, task)
 
-    def _train(self, task: GroupTask) -> RankReport:
-        world = self.settings.world_size
+    def _own_steps(self, task: GroupTask, count: int, part: BatchPart
+                   ) -> tuple[list[float], list[float], int]:
+        """``count`` optimizer steps of this group alone from the step held, on this rank's
+        rows of the group's ``part`` of each step's batch (a model built from ``task`` at
+        step 0 when none is held). Returns the losses, the seconds of every step after the
+        first (which pays for warm-up: allocations, kernels, connections) and the rows
+        trained."""
         if self.model is None:
             self._hold(task, task.build_model().to(self.device))
-        model, opt, first = self.model, self.opt, self.step
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        losses, seconds = [], []
+        opt, first = self.opt, self.step
+        losses, seconds, rows = [], [], 0
         opt.zero_grad(set_to_none=True)  # gradients a collaborative step left are not ours
         self.grads_of = None
-        for step in range(first, first + task.steps):
+        index, parts = rank_rows(part, self.rank, self.settings.world_size)
+        for step in range(first, first + count):
             t0 = time.perf_counter()
-            losses.append(self._forward_backward(task, rank_slice(task.batch(step), self.rank,
-                                                                  world)))
+            batch = rank_slice(task.batch(step), index, parts)
+            losses.append(self._forward_backward(task, batch))
+            rows += int(batch[0].shape[0])
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if step > first:  # the first pays for warm-up (allocations, kernels, connections)
+            if step > first:
                 seconds.append(time.perf_counter() - t0)
             self.step = step + 1
+        return losses, seconds, rows
+
+    def _train(self, task: GroupTask) -> RankReport:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        losses, seconds, _ = self._own_steps(task, task.steps, BatchPart(0, 1))
+        model = self.model
         held = [_local(p) for p in model.parameters()]
         full = self._full_params()
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" \
@@ -578,11 +592,21 @@ class GroupRank:
         dropped. A rank that holds no gradients of its step (no ``compute_grads`` since)
         votes no without averaging; an averaging that raises is voted down, then raised:
         the other ranks are never left waiting in the vote."""
+        return await self._average(plan, weight, self._flat_grads, self._apply_averaged)
+
+    async def _average(self, plan: RoundPlan, weight: float, take: Callable,
+                       put: Callable) -> RankStep:
+        """One averaging phase: ``take()`` (compute thread) gives ``(step, flat values)``
+        or ``(step, None)`` when there is nothing to average; the Averager averages them
+        over ``plan`` on the loop; ``put(averaged or None, reason)`` (compute thread) runs
+        the group's vote and writes only on a yes. An averaging that raises is voted down
+        first, then raised: the other ranks are never left waiting in the vote."""
         t0 = time.perf_counter()
-        step, flat = await self._run(self._flat_grads)
+        step, flat = await self._run(take)
         averaged, contributors, failure = None, (), None
         reason = None if flat is not None else \
-            f"rank {self.rank}: no gradients of step {step} held (compute_grads first)"
+            f"rank {self.rank}: nothing of step {step} to average (no model, or no " \
+            f"gradients held: compute_grads first)"
         try:
             if flat is not None:
                 (averaged,), report = await self.averager.all_reduce(
@@ -592,12 +616,51 @@ class GroupRank:
             reason = str(exc)
         except Exception as exc:  # noqa: BLE001 - voted down first, raised below
             reason, failure = f"{type(exc).__name__}: {exc}", exc
-        applied, reason = await self._run(self._apply_averaged,
-                                          averaged if reason is None else None, reason)
+        applied, reason = await self._run(put, averaged if reason is None else None, reason)
         if failure is not None:
             raise failure
         return RankStep(self.rank, step, applied, reason, tuple(contributors),
                         0 if flat is None else int(flat.size), time.perf_counter() - t0)
+
+    # -- a local SGD round with other groups (group_averaging.py) ---------------------------
+
+    async def local_steps(self, task: GroupTask, first: int, count: int,
+                          part: BatchPart) -> LocalReport:
+        """The inner phase of a local SGD round: ``count`` steps of this group alone, with
+        its own optimizer, on this rank's rows of the group's ``part`` of the batches of
+        steps ``first`` .. ``first + count - 1``. ``GroupError`` when the rank holds another
+        step than ``first``. Every rank calls this."""
+        return await self._run(self._local_steps, task, first, count, part)
+
+    def _local_steps(self, task: GroupTask, first: int, count: int,
+                     part: BatchPart) -> LocalReport:
+        if first != (self.step if self.model is not None else 0):
+            raise GroupError(f"rank {self.rank}: asked for local steps from step {first}, "
+                             f"holds step {self.step}")
+        t0 = time.perf_counter()
+        losses, _, rows = self._own_steps(task, count, part)
+        return LocalReport(self.rank, first, count, losses[-1], rows, time.perf_counter() - t0)
+
+    async def average_params(self, plan: RoundPlan, weight: float) -> RankStep:
+        """The averaging phase of a local SGD round: average this rank's parameter shard
+        (and float buffers; ``parameter_tensors``) with the plan's peers, weighted by
+        ``weight``; the group's ranks vote and write the average only if every rank got
+        the whole plan's (as ``average_and_apply``). The optimizer state is left as it is.
+        Not written, the parameters stay those of the inner steps, so a round whose
+        average failed may be averaged again (a fresh epoch) with fewer groups."""
+        return await self._average(plan, weight, self._flat_params, self._write_params)
+
+    def _flat_params(self) -> tuple[int, Any]:
+        if self.model is None:
+            return self.step, None
+        return self.step, flatten(parameter_tensors(self.model))
+
+    def _write_params(self, averaged: Any, reason: str | None) -> tuple[bool, str | None]:
+        def write() -> None:
+            targets = parameter_tensors(self.model)
+            write_averaged(self.model, unflatten(averaged, targets), targets)
+
+        return self._vote_then(averaged, reason, write)
 
     def _flat_grads(self) -> tuple[int, Any]:
         """(step, the values to average as one float32 vector), or (step, None) when the
@@ -607,14 +670,23 @@ class GroupRank:
         return self.step, flatten(averaged_tensors(self.model))
 
     def _apply_averaged(self, averaged: Any, reason: str | None) -> tuple[bool, str | None]:
-        """The group's vote (a collective), then the step if every rank voted yes."""
+        """The group's vote, then the step with the averaged gradients on a yes."""
+        def step() -> None:
+            write_averaged(self.model, unflatten(averaged, averaged_tensors(self.model)))
+            self.opt.step()
+            self.step += 1
+
+        return self._vote_then(averaged, reason, step)
+
+    def _vote_then(self, averaged: Any, reason: str | None,
+                   write: Callable[[], None]) -> tuple[bool, str | None]:
+        """The group's vote (a collective: yes when this rank holds the whole average),
+        then ``write()`` if every rank voted yes; the gradients are dropped either way."""
         votes = torch.tensor([0 if averaged is None else 1], device=self.device)
         dist.all_reduce(votes, op=dist.ReduceOp.MIN)
         applied = bool(votes.item())
         if applied:
-            write_averaged(self.model, unflatten(averaged, averaged_tensors(self.model)))
-            self.opt.step()
-            self.step += 1
+            write()
         elif reason is None:
             reason = "another rank of the group did not get the whole average"
         if self.opt is not None:
@@ -756,12 +828,14 @@ class ReplicaGroup:
     step: int | None = None  # the next step the ranks train; None until train / load
     epoch: int = -1  # the last averaging epoch the ranks took part in (train_together)
 
-    def _get(self, refs: list, what: str) -> list:
-        """The results of one call per rank, in rank order, within ``timeout_s``. The first
-        rank to fail raises ``GroupError`` at once (the others may be waiting for it inside
-        a collective); at the deadline ``GroupError`` names the ranks still busy. Either way
-        the group is marked broken (``close`` then kills without asking)."""
-        deadline = time.monotonic() + self.config.timeout_s
+    def _get(self, refs: list, what: str, deadline: float | None = None) -> list:
+        """The results of one call per rank, in rank order, within ``timeout_s`` (or by
+        ``deadline``, a ``time.monotonic()`` value). The first rank to fail raises
+        ``GroupError`` at once (the others may be waiting for it inside a collective); at
+        the deadline ``GroupError`` names the ranks still busy. Either way the group is
+        marked broken (``close`` then kills without asking)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.config.timeout_s
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         out: dict[int, Any] = {}
         pending = list(refs)
@@ -795,10 +869,18 @@ class ReplicaGroup:
         self.placement = placement_group(list(bundles), strategy="STRICT_PACK",
                                          name=f"moshray-group-{c.name}-{uuid.uuid4().hex[:6]}",
                                          bundle_label_selector=selector)
-        if not self.placement.wait(timeout_seconds=c.timeout_s):
-            nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-            raise GroupError(f"group {c.name}: not placed within {c.timeout_s:g} s: "
-                             f"{placement_shortfall(bundles, nodes, c.node_labels)}")
+        pinned = dict(c.node_labels).get(NODE_ID_LABEL)
+        deadline = time.monotonic() + c.timeout_s
+        while not self.placement.wait(timeout_seconds=min(PLACE_POLL_S, max(
+                0.0, deadline - time.monotonic()))):
+            rows = ray.nodes()
+            if pinned and not any(n["NodeID"] == pinned and n.get("Alive") for n in rows):
+                raise GroupError(f"group {c.name}: not placed: node {pinned[:12]} it is "
+                                 f"pinned to is not alive")
+            if time.monotonic() >= deadline:
+                nodes = [n["Resources"] for n in rows if n.get("Alive")]
+                raise GroupError(f"group {c.name}: not placed within {c.timeout_s:g} s: "
+                                 f"{placement_shortfall(bundles, nodes, c.node_labels)}")
 
     def start(self, **actor_options: Any) -> list[dict]:
         """Place the ranks on one node (``_place``), start them (extra Ray
@@ -958,71 +1040,200 @@ class ReplicaGroup:
 # -- groups that train together ------------------------------------------------------------
 
 
-def train_together(groups: Sequence[ReplicaGroup], task: GroupTask,
-                   steps: int | None = None) -> list[StepTogether]:
-    """Train ``steps`` (default ``task.steps``) collaborative steps with ``groups``, averaged
-    by shard (group_averaging.py). The groups must be started, of one world size and
-    parallel mode, with unique names, and hold the same step (or none: step 0, models built
-    from ``task``). Data: the global batch of step ``s`` (``task.batch(s)``) is split into
-    ``len(groups)`` contiguous equal parts, group ``g`` (in the order given) training part
-    ``g`` and each of its ranks its slice of that (the rows must divide by groups x ranks);
-    a group's weight is its rows. So with no failures a step equals one process on the whole
-    batch, and every group holds bitwise the same state after it.
-
-    Each step runs its two phases on every rank of every group, each bounded by the group's
-    ``timeout_s``: the gradients, then the average-and-apply over ``rank_plan(epoch, ...,
-    r)`` (a fresh epoch above every group's last). ``GroupError`` (one line) when a rank
-    fails or times out (naming the group and rank; that group is marked broken), or when a
-    group did not apply a step (its round was incomplete: the reason named); groups that
-    applied it moved on to the next step, the others stay at it."""
-    steps = task.steps if steps is None else steps
+def _checked(groups: Sequence[ReplicaGroup], what: str) -> list[GroupPeers]:
+    """The groups as the plans see them; ``GroupError`` (one line) when there are none, one
+    is not started, or their shards differ (``rank_plan``'s checks)."""
     if not groups:
-        raise GroupError("train_together: no groups")
+        raise GroupError(f"{what}: no groups")
     for g in groups:
-        g._started("train_together")
-    at = {g.config.name: g.step or 0 for g in groups}
-    if len(set(at.values())) != 1:
-        raise GroupError(f"train_together: the groups hold different steps ({at}); a group "
-                         f"behind joins from one ahead first (join_from)")
+        g._started(what)
     try:
         peers = [g.peers() for g in groups]
         rank_plan(0, peers, 0)  # the checks: names, world sizes, parallel modes
     except ValueError as exc:
-        raise GroupError(f"train_together: {exc}") from None
-    world, names = groups[0].config.world_size, tuple(at)
+        raise GroupError(f"{what}: {exc}") from None
+    return peers
+
+
+def _gather(groups: Sequence[ReplicaGroup], calls: Sequence[list], what: str
+            ) -> tuple[dict[str, list], list[GroupFailure]]:
+    """The results of calls already made on every rank of every group (``calls[i]``: group
+    ``i``'s refs in rank order), by name, within one deadline (the longest ``timeout_s``);
+    a group whose rank failed or timed out is a broken ``GroupFailure`` instead."""
+    deadline = time.monotonic() + max(g.config.timeout_s for g in groups)
+    results: dict[str, list] = {}
+    failures: list[GroupFailure] = []
+    for g, refs in zip(groups, calls):
+        try:
+            results[g.config.name] = g._get(refs, what, deadline)
+        except GroupError as exc:
+            failures.append(GroupFailure(g.config.name, True, str(exc)))
+    return results, failures
+
+
+def average_phase(groups: Sequence[ReplicaGroup], weights: Sequence[float], method: str,
+                  step: int) -> tuple[int, list[ReplicaGroup], list[list[RankStep]],
+                                      list[GroupFailure]]:
+    """Rank ``r`` of every group averages over ``rank_plan(epoch, groups, r)`` (a fresh
+    epoch above every group's last) with the rank method ``method`` (``average_and_apply``:
+    the gradients, then the step; ``average_params``: the parameters), each group weighted
+    by ``weights[i]``, and the ranks of each group vote. Returns the epoch, the groups that
+    applied it, their ranks' outcomes and a ``GroupFailure`` for each other group (broken:
+    a rank failed or timed out; not broken: its round was incomplete). Never raises for a
+    group's failure; bounded by the longest ``timeout_s``."""
+    peers = [g.peers() for g in groups]
+    epoch = max(g.epoch for g in groups) + 1
+    plans = [rank_plan(epoch, peers, r) for r in range(groups[0].config.world_size)]
+    calls = []
+    for g, weight in zip(groups, weights):
+        g.epoch = epoch
+        calls.append([getattr(r, method).remote(plans[rank], weight)
+                      for rank, r in enumerate(g.ranks)])
+    outcomes, failures = _gather(groups, calls, f"{method} (step {step})")
+    applied, ranks = [], []
+    for g in groups:
+        mine = outcomes.get(g.config.name)
+        if mine is None:
+            continue
+        if all(o.applied for o in mine):
+            applied.append(g)
+            ranks.append(mine)
+        else:
+            first = next(o for o in mine if o.reason)
+            failures.append(GroupFailure(g.config.name, False,
+                                         f"{g.config.name} (rank {first.rank}: {first.reason})"))
+    return epoch, applied, ranks, failures
+
+
+def step_together(groups: Sequence[ReplicaGroup], task: GroupTask) -> StepTogether:
+    """One collaborative step of ``groups`` (started, one world size and parallel mode,
+    unique names, all holding the same step or none), averaged by shard; never raises for
+    a group's failure. The gradient phase runs on every rank of every group at once (the
+    global batch of the step split into ``len(groups)`` parts, group ``i`` part ``i``);
+    a group whose rank fails or times out there leaves the step (its part with it) and the
+    others average without it, so they still apply the step. Then ``average_phase``. A
+    group that applied it holds the next step; the others stay at this one (their
+    gradients dropped), and the result's ``failures`` name each (broken: close it).
+    ``GroupError`` only for groups that cannot step together (see ``_checked``)."""
+    _checked(groups, "step_together")
+    at = {g.config.name: g.step or 0 for g in groups}
+    if len(set(at.values())) != 1:
+        raise GroupError(f"step_together: the groups hold different steps ({at}); a group "
+                         f"behind joins from one ahead first (join_from)")
+    step = groups[0].step or 0
+    t0 = time.perf_counter()
+    calls = [[r.compute_grads.remote(task, step, BatchPart(i, len(groups))) for r in g.ranks]
+             for i, g in enumerate(groups)]
+    grads, failures = _gather(groups, calls, f"compute_grads (step {step})")
+    live = [g for g in groups if g.config.name in grads]
+    t1 = time.perf_counter()
+    if not live:
+        return StepTogether(step, max(g.epoch for g in groups), (), (), float("nan"), (),
+                            t1 - t0, 0.0, (), tuple(failures))
+    weights = [float(sum(r.samples for r in grads[g.config.name])) for g in live]
+    epoch, applied, ranks, more = average_phase(live, weights, "average_and_apply", step)
+    for g in applied:
+        g.step = step + 1
+    losses = tuple(grads[g.config.name][0].loss for g in live)
+    mean = sum(w * x for w, x in zip(weights, losses)) / sum(weights)
+    log.info("groups %s: step %d averaged by shard (epoch %d, loss %.4f, %d applied)",
+             ",".join(at), step, epoch, mean, len(applied))
+    return StepTogether(step, epoch, tuple(g.config.name for g in live), losses, mean,
+                        tuple(o.numel for o in ranks[0]) if ranks else (), t1 - t0,
+                        time.perf_counter() - t1, tuple(g.config.name for g in applied),
+                        tuple(failures + more))
+
+
+def local_round(groups: Sequence[ReplicaGroup], task: GroupTask, inner_steps: int,
+                average_tries: int = 2) -> StepTogether:
+    """One local SGD round by shard (group_averaging.py) of ``groups`` (as for
+    ``step_together``); never raises for a group's failure. First every group trains
+    ``inner_steps`` steps alone (``local_steps``; group ``i`` on part ``i`` of
+    ``len(groups)`` of each step's batch); a group whose rank fails or times out leaves
+    the round. Then rank ``r`` of every group averages its parameter shard
+    (``average_phase`` with ``average_params``). A round none applied is averaged again
+    with the groups still whole (a fresh epoch), up to ``average_tries`` times; if still
+    none applied, the first whole group keeps its own inner steps as the round's result
+    (a plan of one: complete by itself), so the round's work survives while one group
+    does. The groups that applied hold step ``first + inner_steps``; the others are in
+    ``failures`` and hold no state of the swarm (their parameters are their own inner
+    steps'): they join again before they step. ``GroupError`` only as ``step_together``."""
+    _checked(groups, "local_round")
+    at = {g.config.name: g.step or 0 for g in groups}
+    if len(set(at.values())) != 1:
+        raise GroupError(f"local_round: the groups hold different steps ({at}); a group "
+                         f"behind joins from one ahead first (join_from)")
+    if not isinstance(inner_steps, int) or inner_steps < 1:
+        raise GroupError(f"local_round: inner_steps must be an integer >= 1, got "
+                         f"{inner_steps!r}")
+    first = groups[0].step or 0
+    t0 = time.perf_counter()
+    calls = [[r.local_steps.remote(task, first, inner_steps, BatchPart(i, len(groups)))
+              for r in g.ranks] for i, g in enumerate(groups)]
+    inner, failures = _gather(groups, calls, f"local_steps (steps {first}+{inner_steps})")
+    live = [g for g in groups if g.config.name in inner]
+    for g in live:
+        g.step = first + inner_steps  # what the ranks hold now (averaged or not)
+    t1 = time.perf_counter()
+    weights = {g.config.name: float(sum(r.samples for r in inner[g.config.name]))
+               for g in live}
+    applied: list[ReplicaGroup] = []
+    ranks: list[list[RankStep]] = []
+    epoch = max(g.epoch for g in groups)
+    pending, why = list(live), {}
+    for attempt in range(average_tries + 1):
+        if not pending:
+            break
+        if attempt == average_tries:  # the last resort: one group's own round
+            pending = pending[:1]
+        epoch, applied, ranks, more = average_phase(
+            pending, [weights[g.config.name] for g in pending], "average_params", first)
+        failures += [f for f in more if f.broken]
+        why.update((f.name, f.reason) for f in more if not f.broken)
+        if applied:
+            break
+        pending = [g for g in pending if g.config.name not in {f.name for f in more
+                                                               if f.broken}]
+    done = {g.config.name for g in applied}
+    failed = {f.name for f in failures}
+    failures += [GroupFailure(g.config.name, False, why.get(
+        g.config.name, f"{g.config.name}: left out of the round's average"))
+                 for g in live if g.config.name not in done | failed]
+    losses = tuple(inner[g.config.name][0].loss for g in live)
+    total = sum(weights.values())
+    mean = sum(weights[g.config.name] * x for g, x in zip(live, losses)) / total if total \
+        else float("nan")
+    log.info("groups %s: steps %d-%d by local SGD, parameters averaged by shard (epoch %d, "
+             "loss %.4f, %d applied)", ",".join(at), first, first + inner_steps - 1, epoch,
+             mean, len(applied))
+    return StepTogether(first, epoch, tuple(g.config.name for g in live), losses, mean,
+                        tuple(o.numel for o in ranks[0]) if ranks else (), t1 - t0,
+                        time.perf_counter() - t1, tuple(sorted(done)), tuple(failures),
+                        inner_steps)
+
+
+def train_together(groups: Sequence[ReplicaGroup], task: GroupTask,
+                   steps: int | None = None) -> list[StepTogether]:
+    """Train ``steps`` (default ``task.steps``) collaborative steps with ``groups``, averaged
+    by shard (group_averaging.py), one ``step_together`` after the other. The groups must
+    be started, of one world size and parallel mode, with unique names, and hold the same
+    step (or none: step 0, models built from ``task``). Data: the global batch of step
+    ``s`` (``task.batch(s)``) is split into ``len(groups)`` contiguous equal parts, group
+    ``g`` (in the order given) training part ``g`` and each of its ranks its slice of that
+    (the rows must divide by groups x ranks); a group's weight is its rows. So with no
+    failures a step equals one process on the whole batch, and every group holds bitwise
+    the same state after it.
+
+    Each phase is bounded by the groups' ``timeout_s``. ``GroupError`` (one line) after a
+    step some group did not apply: a rank failed or timed out (the group and rank named;
+    that group is marked broken), or its round was incomplete (the reason named). Groups
+    that applied it moved on to the next step, the others stay at it."""
+    steps = task.steps if steps is None else steps
     done: list[StepTogether] = []
     for _ in range(steps):
-        step = groups[0].step or 0
-        t0 = time.perf_counter()
-        grads = [g._get([r.compute_grads.remote(task, step, BatchPart(i, len(groups)))
-                         for r in g.ranks], f"compute_grads (step {step})")
-                 for i, g in enumerate(groups)]
-        t1 = time.perf_counter()
-        epoch = max(g.epoch for g in groups) + 1
-        plans = [rank_plan(epoch, peers, r) for r in range(world)]
-        weights = [float(sum(report.samples for report in reports)) for reports in grads]
-        calls = []
-        for g, weight in zip(groups, weights):
-            g.epoch = epoch
-            calls.append([r.average_and_apply.remote(plans[rank], weight)
-                          for rank, r in enumerate(g.ranks)])
-        outcomes = [g._get(refs, f"average_and_apply (step {step})")
-                    for g, refs in zip(groups, calls)]
-        t2 = time.perf_counter()
-        failed = []
-        for g, ranks in zip(groups, outcomes):
-            if all(o.applied for o in ranks):
-                g.step = step + 1
-            else:
-                first = next(o for o in ranks if o.reason)
-                failed.append(f"{g.config.name} (rank {first.rank}: {first.reason})")
-        if failed:
-            raise GroupError(f"train_together: step {step} not applied by group(s) "
-                             f"{'; '.join(failed)}")
-        losses = tuple(reports[0].loss for reports in grads)
-        mean = sum(w * x for w, x in zip(weights, losses)) / sum(weights)
-        done.append(StepTogether(step, epoch, names, losses, mean,
-                                 tuple(o.numel for o in outcomes[0]), t1 - t0, t2 - t1))
-        log.info("groups %s: step %d averaged by shard (epoch %d, loss %.4f)",
-                 ",".join(names), step, epoch, mean)
+        result = step_together(groups, task)
+        if result.failures:
+            raise GroupError(f"train_together: step {result.step} not applied by group(s) "
+                             f"{'; '.join(f.reason for f in result.failures)}")
+        done.append(result)
     return done

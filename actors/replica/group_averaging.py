@@ -15,6 +15,14 @@ of every group (``group.train_together``):
    its group averaged with every group of the plan (``incomplete``). So rank ``r`` only
    ever moves its own shard (the replicate dimension of HSDP): no rank gathers the model.
 
+Local SGD by shard has the same two phases per round: each group first trains ``H`` inner
+steps on its own part of each step's batch with its own optimizer (``local_steps``), then
+rank ``r`` of every group averages its *parameter* shard (``parameter_tensors``: the local
+shards of the parameters, plus the float buffers) over the same ``rank_plan``, and the
+group writes the average only if every rank got the whole plan's (the same vote). The
+optimizer state stays each group's own (as DiLoCo's inner optimizers); a joining group
+copies its donor's. After a complete round every group holds bitwise the same parameters.
+
 Bitwise equality: the collective hands every member of a round the same bytes (canonical
 member order, ``cluster/collective/round.py``), the groups start from the same state and
 their optimizers are deterministic, so after a complete step every group holds bitwise the
@@ -138,6 +146,32 @@ class JoinAnswer:
 
 
 @dataclass(frozen=True)
+class LocalReport:
+    """A rank after the inner steps of a local SGD round (``local_steps``): the steps it
+    trained (``first`` .. ``first + steps - 1``), the group's mean loss of the last one, the
+    rows this rank trained over all of them (the group's weight is the sum over its ranks)
+    and the seconds they took."""
+
+    rank: int
+    first: int
+    steps: int
+    loss: float
+    samples: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class GroupFailure:
+    """A group that did not apply a step, and why (one line). ``broken``: a rank failed or
+    timed out, so the group must be closed; otherwise its round was incomplete and the
+    group is whole, holding the state it had before the step's averaging phase."""
+
+    name: str
+    broken: bool
+    reason: str
+
+
+@dataclass(frozen=True)
 class StepTogether:
     """One collaborative step: the groups (in the order given), each group's mean loss on
     its part, the samples-weighted mean over groups, the values each rank averaged
@@ -152,6 +186,11 @@ class StepTogether:
     rank_numel: tuple[int, ...]
     grad_seconds: float
     average_seconds: float
+    # Which groups applied it, and the groups that did not (each with why). ``steps``: the
+    # steps of each group the result covers (1; a local SGD round: its inner steps).
+    applied: tuple[str, ...] = ()
+    failures: tuple[GroupFailure, ...] = ()
+    steps: int = 1
 
 
 # -- pure decisions --------------------------------------------------------------------------
@@ -255,9 +294,17 @@ def averaged_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     return grads + averaged_buffers(model)
 
 
-def write_averaged(model: torch.nn.Module, values: Sequence[torch.Tensor]) -> None:
-    """Put the averaged ``values`` (shaped like ``averaged_tensors(model)``) in place."""
-    targets = averaged_tensors(model)
+def parameter_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What rank ``r`` averages in a local SGD round, in a fixed order: the local shard of
+    every parameter (not its gradient), then ``averaged_buffers``."""
+    return [local_part(p.detach()) for p in model.parameters()] + averaged_buffers(model)
+
+
+def write_averaged(model: torch.nn.Module, values: Sequence[torch.Tensor],
+                   targets: Sequence[torch.Tensor] | None = None) -> None:
+    """Put the averaged ``values`` in place of ``targets`` (default
+    ``averaged_tensors(model)``; ``parameter_tensors(model)`` for a local SGD round)."""
+    targets = averaged_tensors(model) if targets is None else targets
     if len(targets) != len(values):
         raise ValueError(f"{len(values)} averaged tensors for {len(targets)} places")
     with torch.no_grad():

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -552,6 +553,12 @@ class GroupSwarm:
         self._idle_since: float | None = None
         self._starter = ThreadPoolExecutor(max_workers=4, thread_name_prefix="swarm-start")
         self._last: StepTogether | None = None
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """Ask ``run`` (on another thread) to stop after the action it is carrying out: it
+        raises ``SwarmError`` ("stopped") once every group is closed. Thread-safe."""
+        self._stop.set()
 
     # -- observe --------------------------------------------------------------------------
 
@@ -696,6 +703,8 @@ class GroupSwarm:
         t0 = self.clock()
         try:
             while True:
+                if self._stop.is_set():
+                    raise SwarmError(f"group swarm: stopped at step {self.frontier}")
                 decision = decide(self.view(), self.config)
                 if decision.lost:
                     log.warning("swarm: %d step(s) lost (back to step %d)", decision.lost,

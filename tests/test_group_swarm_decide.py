@@ -157,3 +157,18 @@ def test_node_rows_and_bad_settings():
         SwarmConfig(mode="local_sgd", steps=10, inner_steps=4)
     with pytest.raises(ValueError, match="SwarmConfig.max_groups"):
         SwarmConfig(max_groups=0)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mode", "gossip"], "argument --mode: invalid choice: 'gossip'"),
+    (["--mode", "local_sgd", "--steps", "10"], "10 is not a whole number of local SGD rounds"),
+    (["--join-at", "5", "--kill-at", "2"], "need 0 <= join-at <= kill-at"),
+])
+def test_the_example_refuses_bad_input_in_one_line_before_starting_anything(argv, message,
+                                                                            capsys):
+    from moshray.jobs.examples import sharded
+
+    with pytest.raises(SystemExit) as exit_:
+        sharded.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and err.count("\n") == 1

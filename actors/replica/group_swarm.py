@@ -62,6 +62,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -688,6 +689,14 @@ class GroupSwarm:
                              final_loss=self._last.loss if self._last else None)
         if self.on_step is not None:
             self.on_step(SwarmProgress(self.frontier, result, self.groups()))
+
+    def wait_started(self, timeout_s: float) -> bool:
+        """Wait until every group start under way has ended (up or failed), at most
+        ``timeout_s``; True when none is left. For an ``on_step`` hook (this thread) that
+        wants the groups starting now to take part in the next steps: a demo's or a
+        test's pacing (a swarm never waits for a start by itself)."""
+        pending = [m.start for m in self.members.values() if m.start is not None]
+        return not futures.wait(pending, timeout=timeout_s).not_done
 
     def groups(self) -> tuple[GroupInfo, ...]:
         """The groups not yet gone."""

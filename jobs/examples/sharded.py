@@ -51,21 +51,22 @@ class Cloud:
     ``kill_when`` groups train, it kills slot ``kill_slot``'s node (SIGKILL of its raylet
     and workers). Nodes start and stop on this process's main thread (``serve``: Ray's
     loopback raylets install signal handlers as they start, which only the main thread may
-    do) while the swarm trains in a thread of its own. The swarm's ``on_step`` hook only
-    reports its progress and waits (bounded) for the action it asked for, so each action
-    lands between two steps; while a group is starting or joining it also pauses
-    ``pace_s`` after each step (the cloud's actions take seconds, a step of this small
-    model a fraction of one), so the joiner takes part before the run ends."""
+    do) while the swarm trains in a thread of its own (``run``). The swarm's ``on_step``
+    hook reports its progress and waits (bounded by ``timeout_s``) for the action it asked
+    for, so each action lands between two steps; while a group is starting it also waits
+    for that start (``GroupSwarm.wait_started``: a step of this small model takes a
+    fraction of a second, a group's start seconds), so the new group takes part in the
+    steps that follow and the run shows the join before the kill, whatever the load."""
 
     def __init__(self, cluster, join_at: int, kill_at: int, *, kill_slot: int = 0,
-                 add_slot: int | None = None, kill_when: int = 2, pace_s: float = 0.3,
-                 timeout_s: float = 180.0):
+                 add_slot: int | None = None, kill_when: int = 2, timeout_s: float = 180.0):
         self.cluster, self.join_at, self.kill_at = cluster, join_at, kill_at
         self.kill_slot, self.add_slot, self.kill_when = kill_slot, add_slot, kill_when
-        self.pace_s, self.timeout_s = pace_s, timeout_s
+        self.timeout_s = timeout_s
         self.joined_at: int | None = None
         self.killed_at: int | None = None
         self.errors: list[str] = []
+        self.swarm: GroupSwarm | None = None
         self._asks: queue.Queue = queue.Queue()
 
     def _ask(self, action: str) -> None:
@@ -85,9 +86,9 @@ class Cloud:
                 and active > self.kill_when:
             self.killed_at = progress.frontier
             self._ask("kill")
-        elif active < len(progress.groups) or (self.joined_at is not None
-                                               and self.killed_at is None):
-            time.sleep(self.pace_s)
+        elif active < len(progress.groups) and self.swarm is not None:
+            if not self.swarm.wait_started(self.timeout_s):
+                self.errors.append(f"a group did not start within {self.timeout_s:g} s")
 
     def serve(self, swarm_thread: threading.Thread) -> None:
         """Carry out what the hook asks until the swarm's thread ends (main thread)."""
@@ -108,6 +109,7 @@ class Cloud:
 
     def run(self, swarm: GroupSwarm) -> SwarmStats:
         """``swarm.run()`` in a thread while this thread serves the cloud's actions."""
+        self.swarm = swarm
         outcome: dict = {}
 
         def train() -> None:

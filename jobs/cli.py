@@ -48,6 +48,9 @@ COMMANDS: tuple[Command, ...] = (
             "a seeded storm of node, Coordinator and bad-replica faults; invariants checked"),
     Command(("bench", "gpu"), "moshray.jobs.bench.gpu",
             "the GPU check: CUDA replicas, a replica group, CUDA all-reduce, experts, step rate"),
+    Command(("bench", "groups"), "moshray.jobs.bench.groups",
+            "replica groups on CPU: 2 groups x 2 ranks vs 4 single-rank groups, memory "
+            "per rank sharded vs replicated"),
     Command(("bench", "report"), "moshray.jobs.bench.report",
             "render docs/performance.md and the README's table from docs/results"),
     Command(("config", "table"), "moshray.jobs.config.table",

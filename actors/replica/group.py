@@ -231,6 +231,32 @@ class RankReport:
 
 
 @dataclass(frozen=True)
+class RankMemory:
+    """What one rank holds now, in bytes of tensor storage: its parameters (its shard under
+    FSDP2, the whole model under DDP), their gradients (held from ``compute_grads`` to the
+    averaging) and the optimizer state (AdamW: two moments per parameter element held, and
+    a step count per parameter); each the local part only. Not counted: DDP's reducer
+    buckets (a second copy of the gradients), FSDP2's all-gathered parameters during forward
+    and backward, activations. ``peak_rss``: the process's peak resident set
+    (``ru_maxrss``), torch and Ray included."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    peak_rss: int
+
+    @property
+    def held(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def _nbytes(tensors) -> int:
+    return sum(local_part(t).numel() * t.element_size() for t in tensors
+               if isinstance(t, torch.Tensor))
+
+
+@dataclass(frozen=True)
 class GroupReport:
     """The group's ``train`` result: one ``RankReport`` per rank, in rank order."""
 
@@ -698,6 +724,21 @@ class GroupRank:
 
     def _full_params(self) -> dict[str, torch.Tensor]:
         return {k: _full(p.detach()).cpu() for k, p in self.model.named_parameters()}
+
+    async def memory(self) -> RankMemory:
+        """What this rank holds now (see ``RankMemory``); not a collective."""
+        return await self._run(self._memory)
+
+    def _memory(self) -> RankMemory:
+        import resource
+
+        self._held("memory")
+        params = list(self.model.parameters())
+        state = [t for per_param in self.opt.state.values() for t in per_param.values()]
+        return RankMemory(self.rank, _nbytes(params),
+                          _nbytes(p.grad for p in params if p.grad is not None),
+                          _nbytes(state), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                          * 1024)
 
     async def full_state(self) -> dict[str, torch.Tensor]:
         """The unsharded parameters on CPU (a collective: every rank calls this)."""

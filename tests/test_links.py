@@ -29,8 +29,11 @@ from moshray.cluster.collective.codecs import (
 )
 from moshray.jobs.bench.links import (
     Curve,
+    compare_figures,
     figures,
+    grid_cross_zone_fall,
     loss_at,
+    median_step_s,
     smoothed,
     steps_to_target,
     swarm_model,
@@ -92,6 +95,51 @@ def test_a_profile_laid_onto_slots_crosses_processes_and_configures_a_cluster() 
         LocalClusterConfig(hosts="netns", link_mbit=((1, 0),))
     with pytest.raises(ValueError, match="not a NodeLinks"):
         links.NodeLinks.from_json('{"mbit": []}')
+
+
+def test_each_profile_is_compared_against_its_one_uneven_thing_removed() -> None:
+    straggler = links.lay_out(links.get_profile("straggler"), 3, 200_000, 0.05)
+    assert links.baseline(straggler) == ("even", links.NodeLinks("straggler", (50.0,) * 3))
+    zones = links.lay_out(links.get_profile("zones"), 3, 200_000, 0.05)
+    assert links.baseline(zones) == ("zone_blind", links.NodeLinks("zones", zones.mbit))
+    with pytest.raises(ValueError, match="nothing to compare"):
+        links.baseline(links.lay_out(links.get_profile("slow"), 3, 200_000, 0.05))
+
+
+def test_median_step_is_robust_to_one_slow_step() -> None:
+    assert median_step_s([(0.0, 1), (1.0, 1), (2.0, 1), (9.0, 1)]) == 1.0
+    assert median_step_s([(0.0, 1), (1.0, 1), (3.0, 1)]) == 1.5
+    assert median_step_s([(0.0, 1)]) is None
+
+
+def test_compare_figures_give_step_time_rise_and_the_last_links_bytes_fall() -> None:
+    from dataclasses import replace
+
+    def curve(step_s: float, steps: int, last_bytes: float) -> Curve:
+        return Curve("x", tuple((i * step_s, 3.0) for i in range(steps)),
+                     bytes_by_node=(1.0, 1.0, last_bytes))
+
+    runs = {"even": {"ddp": curve(1.0, 11, 1000), "collaborative": curve(2.0, 11, 4400)},
+            "straggler": {"ddp": curve(4.0, 11, 1000), "collaborative": curve(2.2, 11, 2200)}}
+    out = compare_figures("straggler", "even", runs)
+    assert out["step_time_rise"] == {"collaborative": 0.1, "ddp": 3.0}
+    assert out["last_link_bytes_fall"] == {"collaborative": 2.0, "ddp": 1.0}
+    assert out["systems"]["ddp"]["even"] == {"steps": 11, "peers_per_step": None,
+                                             "median_step_s": 1.0,
+                                             "last_link_bytes_per_step": 90}
+    runs["straggler"]["ddp"] = replace(runs["straggler"]["ddp"], peers=(3, 2, 2, 3, 2))
+    assert compare_figures("straggler", "even", runs)["systems"]["ddp"]["straggler"][
+        "peers_per_step"] == 2
+    # a run that failed (or made one step) leaves its figures None, not an error
+    out = compare_figures("straggler", "even", {"even": {"ddp": curve(1.0, 1, 9)}})
+    assert out["step_time_rise"] == {"ddp": None}
+    assert out["systems"]["ddp"]["straggler"]["steps"] == 0
+
+
+def test_the_grid_predicts_the_cross_zone_fall_of_a_layout() -> None:
+    assert grid_cross_zone_fall(((0, "a"), (1, "a"), (2, "b"))) == pytest.approx(4 / 3, 1e-3)
+    assert grid_cross_zone_fall(((0, "a"), (1, "a"), (2, "b"), (3, "b"))) == 2.0
+    assert grid_cross_zone_fall(((0, "a"), (1, "a"))) is None
 
 
 # ----------------------------------------------------------------------- figures
@@ -327,3 +375,16 @@ def test_blockwise4_through_the_round(n: int, max_group: int, size: int) -> None
         assert np.array_equal(out, first), pid
         # each round encodes twice (contribution, result): half a step of 15 levels each
         assert np.abs(out - expected).max() <= 2 * rounds * spread / 30 + 1e-3, pid
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--profile", "slow"], "--compare takes --profile straggler or zones"),
+    (["--profile", "straggler", "--systems", "diloco8"], "--compare runs only ddp"),
+    (["--profile", "zones", "--nodes", "9"], "--nodes must be 2..8"),
+])
+def test_compare_refuses_what_it_cannot_run_with_one_line(args, needle, capsys) -> None:
+    from moshray.jobs.cli import main
+
+    assert main(["bench", "links", "--compare", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err

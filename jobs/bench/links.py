@@ -53,7 +53,27 @@ traffic included) over the run, and prorated to the target by the steps up to it
 
 Prints one JSON line (``--json``; else a short table and the JSON) and writes
 ``links-<profile>.png`` (loss against wall time, one line per run) and
-``links-<profile>.json`` under ``--out``. Every wait is bounded: each driver gets its
+``links-<profile>.json`` under ``--out`` (and, with ``--results DIR``, a result file).
+
+``--compare`` measures what one uneven thing of a profile costs, against its baseline
+(``jobs/local/links.baseline``), each layout on a fresh cluster, the same systems on both:
+
+- ``straggler`` against ``even`` (every node at the fast nodes' rate): ``ddp`` and
+  ``collaborative`` (moshray with its bandwidth shares and adaptive deadlines);
+  ``step_time_rise`` per system is its median step time with the straggler over its median
+  on even links, minus 1 (the issue's target: <= 0.25 for moshray, DDP's near the link's
+  ratio);
+- ``zones`` against ``zone_blind`` (the same links, no zone labels, so the Coordinator's
+  grid ignores zones): ``collaborative``; ``last_link_bytes_fall`` is the bytes per step
+  on zone B's one node's link (``LinkBytes`` both ways: with one node in zone B every byte
+  on it crosses the slow inter-zone link), zone-blind over zone-aware, beside
+  ``grid_cross_zone_fall``, what the grid's plans predict for these zone sizes (2 + 1
+  nodes: 4/3; the fall reaches the zone size only with several nodes in each zone, which
+  per-host shaping cannot count yet: see ``jobs/local/links.py``).
+
+Bytes per step are a run's bytes (start-up and Ray's own traffic included) over its steps;
+step times are medians of the gaps between consecutive steps. Writes
+``links-<profile>-compare.json`` under ``--out``. Every wait is bounded: each driver gets its
 duration plus ``STARTUP_S`` and ``FINISH_S``, then is killed with its process group.
 """
 
@@ -73,6 +93,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from moshray.jobs.bench.results import add_results_argument, save_result
+
 SMOOTH = 5  # steps in the moving mean of a loss curve
 CHECKPOINT_RUN_ID = "links"  # a moshray run's checkpoints: <run>/checkpoints/links/
 STARTUP_S = 240.0  # a driver's start-up bound (Ray Train's worker group takes 25-50 s here)
@@ -82,6 +104,9 @@ SYSTEMS = ("ddp", "collaborative", "diloco8", "diloco4")
 # run only when --systems names them: diloco_overlap costs a whole run more; auto's
 # training.mode = "auto" prints its choice in its driver.log
 OPTIONAL = ("diloco_overlap", "auto")
+# --compare: what each profile's one uneven thing is measured on (jobs/local/links.baseline)
+COMPARE_SYSTEMS = {"straggler": ("ddp", "collaborative"), "zones": ("collaborative",)}
+COMPARE_CHOICES = ("ddp", "collaborative")
 SHORT_MODEL = (
     "model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=2",
     "model.seq_len=64", "training.batch_size=8", "training.target_batch_size=32",
@@ -106,12 +131,16 @@ class Curve:
     """One run's training loss against seconds since its first step (``points``: ``(t_s,
     loss)`` per step, in time order), the bytes each node sent during the run, and its
     ``held_out`` evaluations (``(t_s, loss)`` on the fixed held-out batches, in time order;
-    empty where none was made)."""
+    empty where none was made); ``bytes_by_node``: what ``LinkBytes`` counted on each
+    node's link over the run, in slot order; ``peers``: how many took part in each step
+    (DDP's worker group, moshray's contributors)."""
 
     name: str
     points: tuple[tuple[float, float], ...]
     bytes_per_node: float = 0.0
     held_out: tuple[tuple[float, float], ...] = ()
+    bytes_by_node: tuple[float, ...] = ()  # each node's link over the run (LinkBytes)
+    peers: tuple[int, ...] = ()  # nodes that took part in each step (as ``points``)
 
 
 def smoothed(points: Sequence[tuple[float, float]], window: int = SMOOTH
@@ -233,6 +262,74 @@ def swarm_model(state: dict, names: Sequence[str]) -> dict:
     return model
 
 
+def median_step_s(points: Sequence[tuple[float, float]]) -> float | None:
+    """The median seconds between consecutive steps of a curve (None with under 2 steps):
+    a step's time, robust to the odd slow step (a join, a descheduled process)."""
+    gaps = sorted(b[0] - a[0] for a, b in zip(points, points[1:]))
+    if not gaps:
+        return None
+    mid = len(gaps) // 2
+    return gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2
+
+
+def compare_figures(profile: str, baseline_name: str, runs: dict[str, dict[str, Curve]]
+                    ) -> dict:
+    """The ``--compare`` JSON object from ``runs`` (layout name -> system -> curve, for
+    ``baseline_name`` and ``profile``; ``Curve.bytes_by_node`` counted both ways on each
+    link). Per system and layout: steps, the median of the nodes taking part in a step
+    (``peers_per_step``), the median step time and the bytes per step on
+    the last node's link (the straggler's, or zone B's only node: every byte on it
+    crosses the slow inter-zone link); per system ``step_time_rise`` (the profile's median
+    step over the baseline's, minus 1: 0.25 is 25% slower) and ``last_link_bytes_fall``
+    (the baseline's bytes per step on that link over the profile's). A figure is None where
+    a run has too few steps. Pure."""
+    systems: dict[str, dict] = {}
+    rise, fall = {}, {}
+    names = sorted({s for by in runs.values() for s in by})
+    for sys_name in names:
+        per = {}
+        for layout in (baseline_name, profile):
+            c = runs.get(layout, {}).get(sys_name)
+            steps = len(c.points) if c else 0
+            per[layout] = {
+                "steps": steps,
+                # a swarm that stepped without a node (its replica never synced, its
+                # contributions missed their deadlines) shows it here
+                "peers_per_step": (None if c is None or not c.peers else
+                                   sorted(c.peers)[len(c.peers) // 2]),
+                "median_step_s": None if c is None else _round(median_step_s(c.points)),
+                "last_link_bytes_per_step": (int(c.bytes_by_node[-1] / steps)
+                                             if c and c.bytes_by_node and steps else None),
+            }
+        systems[sys_name] = per
+        base, shaped = per[baseline_name], per[profile]
+        rise[sys_name] = (None if not (base["median_step_s"] and shaped["median_step_s"]) else
+                          round(shaped["median_step_s"] / base["median_step_s"] - 1, 3))
+        fall[sys_name] = (None if not (base["last_link_bytes_per_step"]
+                                       and shaped["last_link_bytes_per_step"]) else
+                          round(base["last_link_bytes_per_step"]
+                                / shaped["last_link_bytes_per_step"], 3))
+    return {"profile": profile, "baseline": baseline_name, "systems": systems,
+            "step_time_rise": rise, "last_link_bytes_fall": fall}
+
+
+def grid_cross_zone_fall(zones: Sequence[tuple[int, str]], epochs: int = 20) -> float | None:
+    """What the grid's plans predict for ``last_link_bytes_fall`` of a zoned layout: bytes
+    crossing zones per step, zone-blind over zone-aware, each the mean over ``epochs``
+    plans of the peers one per slot (``grid.cross_zone_bytes``). None with one zone."""
+    from moshray.cluster.collective.grid import DEFAULT_MAX_GROUP, cross_zone_bytes, plan_grid
+
+    of = {f"node{slot}": zone for slot, zone in zones}
+    if len(set(of.values())) < 2:
+        return None
+    peers = sorted(of)
+    blind = sum(cross_zone_bytes(plan_grid(peers, DEFAULT_MAX_GROUP, epoch=e), of, 1000)
+                for e in range(epochs))
+    aware = sum(cross_zone_bytes(plan_grid(peers, DEFAULT_MAX_GROUP, epoch=e, zones=of), of,
+                                 1000) for e in range(epochs))
+    return round(blind / aware, 3) if aware else None
+
+
 def _round(value: float | None) -> float | None:
     """4 decimals; None for None or a non-finite loss (a diverged run: JSON has no NaN)."""
     return None if value is None or not math.isfinite(value) else round(value, 4)
@@ -293,14 +390,17 @@ def _config(sets: Sequence[str]):
 
 
 class LinkBytes:
-    """Bytes each spot node has sent on its link: the host side's ``rx_bytes``."""
+    """Bytes each spot node has sent on its link: the host side's ``rx_bytes``; with
+    ``both_ways`` what it sent and received (``rx_bytes + tx_bytes``: every byte that
+    crossed its link)."""
 
-    def __init__(self, cluster, slots: Sequence[int]):
-        self.paths = [Path(f"/sys/class/net/{cluster.net.host(s).veth}/statistics/rx_bytes")
-                      for s in slots]
+    def __init__(self, cluster, slots: Sequence[int], both_ways: bool = False):
+        ways = ("rx_bytes", "tx_bytes") if both_ways else ("rx_bytes",)
+        self.paths = [[Path(f"/sys/class/net/{cluster.net.host(s).veth}/statistics/{w}")
+                       for w in ways] for s in slots]
 
     def read(self) -> list[int]:
-        return [int(p.read_text()) for p in self.paths]
+        return [sum(int(p.read_text()) for p in node) for node in self.paths]
 
 
 def _driver_env(cluster, home: Path) -> dict:
@@ -377,9 +477,10 @@ def run_ddp(cluster, sets: Sequence[str], nodes: int, seconds: float, run_dir: P
     if summary is None:
         raise LinksBenchError(f"ddp: the Ray Train driver exited {status} without a summary; "
                               f"see {run_dir / 'driver.log'}")
-    steps = summary["records"]["steps"]  # [unix, step, samples, loss, world]
-    points = [(float(s[0]), float(s[3])) for s in steps if s[3] is not None]
-    return Curve("ddp", _relative(points), sum(sent) / len(sent)), summary.get("checkpoint")
+    steps = [s for s in summary["records"]["steps"] if s[3] is not None]
+    points = [(float(s[0]), float(s[3])) for s in steps]  # [unix, step, samples, loss, world]
+    return (Curve("ddp", _relative(points), sum(sent) / len(sent), bytes_by_node=tuple(sent),
+                  peers=tuple(int(s[4]) for s in steps)), summary.get("checkpoint"))
 
 
 def run_moshray(name: str, cluster, sets: Sequence[str], extra: Sequence[str], nodes: int,
@@ -408,8 +509,10 @@ def run_moshray(name: str, cluster, sets: Sequence[str], extra: Sequence[str], n
     except (OSError, ValueError, KeyError):
         raise LinksBenchError(f"{name}: the job exited {status} without {saved}; see "
                               f"{run_dir / 'driver.log'}") from None
-    points = [(float(h[1]), float(h[3])) for h in history if h[3] is not None]
-    return Curve(name, _relative(points), sum(sent) / len(sent)), None
+    history = [h for h in history if h[3] is not None]
+    points = [(float(h[1]), float(h[3])) for h in history]
+    return Curve(name, _relative(points), sum(sent) / len(sent), bytes_by_node=tuple(sent),
+                 peers=tuple(int(h[4]) for h in history)), None
 
 
 def final_moshray_model(checkpoints: Path, names: Sequence[str]) -> dict | None:
@@ -494,12 +597,76 @@ def plot(path: Path, result: dict, curves: dict[str, Curve]) -> Path:
     return save_png(fig, path)
 
 
+def _cluster(nodes: int, laid):
+    """A separate-hosts cluster of ``nodes`` spot nodes with ``laid``'s links and zones."""
+    from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig
+
+    return LocalCluster(LocalClusterConfig(spot_nodes=nodes, hosts="netns", cpus_per_node=1,
+                                           head_cpus=1, object_store_bytes=100 * 1024 * 1024,
+                                           **laid.cluster_fields()))
+
+
+def run_compare(profile_name: str, nodes: int, seconds: float, short: bool, out_dir: Path,
+                systems: Sequence[str]) -> dict:
+    """``--compare``: ``systems`` (``ddp`` and / or ``collaborative``) on the profile's
+    baseline layout (``links.baseline``: even links, or no zone labels), then on the
+    profile's own, each layout a fresh cluster; returns ``compare_figures`` with the
+    layouts' rates and, for zones, ``grid_cross_zone_fall``. Writes
+    ``links-<profile>-compare.json`` under ``out_dir``."""
+    from moshray.jobs.local import links
+
+    sets = SHORT_MODEL if short else FULL_MODEL
+    laid, wire_bytes, compute_s = profile_links(profile_name, _config(sets), nodes)
+    try:
+        base_name, base = links.baseline(laid)
+    except ValueError as exc:
+        raise LinksBenchError(f"--compare: {exc}") from None
+    settings = mode_settings(1)
+    layouts = {base_name: base, profile_name: laid}
+    runs: dict[str, dict[str, Curve]] = {}
+    failed: dict[str, str] = {}
+    for layout, shaped in layouts.items():
+        runs[layout] = {}
+        cluster = _cluster(nodes, shaped)
+        try:
+            counter = LinkBytes(cluster, range(nodes), both_ways=True)
+            for name in systems:
+                started = time.monotonic()
+                run_dir = out_dir / f"compare-{layout}" / name
+                try:
+                    runs[layout][name] = (
+                        run_ddp(cluster, sets, nodes, seconds, run_dir, counter)[0]
+                        if name == "ddp" else
+                        run_moshray(name, cluster, sets, settings[name], nodes, seconds,
+                                    run_dir, counter)[0])
+                except LinksBenchError as exc:
+                    failed[f"{layout}/{name}"] = str(exc)
+                    print(f"bench links: {layout}: {exc}", file=sys.stderr, flush=True)
+                    continue
+                print(f"bench links: {layout}: {name}: {len(runs[layout][name].points)} "
+                      f"steps in {time.monotonic() - started:.0f} s", file=sys.stderr,
+                      flush=True)
+        finally:
+            cluster.shutdown()
+    result = compare_figures(profile_name, base_name, runs)
+    result.update(layouts={n: {"link_mbit": list(l.mbit), "zones": dict(l.zones)}
+                           for n, l in layouts.items()},
+                  failed=failed, nodes=nodes, seconds_per_run=seconds, short=short,
+                  gradient_bytes_fp16=wire_bytes, step_compute_s=round(compute_s, 4))
+    if laid.zones:
+        result["grid_cross_zone_fall"] = grid_cross_zone_fall(laid.zones)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"links-{profile_name}-compare.json").write_text(json.dumps(
+        {**result, "curves": {f"{layout}/{n}": c.points for layout, by in runs.items()
+                              for n, c in by.items()}}))
+    return result
+
+
 def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps: int,
         out_dir: Path, systems: Sequence[str] = SYSTEMS) -> dict:
     """The whole bench (see the module docstring); returns the JSON object."""
     from moshray.actors.replica.mode_choice import choose_mode
     from moshray.jobs.local import links
-    from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig
 
     profile = links.get_profile(profile_name)
     sets = SHORT_MODEL if short else FULL_MODEL
@@ -513,10 +680,7 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
     finals: dict = {}  # where each run's final model is (a state file, a checkpoint dir)
     failed: dict[str, str] = {}  # a moshray mode that failed: its one line (DDP's is fatal)
     settings = mode_settings(local_steps)
-    cluster = LocalCluster(LocalClusterConfig(spot_nodes=nodes, hosts="netns",
-                                              cpus_per_node=1, head_cpus=1,
-                                              object_store_bytes=100 * 1024 * 1024,
-                                              **laid.cluster_fields()))
+    cluster = _cluster(nodes, laid)
     try:
         counter = LinkBytes(cluster, range(nodes))
         for name in systems:
@@ -577,51 +741,96 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--profile", default="slow", choices=tuple(PROFILES),
                         help="link profile (jobs/local/links.py: the arithmetic)")
-    parser.add_argument("--nodes", type=int, default=3, help="spot nodes, each its own host")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="spot nodes, each its own host (default 3; 2 with --short)")
     parser.add_argument("--seconds", type=float, default=None,
                         help="training seconds per run (default: 60 with --short, else 300)")
     parser.add_argument("--local-steps", type=int, default=16,
                         help="DiLoCo's inner steps between outer steps")
     parser.add_argument("--short", action="store_true",
                         help="a tiny model and 2 nodes unless --nodes: a few minutes")
-    parser.add_argument("--systems", default=",".join(SYSTEMS),
+    parser.add_argument("--systems", default=None,
                         help=f"comma-separated, of {','.join(SYSTEMS + OPTIONAL)} (ddp "
                              f"required; default: all but {' and '.join(OPTIONAL)}, each "
-                             f"one more run of --seconds)")
+                             f"one more run of --seconds); with --compare of "
+                             f"{','.join(COMPARE_CHOICES)} (default: the profile's)")
+    parser.add_argument("--compare", action="store_true",
+                        help="straggler: step time on even links against one link 10x "
+                             "slower (ddp and collaborative); zones: bytes per step on the "
+                             "slow inter-zone link, zone-blind against zone-aware grid "
+                             "(collaborative); each layout a cluster of its own")
     parser.add_argument("--out", default="bench-links", help="directory for the PNG and JSON")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    add_results_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    systems = tuple(s for s in args.systems.split(",") if s)
-    unknown = [s for s in systems if s not in SYSTEMS + OPTIONAL]
-    if unknown or "ddp" not in systems:
-        print(f"bench links: --systems must include ddp and name only "
-              f"{', '.join(SYSTEMS + OPTIONAL)}; "
-              f"got {args.systems!r}", file=sys.stderr)
-        return 2
-    nodes = args.nodes if not (args.short and args.nodes == 3) else 2
-    if not 2 <= nodes <= 8:
-        print(f"bench links: --nodes must be 2..8, got {nodes}", file=sys.stderr)
-        return 2
-    if args.local_steps < 1:
-        print(f"bench links: --local-steps must be >= 1, got {args.local_steps}",
-              file=sys.stderr)
+    nodes = _nodes(args)
+    systems = _systems(args)
+    why = _refusal(args, nodes, systems)
+    if why:
+        print(f"bench links: {why}", file=sys.stderr)
         return 2
     seconds = args.seconds or (60.0 if args.short else 300.0)
     try:
-        result = run(args.profile, nodes, seconds, args.short, args.local_steps,
-                     Path(args.out), systems)
+        if args.compare:
+            result = run_compare(args.profile, nodes, seconds, args.short, Path(args.out),
+                                 systems)
+        else:
+            result = run(args.profile, nodes, seconds, args.short, args.local_steps,
+                         Path(args.out), systems)
     except LinksBenchError as exc:
         print(f"bench links: {exc}", file=sys.stderr)
         return 1
+    save_result("links", args, result)
     if not args.json:
-        print(f"target: DDP's final training loss {result['target_loss']} (held out: "
-              f"{result['ddp_held_out_loss']})")
-        for name, m in result["modes"].items():
-            print(f"{name:>14}: to target {m['time_to_target_s']} s, "
-                  f"{m['bytes_per_node_to_target']} B/node to target, held-out "
-                  f"{m['held_out_loss']}, training loss at {result['equal_time_s']} s "
-                  f"{m['loss_at_equal_time']}")
+        print("\n".join(_compare_table(result) if args.compare else _table(result)))
     print(json.dumps(result), flush=True)
     return 0
+
+
+def _nodes(args: argparse.Namespace) -> int:
+    return args.nodes if args.nodes is not None else 2 if args.short else 3
+
+
+def _systems(args: argparse.Namespace) -> tuple[str, ...]:
+    default = COMPARE_SYSTEMS.get(args.profile, ()) if args.compare else SYSTEMS
+    return tuple(s for s in (args.systems or ",".join(default)).split(",") if s)
+
+
+def _refusal(args: argparse.Namespace, nodes: int, systems: Sequence[str]) -> str | None:
+    """Why the arguments cannot run (one line), or None."""
+    if args.compare and args.profile not in COMPARE_SYSTEMS:
+        return (f"--compare takes --profile {' or '.join(COMPARE_SYSTEMS)}, got "
+                f"{args.profile!r}")
+    if args.compare and (not systems or any(s not in COMPARE_CHOICES for s in systems)):
+        return f"--compare runs only {', '.join(COMPARE_CHOICES)}; got {args.systems!r}"
+    if not args.compare and ("ddp" not in systems
+                             or any(s not in SYSTEMS + OPTIONAL for s in systems)):
+        return (f"--systems must include ddp and name only {', '.join(SYSTEMS + OPTIONAL)}; "
+                f"got {args.systems!r}")
+    if not 2 <= nodes <= 8:
+        return f"--nodes must be 2..8, got {nodes}"
+    if args.local_steps < 1:
+        return f"--local-steps must be >= 1, got {args.local_steps}"
+    return None
+
+
+def _table(result: dict) -> list[str]:
+    lines = [f"target: DDP's final training loss {result['target_loss']} (held out: "
+             f"{result['ddp_held_out_loss']})"]
+    for name, m in result["modes"].items():
+        lines.append(f"{name:>14}: to target {m['time_to_target_s']} s, "
+                     f"{m['bytes_per_node_to_target']} B/node to target, held-out "
+                     f"{m['held_out_loss']}, training loss at {result['equal_time_s']} s "
+                     f"{m['loss_at_equal_time']}")
+    return lines
+
+
+def _compare_table(result: dict) -> list[str]:
+    return [f"{name:>14}: " + ", ".join(
+        f"{layout} median step {m['median_step_s']} s, {m['last_link_bytes_per_step']} "
+        f"B/step on the last link" for layout, m in by.items())
+        + f"; step time rise {result['step_time_rise'][name]}, last link's bytes fall "
+        f"{result['last_link_bytes_fall'][name]}"
+        for name, by in result["systems"].items()]

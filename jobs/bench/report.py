@@ -200,6 +200,61 @@ def _goodput_links_rows(f: Mapping) -> Rows:
     return rows
 
 
+def _compare_layouts(f: Mapping) -> str:
+    return "; ".join(f"{name} {l.get('link_mbit')}" + (f" zones {l['zones']}" if l.get("zones")
+                                                        else "")
+                     for name, l in (f.get("layouts") or {}).items())
+
+
+def _straggler_line(f: Mapping) -> str:
+    rise = f.get("step_time_rise") or {}
+    r = rise.get("collaborative")
+    return (f"step time rise with one link 10x slower: moshray {fmt(r, '+.0%')}"
+            f"{_met(r, 0.25, at_most=True)}, DDP {fmt(rise.get('ddp'), '+.0%')}")
+
+
+def _straggler_rows(f: Mapping) -> Rows:
+    rows = [("nodes, seconds per run, links (Mbit/s)",
+             f"{f.get('nodes')}, {fmt(f.get('seconds_per_run'), 'g')}, {_compare_layouts(f)}")]
+    for name, by in (f.get("systems") or {}).items():
+        even, slow = by.get("even") or {}, by.get("straggler") or {}
+        rise = (f.get("step_time_rise") or {}).get(name)
+        target = " (target <= +25%)" + _met(rise, 0.25, at_most=True) if name != "ddp" else ""
+        rows.append((f"{name}: median step, even -> one slow link",
+                     f"{fmt(even.get('median_step_s'), '.3f', ' s')} -> "
+                     f"{fmt(slow.get('median_step_s'), '.3f', ' s')}: "
+                     f"{fmt(rise, '+.0%')}{target} ({even.get('steps')} / {slow.get('steps')}"
+                     f" steps of {even.get('peers_per_step')} / {slow.get('peers_per_step')} "
+                     f"nodes)"))
+    return rows
+
+
+def _zones_line(f: Mapping) -> str:
+    fall = (f.get("last_link_bytes_fall") or {}).get("collaborative")
+    return (f"bytes per step across the slow inter-zone link, zone-blind / zone-aware grid: "
+            f"{fmt(fall, '.2f')} (the grid predicts {fmt(f.get('grid_cross_zone_fall'), '.2f')})")
+
+
+def _zones_rows(f: Mapping) -> Rows:
+    by = (f.get("systems") or {}).get("collaborative") or {}
+    blind, aware = by.get("zone_blind") or {}, by.get("zones") or {}
+    return [
+        ("nodes, seconds per run, links (Mbit/s)",
+         f"{f.get('nodes')}, {fmt(f.get('seconds_per_run'), 'g')}, {_compare_layouts(f)}"),
+        ("bytes per step on the inter-zone link: zone-blind -> zone-aware",
+         f"{fmt(blind.get('last_link_bytes_per_step'), ',')} -> "
+         f"{fmt(aware.get('last_link_bytes_per_step'), ',')} "
+         f"({blind.get('steps')} / {aware.get('steps')} steps of "
+         f"{blind.get('peers_per_step')} / {aware.get('peers_per_step')} nodes)"),
+        ("fall (blind / aware); the grid's plans predict",
+         f"{fmt((f.get('last_link_bytes_fall') or {}).get('collaborative'), '.2f')}; "
+         f"{fmt(f.get('grid_cross_zone_fall'), '.2f')}"),
+        ("median step: zone-blind -> zone-aware",
+         f"{fmt(blind.get('median_step_s'), '.3f', ' s')} -> "
+         f"{fmt(aware.get('median_step_s'), '.3f', ' s')}"),
+    ]
+
+
 _RECOVERY = (("notice_to_rebalanced_s", "notice -> rebalanced", 1.0),
              ("hard_kill_to_progress_s", "hard kill -> progress", 5.0),
              ("join_to_contribution_s", "join -> first contribution", 15.0),
@@ -324,6 +379,14 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("chaos", "the storm on separate hosts (partitions, slow links)",
              "moshray bench chaos --schedule long --hosts netns", _chaos_line, _chaos_rows,
              key="chaos-netns", takes=lambda command: "netns" in command),
+    Headline("links", "one node on a 10x slower link: step time, moshray vs DDP",
+             "moshray bench links --profile straggler --compare --short --nodes 3 --json",
+             _straggler_line, _straggler_rows, key="links-straggler",
+             takes=lambda command: "--compare" in command and "straggler" in command),
+    Headline("links", "two zones: bytes across the slow link, zone-aware vs zone-blind grid",
+             "moshray bench links --profile zones --compare --short --nodes 3 --json",
+             _zones_line, _zones_rows, key="links-zones",
+             takes=lambda command: "--compare" in command and "zones" in command),
     Headline("overlap", "overlapped averaging against synchronous steps",
              "moshray bench overlap --nodes 2 --seconds 90", _overlap_line, _overlap_rows),
 )
@@ -410,12 +473,16 @@ def _scalars(figures: Mapping[str, Any], prefix: str = "", depth: int = 2) -> Ro
 
 
 def render_others(results: Mapping[str, Sequence[Result]], link_base: str = "results") -> str:
-    """The newest result of every bench that is not a headline: provenance, command and its
-    scalar figures, so a new bench's results show before it gets a section of its own."""
-    known = {h.bench for h in HEADLINES}
+    """The newest result of every bench that no headline takes (a bench with no headline,
+    or a run no headline of its bench takes): provenance, command and its scalar figures,
+    so a new bench's results show before it gets a section of its own."""
     parts = []
-    for bench in sorted(set(results) - known):
-        r = results[bench][0]
+    for bench in sorted(results):
+        claimed = [h for h in HEADLINES if h.bench == bench]
+        left = [r for r in results[bench] if not any(h.takes(r.command) for h in claimed)]
+        if not left:
+            continue
+        r = left[0]
         parts += [f"### {bench}", "", f"Latest run: {_provenance(r)}.", "", "```bash",
                   r.command, "```", "", "| figure | value |", "|---|---|"]
         parts += [f"| {label} | {value} |" for label, value in _scalars(r.figures)]

@@ -154,6 +154,19 @@ class NodeLinks:
             raise ValueError(f"not a NodeLinks JSON object: {exc}") from None
 
 
+def baseline(laid: NodeLinks) -> tuple[str, NodeLinks]:
+    """What a profile's one uneven thing is measured against, and its name: ``zone_blind``
+    (the same links, no zone labels: the grid ignores zones) for a zoned profile; ``even``
+    (every node at the first node's rate) for one whose links differ (``straggler``).
+    ``ValueError`` for a profile with neither (``fast``, ``slow``)."""
+    if laid.zones:
+        return "zone_blind", NodeLinks(laid.profile, laid.mbit)
+    if len(set(laid.mbit)) > 1:
+        return "even", NodeLinks(laid.profile, (laid.mbit[0],) * len(laid.mbit))
+    raise ValueError(f"link profile {laid.profile!r} has every link alike and no zones: "
+                     f"nothing to compare it against (straggler and zones have)")
+
+
 def lay_out(profile: LinkProfile, nodes: int, wire_bytes: float,
             step_compute_s: float) -> NodeLinks:
     """``profile`` on ``nodes`` node slots for a model whose exchange is ``wire_bytes`` and

@@ -16,9 +16,11 @@ import pytest
 import ray
 import torch
 
-from moshray.actors.replica.group import (
-    OPTIMIZERS, GroupConfig, GroupError, ReplicaGroup, digest, rank_slice, train_together,
+from moshray.actors.replica.group import ReplicaGroup
+from moshray.actors.replica.group_spec import (
+    OPTIMIZERS, GroupConfig, GroupError, digest, rank_slice,
 )
+from moshray.actors.replica.group_together import train_together
 from moshray.actors.replica.group_averaging import (
     BatchPart, GroupPeers, ShardLayout, incomplete, layout_difference, rank_plan, rank_rows,
 )

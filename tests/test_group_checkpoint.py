@@ -15,8 +15,9 @@ import time
 import pytest
 import torch
 
-from moshray.actors.replica.group import (
-    GroupConfig, GroupError, ReplicaGroup, placement_shortfall, rank_bundles, reference_train,
+from moshray.actors.replica.group import ReplicaGroup
+from moshray.actors.replica.group_spec import (
+    GroupConfig, GroupError, placement_shortfall, rank_bundles, reference_train,
 )
 from moshray.actors.replica.group_checkpoint import (
     MANIFEST, CheckpointError, CheckpointManifest, first_difference, staging_path, torn_file,

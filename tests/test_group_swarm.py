@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from moshray.actors.replica.group import GroupConfig
+from moshray.actors.replica.group_spec import GroupConfig
 from moshray.actors.replica.group_swarm import GroupSwarm, SwarmConfig
 from moshray.cluster.placement import SLOT_LABEL
 from moshray.jobs.bench.gpu import lm_task

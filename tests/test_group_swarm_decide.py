@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from moshray.actors.replica.group import GroupConfig
+from moshray.actors.replica.group_spec import GroupConfig
 from moshray.actors.replica.group_swarm import (
     TABLE, Activate, Close, Fail, Finish, GroupState, GroupView, Join, NodeInfo, NodeMemory,
     Place, Step, SwarmConfig, SwarmView, Wait, decide, eligible, frontier_after, node_info,

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from moshray.actors.replica.group import GroupConfig
+from moshray.actors.replica.group_spec import GroupConfig
 from moshray.actors.replica.group_swarm import GroupState, GroupSwarm, SwarmConfig
 from moshray.cluster.placement import SLOT_LABEL
 from moshray.jobs.bench.gpu import lm_task

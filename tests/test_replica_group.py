@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moshray.actors.replica.group import (
-    GroupConfig, GroupError, GroupTask, ReplicaGroup, choose_backend, digest, rank_slice,
-    reference_train,
+from moshray.actors.replica.group import ReplicaGroup
+from moshray.actors.replica.group_spec import (
+    GroupConfig, GroupError, GroupTask, choose_backend, digest, rank_slice, reference_train,
 )
 from moshray.jobs.bench.gpu import lm_task
 

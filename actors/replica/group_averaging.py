@@ -2,7 +2,7 @@
 
 Several groups of the same world size and parallel mode train one model together. Each
 collaborative step has two phases, which the driver runs one after the other on every rank
-of every group (``group.train_together``):
+of every group (``group_together.step_together``):
 
 1. *gradients*: each group computes the gradient of its own part of the step's global batch
    (``BatchPart``), all its ranks together; under FSDP2 each rank then holds the gradient of
@@ -43,7 +43,7 @@ layouts match (``layout_difference``). Both sides digest what they hold (``state
 a join ends with the joiner holding exactly the donor's state, or fails.
 
 This module holds the messages, the pure decisions and the rank-side tensor work (torch,
-no Ray); the ``GroupRank`` actor (``group.py``) calls it and moves the bytes.
+no Ray); the ``GroupRank`` actor (``group_rank.py``) calls it and moves the bytes.
 """
 
 from __future__ import annotations

@@ -67,10 +67,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from moshray.actors.replica.group import (
-    NODE_ID_LABEL, GroupConfig, GroupError, GroupTask, ReplicaGroup, digest, local_round,
-    rank_bundles, step_together,
+from moshray.actors.replica.group import ReplicaGroup
+from moshray.actors.replica.group_spec import (
+    NODE_ID_LABEL, GroupConfig, GroupError, GroupTask, digest, rank_bundles,
 )
+from moshray.actors.replica.group_together import local_round, step_together
 from moshray.actors.replica.group_averaging import StepTogether
 from moshray.cluster.state_machine import StateMachine, TransitionTable
 

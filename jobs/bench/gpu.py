@@ -9,7 +9,7 @@ wall-clock budget (``--budget-s``, default 290 s):
   replicas sharing it (0.5 GPU each), training the example LM with bf16 autocast on CUDA
   for a bounded number of global steps; each replica's loop reports its device and its
   micro-batch rate.
-- ``group`` (b): a replica group (``actors/replica/group.py``) of 2 ranks sharing the GPU
+- ``group`` (b): a replica group (``actors/replica/group*.py``) of 2 ranks sharing the GPU
   (gloo with CUDA tensors), FSDP2 and then DDP, a few steps of the LM; its unsharded
   parameters against a single-process reference on the same GPU.
 - ``allreduce`` (c): two ``Averager``s in one process (the replicas' all-reduce, with the
@@ -154,7 +154,7 @@ def lm_loss(model, batch):
 
 def lm_task(model_config: dict, steps: int, rows: int, *, amp: bool, lr: float = 1e-3):
     """The example LM as a ``GroupTask`` (``rows``: the global batch)."""
-    from moshray.actors.replica.group import GroupTask
+    from moshray.actors.replica.group_spec import GroupTask
 
     seq_len = model_config.get("seq_len", 128)
     return GroupTask(functools.partial(lm_build, model_config),
@@ -270,7 +270,8 @@ def part_group(sizes: Sizes) -> dict:
     import ray
     import torch
 
-    from moshray.actors.replica.group import GroupConfig, ReplicaGroup, reference_train
+    from moshray.actors.replica.group import ReplicaGroup
+    from moshray.actors.replica.group_spec import GroupConfig, reference_train
 
     device = _device()
     cuda = device == "cuda"

@@ -31,9 +31,9 @@ import time
 
 import ray
 
-from moshray.actors.replica.group import (
-    NODE_ID_LABEL, GroupConfig, GroupTask, ReplicaGroup, digest, step_together,
-)
+from moshray.actors.replica.group import ReplicaGroup
+from moshray.actors.replica.group_spec import NODE_ID_LABEL, GroupConfig, GroupTask, digest
+from moshray.actors.replica.group_together import step_together
 from moshray.actors.replica.group_averaging import BatchPart
 from moshray.jobs.bench.results import add_results_argument, save_result
 

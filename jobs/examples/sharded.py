@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 
-from moshray.actors.replica.group import GroupConfig
+from moshray.actors.replica.group_spec import GroupConfig
 from moshray.actors.replica.group_swarm import (
     MODES, GroupState, GroupSwarm, SwarmConfig, SwarmError, SwarmProgress, SwarmStats,
 )

@@ -411,3 +411,31 @@ def test_the_driver_reads_only_new_history_rows_and_keeps_them_over_a_lost_state
         newest.report(ProgressReport(peer, 1, 8))
     later = read_stats(fetch, restarted)
     assert [h[0] for h in later["history"]] == [1, 2] and asked[-1] == 0  # its row 0 is new
+
+
+def test_a_joiner_whose_copies_take_longer_than_a_step_is_waited_for_until_it_catches_up():
+    # a copy over a slow link takes 3 s; a step, far less: with a fixed 2 s grace from the
+    # first ask the swarm stepped on during every copy and the joiner never got in
+    core, clock, pushed = swarm(("a",), target=8)
+    core.register("j", "j", "node-j")
+    core.donor("j")  # first copy of epoch 0
+    clock.t += core.progress.join_grace_s + 1.0  # 3 s: the grace ran out, a step happens
+    assert report(core, "a", 0, 8).plan is not None
+    report(core, "a", 1, 0)  # a applied epoch 1
+    assert core.mark_ready("j", 0) is False  # j's copy is of epoch 0: too late
+    core.donor("j")  # j copies again; its last attempt took 3 s
+    clock.t += 3.0  # within 1.5 x 3 s: full batches wait
+    assert report(core, "a", 1, 8).plan is None
+    assert core.mark_ready("j", 1) is True
+    plan = report(core, "a", 1, 9).plan
+    assert plan is not None and plan.participants == ("a", "j")
+
+
+def test_the_stretched_wait_for_a_joiner_is_capped():
+    from moshray.cluster.coordinator.progress import JoinWait, join_wait
+
+    assert join_wait(JoinWait(0.0, 0.0), 1.9, grace_s=2.0, cap_s=30.0)
+    assert not join_wait(JoinWait(0.0, 0.0), 2.1, grace_s=2.0, cap_s=30.0)
+    assert join_wait(JoinWait(0.0, 10.0, 4.0), 15.9, grace_s=2.0, cap_s=30.0)  # 1.5 x 4 s
+    assert not join_wait(JoinWait(0.0, 10.0, 4.0), 16.1, grace_s=2.0, cap_s=30.0)
+    assert not join_wait(JoinWait(0.0, 29.0, 10.0), 30.5, grace_s=2.0, cap_s=30.0)  # capped

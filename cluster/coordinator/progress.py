@@ -74,6 +74,25 @@ def step_due(current: Sequence[ProgressReport], eligible: int, target_batch_size
 
 
 @dataclass(frozen=True)
+class JoinWait:
+    """A joiner's donor requests: its first (``first``), its latest (``asked``) and how
+    long the attempt before the latest took (``copy_s``: ask to ask, 0 on the first)."""
+
+    first: float
+    asked: float
+    copy_s: float = 0.0
+
+
+def join_wait(w: JoinWait, now: float, grace_s: float, cap_s: float) -> bool:
+    """Do full batches still wait for this joiner? For ``grace_s`` after each donor
+    request, stretched to 1.5 x its last attempt's duration (a copy over a slow link takes
+    longer than a step: without the stretch it would never catch up), and never past
+    ``cap_s`` after its first request (a joiner that cannot keep up stops holding the swarm
+    back; it goes on trying). Pure."""
+    return now - w.asked < max(grace_s, 1.5 * w.copy_s) and now - w.first < cap_s
+
+
+@dataclass(frozen=True)
 class ProgressReply:
     plan: RoundPlan | None  # plan of epoch + 1 when this peer takes part in it
     stop: bool = False
@@ -124,6 +143,7 @@ class ProgressTracker:
     rollbacks: list[tuple[int, int]] = field(default_factory=list)
     grace_s: float = 2.0  # how long a full batch waits for ready peers finishing a step
     join_grace_s: float = 2.0  # ... and for a joiner copying a donor's state (from its ask)
+    join_cap_s: float = 30.0  # the longest full batches wait for one joiner (join_wait)
     hold_s: float = 60.0  # a newer state seen this recently blocks a fallback (2 x TTL)
     rebuild_until: float | None = None  # after a restart: no fallback before this time
     abandoned: list[tuple[int, int]] = field(default_factory=list)  # plans nobody applied
@@ -134,7 +154,7 @@ class ProgressTracker:
     _unpushed: RoundPlan | None = None  # made since the last take_new_plan
     _held: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer -> (epoch, seen)
     _top_held: int = 0  # the newest epoch any peer was ever seen holding (committed)
-    _joining: dict[str, float] = field(default_factory=dict)  # peer -> first donor request
+    _joining: dict[str, JoinWait] = field(default_factory=dict)  # peer -> its donor requests
 
     def take_new_plan(self) -> RoundPlan | None:
         """The plan made since the last call (for the Coordinator to push), else None."""
@@ -244,9 +264,12 @@ class ProgressTracker:
         return self._held.get(peer_id, (-1, 0.0))[0] == self.epoch
 
     def note_joining(self, peer_id: str, now: float) -> None:
-        """``peer_id`` asked for a donor: full batches wait up to ``join_grace_s`` from its
-        first ask for it to be ready (else a fast swarm outruns every copy it makes)."""
-        self._joining.setdefault(peer_id, now)
+        """``peer_id`` asked for a donor (a first copy, or another after a copy that came
+        too late): full batches wait for it (``join_wait``), else a fast swarm, or one whose
+        copies cross a slow link, outruns every copy it makes."""
+        wait = self._joining.get(peer_id)
+        self._joining[peer_id] = (JoinWait(now, now) if wait is None else
+                                  JoinWait(wait.first, now, now - wait.asked))
 
     def forget(self, peer_id: str, gone: bool = False) -> None:
         """``peer_id`` expired (it may still be up: what it held is kept for ``hold_s``)
@@ -376,7 +399,8 @@ class ProgressTracker:
             self._full_since = now
         if self._finishing(eligible) and now - self._full_since < self.grace_s:
             return  # a ready peer is still applying the last step: give it a moment
-        if any(now - t < self.join_grace_s for t in self._joining.values()):
+        if any(join_wait(w, now, self.join_grace_s, self.join_cap_s)
+               for w in self._joining.values()):
             return  # a joiner is copying the current state: let it in first
         self.plan_now(now, current)
 

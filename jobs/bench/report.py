@@ -206,6 +206,30 @@ def _compare_layouts(f: Mapping) -> str:
                      for name, l in (f.get("layouts") or {}).items())
 
 
+def _time_to_loss_line(f: Mapping) -> str:
+    ratio = f.get("time_to_target_vs_ddp")
+    verdict = "" if ratio is None else (" (met)" if ratio <= 1 / 3 else " (missed)")
+    return (f"to DDP's final loss {fmt(f.get('target_loss'), '.3f')}: "
+            f"{f.get('moshray_mode')} {fmt(f.get('moshray_time_to_target_s'), '.1f', ' s')}, "
+            f"DDP {fmt(f.get('ddp_time_to_target_s'), '.1f', ' s')}: "
+            f"`time_to_target_vs_ddp` {fmt(ratio, '.3f')}{verdict} (target <= 1/3)")
+
+
+def _time_to_loss_rows(f: Mapping) -> Rows:
+    rows: Rows = [("profile, nodes, links (Mbit/s), seconds per run",
+                   f"{f.get('profile')}, {f.get('nodes')}, {f.get('link_mbit')}, "
+                   f"{f.get('seconds_per_run')}"),
+                  ("target: DDP's final smoothed training loss (its held-out loss)",
+                   f"{fmt(f.get('target_loss'), '.3f')} ({fmt(f.get('ddp_held_out_loss'), '.3f')})")]
+    for name, m in (f.get("modes") or {}).items():
+        mb = m.get("bytes_per_node_to_target")
+        rows.append((name, f"to target {fmt(m.get('time_to_target_s'), '.1f', ' s')} "
+                           f"({'-' if mb is None else f'{mb / 1e6:.1f} MB'} sent per node); "
+                           f"loss at equal time {fmt(m.get('loss_at_equal_time'), '.3f')}; "
+                           f"{m.get('steps')} global steps"))
+    return rows
+
+
 def _straggler_line(f: Mapping) -> str:
     rise = f.get("step_time_rise") or {}
     r = rise.get("collaborative")
@@ -379,6 +403,11 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("chaos", "the storm on separate hosts (partitions, slow links)",
              "moshray bench chaos --schedule long --hosts netns", _chaos_line, _chaos_rows,
              key="chaos-netns", takes=lambda command: "netns" in command),
+    Headline("links", "time to DDP's loss over slow links, moshray's best mode vs Ray Train DDP",
+             "moshray bench links --profile slow --short --nodes 2 --seconds 60 --systems "
+             "ddp,collaborative,diloco8,diloco4,diloco_overlap --json",
+             _time_to_loss_line, _time_to_loss_rows, key="links-time-to-loss",
+             takes=lambda command: "--compare" not in command),
     Headline("links", "one node on a 10x slower link: step time, moshray vs DDP",
              "moshray bench links --profile straggler --compare --short --nodes 3 --json",
              _straggler_line, _straggler_rows, key="links-straggler",

@@ -379,7 +379,7 @@ def test_blockwise4_through_the_round(n: int, max_group: int, size: int) -> None
 
 @pytest.mark.parametrize("args, needle", [
     (["--profile", "slow"], "--compare takes --profile straggler or zones"),
-    (["--profile", "straggler", "--systems", "diloco8"], "--compare runs only ddp"),
+    (["--profile", "straggler", "--systems", "diloco4"], "--compare runs only ddp"),
     (["--profile", "zones", "--nodes", "9"], "--nodes must be 2..8"),
 ])
 def test_compare_refuses_what_it_cannot_run_with_one_line(args, needle, capsys) -> None:

@@ -105,8 +105,9 @@ SYSTEMS = ("ddp", "collaborative", "diloco8", "diloco4")
 # training.mode = "auto" prints its choice in its driver.log
 OPTIONAL = ("diloco_overlap", "auto")
 # --compare: what each profile's one uneven thing is measured on (jobs/local/links.baseline)
-COMPARE_SYSTEMS = {"straggler": ("ddp", "collaborative"), "zones": ("collaborative",)}
-COMPARE_CHOICES = ("ddp", "collaborative")
+# straggler: DiLoCo too (one exchange per --local-steps steps), the mode slow links call for
+COMPARE_SYSTEMS = {"straggler": ("ddp", "collaborative", "diloco8"), "zones": ("collaborative",)}
+COMPARE_CHOICES = ("ddp", "collaborative", "diloco8")
 SHORT_MODEL = (
     "model.n_layers=2", "model.d_model=64", "model.d_ff=128", "model.n_heads=2",
     "model.seq_len=64", "training.batch_size=8", "training.target_batch_size=32",
@@ -616,8 +617,9 @@ def _cluster(nodes: int, laid):
 
 
 def run_compare(profile_name: str, nodes: int, seconds: float, short: bool, out_dir: Path,
-                systems: Sequence[str]) -> dict:
-    """``--compare``: ``systems`` (``ddp`` and / or ``collaborative``) on the profile's
+                systems: Sequence[str], local_steps: int = 16) -> dict:
+    """``--compare``: ``systems`` (of ``COMPARE_CHOICES``; ``diloco8`` averages every
+    ``local_steps`` local steps, so its step is a round of them) on the profile's
     baseline layout (``links.baseline``: even links, or no zone labels), then on the
     profile's own, each layout a fresh cluster; returns ``compare_figures`` with the
     layouts' rates and, for zones, ``grid_cross_zone_fall``. Writes
@@ -630,7 +632,7 @@ def run_compare(profile_name: str, nodes: int, seconds: float, short: bool, out_
         base_name, base = links.baseline(laid)
     except ValueError as exc:
         raise LinksBenchError(f"--compare: {exc}") from None
-    settings = mode_settings(1)
+    settings = mode_settings(local_steps)
     layouts = {base_name: base, profile_name: laid}
     runs: dict[str, dict[str, Curve]] = {}
     failed: dict[str, str] = {}
@@ -784,7 +786,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.compare:
             result = run_compare(args.profile, nodes, seconds, args.short, Path(args.out),
-                                 systems)
+                                 systems, args.local_steps)
         else:
             result = run(args.profile, nodes, seconds, args.short, args.local_steps,
                          Path(args.out), systems)

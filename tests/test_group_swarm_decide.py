@@ -172,3 +172,36 @@ def test_the_example_refuses_bad_input_in_one_line_before_starting_anything(argv
         sharded.main(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and err.count("\n") == 1
+
+
+def draining(i: int) -> NodeInfo:
+    n = node(i)
+    return NodeInfo(n.node_id, True, n.labels, n.resources, draining=True)
+
+
+def test_a_spot_notice_makes_its_group_leave_before_the_next_step_and_the_node_gets_none():
+    groups = [GroupView("g0", "n1", A, 6), GroupView("g1", "n2", A, 6)]
+    d = decide(view([node(1), draining(2)], groups, frontier=6), CONFIG)
+    assert d.actions == (Close("g1", "node n2 got a spot notice (draining)", node_lost=True,
+                               notice=True), Step(("g0",), 6))
+    assert d.lost == 0
+    assert eligible(draining(3), CONFIG) == "draining (a spot notice)"
+    assert not any(isinstance(a, Place) for a in decide(view([draining(3)]), CONFIG).actions)
+
+
+def test_the_last_holder_of_the_newest_step_steps_on_through_its_notice_until_a_join():
+    # g1 (on the draining node) is the only group at step 6; g2 is still starting
+    groups = [GroupView("g1", "n2", A, 6), GroupView("g2", "n3", S, None, up=True)]
+    d = decide(view([draining(2), node(3)], groups, frontier=6), CONFIG)
+    assert d.actions == (Join("g2", "g1"), Step(("g1", "g2"), 6))
+    # once g2 holds the step too, g1 leaves
+    joined = [GroupView("g1", "n2", A, 7), GroupView("g2", "n3", A, 7)]
+    d = decide(view([draining(2), node(3)], joined, frontier=7), CONFIG)
+    assert d.actions[0] == Close("g1", "node n2 got a spot notice (draining)", node_lost=True,
+                                 notice=True)
+    assert d.actions[-1] == Step(("g2",), 7) and d.lost == 0
+
+
+def test_a_draining_row_is_read_from_the_gcs_list():
+    row = {"NodeID": "ab", "Alive": True, "Labels": {}, "Resources": {"CPU": 1.0}}
+    assert node_info(row, draining=True).draining and not node_info(row).draining

@@ -30,6 +30,10 @@ Membership, as the swarm sees Ray's node table between steps (``decide``, pure):
   in (at step 0, before anything is trained, it starts from the task's model instead);
 - a node that is gone or dead in the table takes its group with it: the group is closed
   (its ranks killed, its placement group removed);
+- a node Ray drains (its watcher heard a spot notice and asked Ray to drain it) gets no
+  group, and its group leaves before the next step (``notice_leaves``), unless it is the
+  last holder of the swarm's newest step: then it steps on, a donor for joiners, until
+  another group holds that step or the node is gone;
 - a group whose rank failed or timed out while its node stays alive leaves as a whole
   (closed), and after ``settle_s`` (time for Ray's node table to show a lost node as
   dead) a new group with new actors is placed on the same node and joins by shard;
@@ -210,14 +214,16 @@ class NodeInfo:
     alive: bool
     labels: tuple[tuple[str, str], ...] = ()
     resources: tuple[tuple[str, float], ...] = ()
+    draining: bool = False  # Ray drains it: a spot notice (the node's watcher asked)
 
 
-def node_info(row: Mapping[str, Any]) -> NodeInfo:
-    """A ``NodeInfo`` of one ``ray.nodes()`` row."""
+def node_info(row: Mapping[str, Any], draining: bool = False) -> NodeInfo:
+    """A ``NodeInfo`` of one ``ray.nodes()`` row (``draining``: the GCS drains it)."""
     return NodeInfo(str(row["NodeID"]), bool(row.get("Alive")),
                     tuple(sorted((str(k), str(v)) for k, v in (row.get("Labels") or {}).items())),
                     tuple(sorted((str(k), float(v))
-                                 for k, v in (row.get("Resources") or {}).items())))
+                                 for k, v in (row.get("Resources") or {}).items())),
+                    draining)
 
 
 @dataclass(frozen=True)
@@ -266,11 +272,13 @@ class SwarmView:
 
 @dataclass(frozen=True)
 class Close:
-    """Close group ``name`` (``node_lost``: its node left, else it failed on a live node)."""
+    """Close group ``name`` (``node_lost``: its node left or is draining after a spot
+    notice, ``notice``; else it failed on a live node)."""
 
     name: str
     reason: str
     node_lost: bool = False
+    notice: bool = False
 
 
 @dataclass(frozen=True)
@@ -345,6 +353,8 @@ def eligible(node: NodeInfo, config: SwarmConfig) -> str | None:
     one group's resources in total."""
     if not node.alive:
         return "not alive"
+    if node.draining:
+        return "draining (a spot notice)"
     labels = dict(node.labels)
     for key, values in config.node_labels:
         if key not in labels or (values and labels[key] not in values):
@@ -367,7 +377,8 @@ def decide(view: SwarmView, config: SwarmConfig) -> Decision:
     activations and joins, then one of Step, Wait, Finish or Fail. Pure."""
     actions: list[Action] = []
     alive = {n.node_id for n in view.nodes if n.alive}
-    staying, left = [], set()
+    draining = {n.node_id for n in view.nodes if n.alive and n.draining}
+    staying, noticed, left = [], [], set()
     for g in view.groups:
         if g.state.terminal:
             continue
@@ -376,6 +387,20 @@ def decide(view: SwarmView, config: SwarmConfig) -> Decision:
         elif g.failure:
             actions.append(Close(g.name, g.failure))
             left.add(g.node_id)  # settles before a group is placed there again
+        elif g.node_id in draining:
+            noticed.append(g)
+        else:
+            staying.append(g)
+    # A spot notice: the group leaves before the next step, as a replica leaves the next
+    # plan, unless it is the last holder of the swarm's newest step (then it steps on, and
+    # donates to a joiner, until another group holds that step or its node is gone).
+    newest = max((g.step for g in staying + noticed
+                  if g.state is G.ACTIVE and g.step is not None), default=None)
+    safe = any(g.state is G.ACTIVE and g.step == newest for g in staying)
+    for g in noticed:
+        if safe or g.state is not G.ACTIVE:
+            actions.append(Close(g.name, f"node {g.node_id[:12]} got a spot notice "
+                                         f"(draining)", True, notice=True))
         else:
             staying.append(g)
     held = [g.step for g in staying if g.state is G.ACTIVE and g.step is not None]
@@ -476,7 +501,8 @@ class SwarmProgress:
 class SwarmStats:
     """What a swarm did. ``steps``: the newest step held (each group's optimizer steps);
     ``lost_steps``: steps undone (see module docstring); ``groups_max``: the most groups in
-    one step; ``joins``: joins by shard; ``leaves``: groups that left after taking part;
+    one step; ``joins``: joins by shard; ``leaves``: groups that left after taking part
+    (``notice_leaves`` of them after a spot notice);
     ``rebuilt``: groups placed again on a node whose group left while it stayed, that
     joined; ``retried``: swarm steps no group applied (tried again); ``consistent``: every
     group's unsharded parameters bitwise equal at the end (None: not checked)."""
@@ -491,6 +517,7 @@ class SwarmStats:
     leaves: int = 0
     rebuilt: int = 0
     retried: int = 0
+    notice_leaves: int = 0  # leaves after a spot notice (their node drained), among leaves
     groups_final: int = 0
     final_loss: float | None = None
     consistent: bool | None = None
@@ -530,10 +557,18 @@ class _Member:
 
 
 def read_nodes() -> tuple[NodeInfo, ...]:
-    """Ray's node table (the connected driver's)."""
+    """Ray's node table (the connected driver's), draining nodes marked (the GCS's list: a
+    node whose watcher heard a spot notice asked for it; unreadable: none marked)."""
     import ray
 
-    return tuple(node_info(row) for row in ray.nodes())
+    from moshray.autoscaler.watch.drain import draining_nodes
+
+    try:
+        drains = draining_nodes()
+    except (ray.exceptions.RayError, OSError, RuntimeError, AttributeError) as exc:
+        log.warning("swarm: draining nodes not readable (%s)", type(exc).__name__)
+        drains = {}
+    return tuple(node_info(row, str(row["NodeID"]) in drains) for row in ray.nodes())
 
 
 class GroupSwarm:
@@ -612,7 +647,8 @@ class GroupSwarm:
         m.group.close()
         self._to(m, G.GONE, action.reason)
         if any(t.dst is G.ACTIVE for t in m.machine.history):  # it had taken part
-            self.stats = replace(self.stats, leaves=self.stats.leaves + 1)
+            self.stats = replace(self.stats, leaves=self.stats.leaves + 1,
+                                 notice_leaves=self.stats.notice_leaves + action.notice)
         mem = self.memory.get(m.node_id, NodeMemory(m.node_id))
         if not action.node_lost:
             self._node(m.node_id, left_at_s=self.clock(),

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moshray.jobs.bench import gpu
+from moshray.jobs.examples.lm import tasks
 from moshray.jobs.examples.lm.model import ModelConfig
 
 NO_CUDA = not torch.cuda.is_available()
@@ -24,10 +25,10 @@ NO_CUDA = not torch.cuda.is_available()
 def test_the_lm_windows_are_next_byte_pairs_from_the_corpus():
     import numpy as np
 
-    x, y = gpu.lm_windows(np.random.default_rng(0), 4, 16)
+    x, y = tasks.lm_windows(np.random.default_rng(0), 4, 16)
     assert x.shape == y.shape == (4, 16) and x.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one byte
-    again, _ = gpu.lm_windows(np.random.default_rng(0), 4, 16)
+    again, _ = tasks.lm_windows(np.random.default_rng(0), 4, 16)
     assert torch.equal(x, again)
 
 
@@ -122,7 +123,7 @@ def test_a_partial_of_a_module_function_ships_to_the_replicas():
 
     from moshray.jobs.fit import ship_by_value
 
-    shard = functools.partial(gpu.lm_shard, seq_len=8, batch=2)
+    shard = functools.partial(tasks.lm_shard, seq_len=8, batch=2)
     try:
         ship_by_value(shard, functools.partial(gpu.replica_loop, lr=0.1))
         back = ray.cloudpickle.loads(ray.cloudpickle.dumps(shard))
@@ -131,7 +132,7 @@ def test_a_partial_of_a_module_function_ships_to_the_replicas():
             ray.cloudpickle.unregister_pickle_by_value(functools)
         except ValueError:
             pass
-    assert back.func is gpu.lm_shard and back.keywords == {"seq_len": 8, "batch": 2}
+    assert back.func is tasks.lm_shard and back.keywords == {"seq_len": 8, "batch": 2}
 
 
 def test_a_replica_without_a_gpu_from_ray_trains_on_the_cpu():

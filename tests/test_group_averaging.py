@@ -25,7 +25,7 @@ from moshray.actors.replica.group_averaging import (
     BatchPart, GroupPeers, ShardLayout, incomplete, layout_difference, rank_plan, rank_rows,
 )
 from moshray.cluster.messages import AllReduceReport, Rejection, RejectReason
-from moshray.jobs.bench.gpu import lm_task
+from moshray.jobs.examples.lm.tasks import lm_task
 
 pytestmark = pytest.mark.cluster
 

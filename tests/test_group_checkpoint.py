@@ -22,7 +22,7 @@ from moshray.actors.replica.group_spec import (
 from moshray.actors.replica.group_checkpoint import (
     MANIFEST, CheckpointError, CheckpointManifest, first_difference, staging_path, torn_file,
 )
-from moshray.jobs.bench.gpu import lm_task
+from moshray.jobs.examples.lm.tasks import lm_task
 
 # Parameter dims (16, 32, 64, 256) do not divide by 3: FSDP2 shards dim 0 unevenly (padded)
 # and DCP reshards such shards as well; rows=6 divides among 1, 2 and 3 ranks.

@@ -13,7 +13,7 @@ import pytest
 from moshray.actors.replica.group_spec import GroupConfig
 from moshray.actors.replica.group_swarm import GroupSwarm, SwarmConfig
 from moshray.cluster.placement import SLOT_LABEL
-from moshray.jobs.bench.gpu import lm_task
+from moshray.jobs.examples.lm.tasks import lm_task
 from moshray.jobs.examples.sharded import Cloud
 
 pytestmark = pytest.mark.cluster

@@ -15,7 +15,7 @@ import pytest
 from moshray.actors.replica.group_spec import GroupConfig
 from moshray.actors.replica.group_swarm import GroupState, GroupSwarm, SwarmConfig
 from moshray.cluster.placement import SLOT_LABEL
-from moshray.jobs.bench.gpu import lm_task
+from moshray.jobs.examples.lm.tasks import lm_task
 
 pytestmark = pytest.mark.cluster
 

@@ -13,7 +13,7 @@ from moshray.actors.replica.group import ReplicaGroup
 from moshray.actors.replica.group_spec import (
     GroupConfig, GroupError, GroupTask, choose_backend, digest, rank_slice, reference_train,
 )
-from moshray.jobs.bench.gpu import lm_task
+from moshray.jobs.examples.lm.tasks import lm_task
 
 MODEL = {"seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64}
 

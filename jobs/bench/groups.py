@@ -120,7 +120,7 @@ def run_layout(name: str, task: GroupTask, nodes: list[str], args: argparse.Name
 
 
 def run(args: argparse.Namespace) -> dict:
-    from moshray.jobs.bench.gpu import lm_task
+    from moshray.jobs.examples.lm.tasks import lm_task
     from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print

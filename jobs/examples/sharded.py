@@ -172,7 +172,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict:
     """Start the embedded cluster, train, stop it; the figures."""
-    from moshray.jobs.bench.gpu import lm_task
+    from moshray.jobs.examples.lm.tasks import lm_task
     from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig
 
     task = lm_task(MODEL, steps=args.steps, rows=ROWS, amp=False, lr=3e-3)

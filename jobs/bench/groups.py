@@ -50,9 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--rows", type=int, default=16,
                         help="the global batch (sequences); must divide by 4")
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--d-model", type=int, default=256, help="the LM's width")
+    parser.add_argument("--layers", type=int, default=4, help="the LM's transformer blocks")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per training window")
     parser.add_argument("--timeout-s", type=float, default=300.0,
                         help="bounds each group start and each phase")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")

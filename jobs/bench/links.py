@@ -555,9 +555,8 @@ def with_held_out(curves: dict[str, Curve], finals: dict, config, files: Sequenc
 
 
 # DiLoCo's outer step for this bench's H (16): DiLoCo's own 0.7 / 0.9 were tuned for H = 500
-# and overshoot here (effective outer lr 0.7 / (1 - 0.9) = 7). A sweep of 50 outer rounds of
-# the short model on loopback (one run each, mean loss of the last 8 steps): 0.7/0.9 2.43,
-# 0.5/0.8 2.25 and 2.22, 0.7/0.6 2.15, 0.4/0.7 2.09; uncompressed at 0.7/0.9 2.26.
+# and overshoot here (an effective outer lr of 0.7 / (1 - 0.9) = 7 against 0.4 / 0.3 = 1.3);
+# the sweep that chose these is in docs/performance.md (time to a loss over slow links).
 OUTER_LR, OUTER_MOMENTUM = 0.4, 0.7
 
 

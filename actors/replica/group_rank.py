@@ -19,7 +19,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +36,7 @@ from moshray.actors.replica.group_averaging import (
     fill_local_state, incomplete, layout_difference, local_part, local_state,
     parameter_tensors, rank_peer_id, rank_rows, shard_layout, state_digest, write_averaged,
 )
+from moshray.actors.replica.group_loop import ComputeQueue, LoopHost, LoopTask
 from moshray.actors.replica.group_checkpoint import (
     CheckpointAnswer, CheckpointError, CheckpointManifest, first_difference, load_state,
     read_manifest, save_state, state_shapes,
@@ -121,10 +122,9 @@ class GroupRank:
         if cuda:
             torch.cuda.set_device(self.device)
         # The current CUDA device is per thread: the compute thread sets its own.
-        self._compute = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"rank{rank}-compute",
-            initializer=torch.cuda.set_device if cuda else None,
-            initargs=(self.device,) if cuda else ())
+        self._compute = ComputeQueue(
+            f"rank{rank}-compute",
+            initializer=(lambda: torch.cuda.set_device(self.device)) if cuda else None)
         self.averager = Averager(rank_peer_id(config.name, rank), job_key=config.job_key)
         self.backend: str | None = None
         # What the rank holds between calls (train, full_state, save/load_sharded): the
@@ -137,10 +137,30 @@ class GroupRank:
         self.optimizer_name = ""
         self.step = 0
         self.grads_of: int | None = None
+        # A loop-driven group (group_loop.py): the user's loop, run in the compute thread
+        # from the first command of a ``LoopTask`` on.
+        self.host: LoopHost | None = None
 
     async def _run(self, fn: Callable, *args: Any) -> Any:
-        """``fn(*args)`` in the compute thread (see the class docstring)."""
-        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+        """``fn(*args)`` in the compute thread (see the class docstring); with a loop
+        running there, at its next park (group_loop.py)."""
+        return await asyncio.wrap_future(self._compute.submit(fn, *args))
+
+    def _host(self, task: LoopTask) -> LoopHost:
+        """The loop of ``task``, started in the compute thread on first use."""
+        if self.host is None:
+            self.host = LoopHost(self, task)
+        return self.host
+
+    async def _command(self, task: LoopTask, kind: str, step: int, count: int,
+                       part: BatchPart):
+        """A loop-driven group's gradient phase (``grads``) or inner steps (``local``),
+        carried out by the user's loop (group_loop.py)."""
+        return await asyncio.wrap_future(self._host(task).command(kind, step, count, part))
+
+    def use_parallel(self, parallel: str) -> None:
+        """The loop chose FSDP2 or replication in ``session.prepare`` (compute thread)."""
+        self.settings = dataclasses.replace(self.settings, parallel=parallel)
 
     def _hold(self, task: GroupTask, model: torch.nn.Module) -> None:
         """Shard ``model`` (built from ``task``, on this rank's device) and keep it with a
@@ -149,6 +169,17 @@ class GroupRank:
         self.model = model
         self.opt = OPTIMIZERS[task.optimizer](model.parameters(), lr=task.lr)
         self.optimizer_name, self.step = task.optimizer, 0
+
+    def _build(self, task: GroupTask | LoopTask) -> None:
+        """Hold the task's model (built at step 0) if none is held; a loop builds its own
+        in ``session.prepare``, which it must have called by now."""
+        if self.model is not None:
+            return
+        if isinstance(task, LoopTask):
+            why = self.host.ended if self.host is not None and self.host.ended else \
+                "the loop has not called session.prepare(model, optimizer)"
+            raise GroupError(f"rank {self.rank}: no model: {why}")
+        self._hold(task, task.build_model().to(self.device))
 
     def _held(self, what: str) -> None:
         if self.model is None:
@@ -209,6 +240,9 @@ class GroupRank:
         """Train ``task.steps`` steps on this rank's share of every batch, from the model,
         optimizer and step held (built from ``task`` at step 0 when none is held; the task's
         model, optimizer and lr are not used otherwise). Every rank calls this."""
+        if isinstance(task, LoopTask):
+            raise GroupError(f"rank {self.rank}: train() runs a GroupTask; a loop trains "
+                             f"under the swarm (group_swarm.py)")
         return await self._run(self._train, task)
 
     def _own_steps(self, task: GroupTask, count: int, part: BatchPart
@@ -218,8 +252,7 @@ class GroupRank:
         step 0 when none is held). Returns the losses, the seconds of every step after the
         first (which pays for warm-up: allocations, kernels, connections) and the rows
         trained."""
-        if self.model is None:
-            self._hold(task, task.build_model().to(self.device))
+        self._build(task)
         opt, first = self.opt, self.step
         losses, seconds, rows = [], [], 0
         opt.zero_grad(set_to_none=True)  # gradients a collaborative step left are not ours
@@ -256,12 +289,14 @@ class GroupRank:
         """The gradient phase of collaborative step ``step``: forward and backward on this
         rank's rows of the group's ``part`` of ``task.batch(step)``, keeping the gradients
         for ``average_and_apply``. Builds the model from ``task`` at step 0 when none is
-        held. ``GroupError`` when the rank holds another step. Every rank calls this."""
+        held. ``GroupError`` when the rank holds another step. Every rank calls this. A
+        ``LoopTask``: the user's loop computes them (group_loop.py)."""
+        if isinstance(task, LoopTask):
+            return await self._command(task, "grads", step, 1, part)
         return await self._run(self._compute_grads, task, step, part)
 
     def _compute_grads(self, task: GroupTask, step: int, part: BatchPart) -> GradReport:
-        if self.model is None:
-            self._hold(task, task.build_model().to(self.device))
+        self._build(task)
         if step != self.step:
             raise GroupError(f"rank {self.rank}: asked for the gradients of step {step}, "
                              f"holds step {self.step}")
@@ -319,7 +354,10 @@ class GroupRank:
         """The inner phase of a local SGD round: ``count`` steps of this group alone, with
         its own optimizer, on this rank's rows of the group's ``part`` of the batches of
         steps ``first`` .. ``first + count - 1``. ``GroupError`` when the rank holds another
-        step than ``first``. Every rank calls this."""
+        step than ``first``. Every rank calls this. A ``LoopTask``: the user's loop takes
+        the steps (group_loop.py)."""
+        if isinstance(task, LoopTask):
+            return await self._command(task, "local", first, count, part)
         return await self._run(self._local_steps, task, first, count, part)
 
     def _local_steps(self, task: GroupTask, first: int, count: int,
@@ -382,6 +420,8 @@ class GroupRank:
         if self.opt is not None:
             self.opt.zero_grad(set_to_none=True)
         self.grads_of = None
+        if self.host is not None:
+            self.host.voted(applied)
         return applied, reason
 
     # -- state ------------------------------------------------------------------------------
@@ -440,12 +480,13 @@ class GroupRank:
             why = f"the donor's shard state did not arrive within {self.settings.timeout_s:g} s"
         except ray.exceptions.RayError as exc:
             why = f"the donor's shard state is lost ({type(exc).__name__})"
+        if isinstance(task, LoopTask):
+            self._host(task)  # its prepare() builds the model before the load runs
         return await self._run(self._load_shard_state, handoff, state, why, task)
 
     def _load_shard_state(self, handoff: ShardHandoff, state: dict | None, why: str | None,
                           task: GroupTask) -> JoinAnswer:
-        if self.model is None:
-            self._hold(task, task.build_model().to(self.device))
+        self._build(task)
         if why is None:
             mine = shard_layout(local_state(self.model, self.opt), self.settings.world_size,
                                 self.settings.parallel, self.optimizer_name)
@@ -481,9 +522,13 @@ class GroupRank:
         ``task`` when none is held, resharded to this group. Rank 0 reads the manifest and
         compares it with the model (``first_difference``) and tells the others, so on a
         refusal no rank loads anything and the model held (if any) is unchanged."""
+        if isinstance(task, LoopTask):
+            self._host(task)  # its prepare() builds the model before the load runs
         return await self._run(self._load_sharded, path, task)
 
     def _load_sharded(self, path: str, task: GroupTask) -> CheckpointAnswer:
+        if isinstance(task, LoopTask):
+            self._build(task)
         model = self.model if self.model is not None else task.build_model().to(self.device)
         optimizer = self.optimizer_name if self.model is not None else task.optimizer
         verdict: list = [None, None]  # (step, why refused)
@@ -511,7 +556,7 @@ class GroupRank:
         try:
             await self._run(self._close)
         finally:
-            self._compute.shutdown(wait=False)
+            self._compute.shutdown()
 
     def _close(self) -> None:
         if dist.is_initialized():

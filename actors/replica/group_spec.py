@@ -45,7 +45,8 @@ class GroupConfig:
     (0: CPU ranks; 0.5: two ranks share one GPU); a rank must ask for some CPU or GPU (its
     placement bundle cannot be empty). ``timeout_s`` bounds every wait. ``node_labels``:
     Ray node labels the group's node must have (a mapping, kept as sorted pairs), e.g.
-    ``{"ray.io/node-id": hex_id}``. Raises ``ValueError`` (one line, the field named) on a
+    ``{"ray.io/node-id": hex_id}``. ``resources``: custom Ray resources each rank's bundle
+    holds too (e.g. ``{"spot": 1}``: only spot workers hold groups). Raises ``ValueError`` (one line, the field named) on a
     bad value."""
 
     world_size: int = 2
@@ -56,6 +57,7 @@ class GroupConfig:
     timeout_s: float = 120.0
     name: str = "group"
     node_labels: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
+    resources: Mapping[str, float] | tuple[tuple[str, float], ...] = ()
     # Averaging with other groups (group_averaging.py): the longest one Moshpit round waits
     # (None: timeout_s / 2, so the round, its result fetch and the vote fit in the driver's
     # wait), and the job's key its ranks' averagers sign and check with (None: unsigned).
@@ -67,6 +69,10 @@ class GroupConfig:
             else self.node_labels
         object.__setattr__(self, "node_labels", tuple(sorted((str(k), str(v))
                                                              for k, v in labels)))
+        extra = self.resources.items() if isinstance(self.resources, Mapping) \
+            else self.resources
+        object.__setattr__(self, "resources", tuple(sorted((str(k), float(v))
+                                                           for k, v in extra)))
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"GroupConfig.world_size: must be an integer >= 1, got "
                              f"{self.world_size!r}")
@@ -252,7 +258,8 @@ def rank_bundles(config: GroupConfig) -> tuple[dict[str, float], ...]:
     """One placement bundle per rank: the CPU and GPU that rank's actor asks for (the zero
     ones left out; ``GroupConfig`` refuses a rank that asks for neither)."""
     bundle = {k: float(v) for k, v in (("CPU", config.cpus_per_rank),
-                                        ("GPU", config.gpus_per_rank)) if v}
+                                        ("GPU", config.gpus_per_rank),
+                                        *config.resources) if v}
     return tuple(dict(bundle) for _ in range(config.world_size))
 
 

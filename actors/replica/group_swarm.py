@@ -591,11 +591,18 @@ class GroupSwarm:
         self._starter = ThreadPoolExecutor(max_workers=4, thread_name_prefix="swarm-start")
         self._last: StepTogether | None = None
         self._stop = threading.Event()
+        self._finish = threading.Event()
 
     def stop(self) -> None:
         """Ask ``run`` (on another thread) to stop after the action it is carrying out: it
         raises ``SwarmError`` ("stopped") once every group is closed. Thread-safe."""
         self._stop.set()
+
+    def finish(self) -> None:
+        """Ask ``run`` (on another thread) to end after the step it is carrying out, as if
+        that were the last (a time limit): the final consistency check runs and ``run``
+        returns the stats. Before the first step, as ``stop``. Thread-safe."""
+        self._finish.set()
 
     # -- observe --------------------------------------------------------------------------
 
@@ -749,7 +756,9 @@ class GroupSwarm:
         t0 = self.clock()
         try:
             while True:
-                if self._stop.is_set():
+                if self._finish.is_set() and self.frontier > 0:
+                    break
+                if self._stop.is_set() or self._finish.is_set():
                     raise SwarmError(f"group swarm: stopped at step {self.frontier}")
                 decision = decide(self.view(), self.config)
                 if decision.lost:

@@ -1,0 +1,66 @@
+"""The user's own loop in replica groups (actors/replica/group_loop.py, issue 47 item 1): the
+loop runs in every rank, parks where the driver decides, and the swarm of loop-driven groups
+goes through a join by shard and a killed node without losing a step, the groups' unsharded
+parameters ending bitwise equal, as with the driver's own ``GroupTask``."""
+
+from __future__ import annotations
+
+import pytest
+
+from moshray.actors.replica.group_loop import loop_of
+from moshray.actors.replica.group_spec import GroupConfig
+from moshray.actors.replica.group_swarm import GroupSwarm, SwarmConfig
+from moshray.cluster.placement import SLOT_LABEL
+from moshray.jobs.examples.lm.tasks import lm_task
+from moshray.jobs.examples.sharded import Cloud
+
+pytestmark = pytest.mark.cluster
+
+MODEL = {"seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64}
+ROWS = 12  # divides among 2 and 3 groups of 2 ranks
+FIRST, LATE = (20, 21), 22
+
+
+@pytest.fixture
+def slots(local_cluster):
+    """Slots 20 and 21 of the session's cluster up (22 comes later); all removed after."""
+    local_cluster.connect()
+    try:
+        for slot in FIRST:
+            local_cluster.add_node(slot)
+        yield local_cluster
+    finally:
+        for slot in (*FIRST, LATE):
+            if slot in local_cluster.live_slots():
+                local_cluster.remove_node(slot)
+
+
+@pytest.mark.parametrize("mode,shard", [("collaborative", True), ("local_sgd", False)])
+def test_loop_driven_groups_train_through_a_join_and_a_lost_node(slots, mode, shard):
+    config = SwarmConfig(
+        group=GroupConfig(world_size=2, name="L" + mode[0], timeout_s=60.0,
+                          round_timeout_s=15.0),
+        mode=mode, steps=8, inner_steps=2,
+        node_labels={SLOT_LABEL: [str(s) for s in (*FIRST, LATE)]}, min_groups=2,
+        settle_s=6.0)
+    task = lm_task(MODEL, steps=config.steps, rows=ROWS, amp=False, lr=3e-3)
+    cloud = Cloud(slots, join_at=2, kill_at=4, kill_slot=FIRST[0], add_slot=LATE)
+    results = []
+
+    def on_step(progress):
+        results.append(progress.result)
+        cloud.on_step(progress)
+
+    stats = cloud.run(GroupSwarm(config, loop_of(task, shard=shard), on_step=on_step))
+    assert cloud.errors == [] and cloud.joined_at == 2 and cloud.killed_at is not None
+    assert stats.steps == 8 and stats.lost_steps == 0
+    assert stats.groups_max == 3 and stats.joins == 1
+    assert stats.groups_final == 2 and stats.consistent is True
+    applied = [r for r in results if r.applied]
+    assert [r.step for r in applied] == list(range(0, 8, config.step_size))
+    assert applied[-1].loss < applied[0].loss
+    numel = sum(p.numel() for p in task.build_model().parameters())
+    if shard:  # each rank averaged its own shard
+        assert max(applied[0].rank_numel) < numel
+    else:  # every rank holds all of it
+        assert min(applied[0].rank_numel) >= numel

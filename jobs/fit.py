@@ -136,6 +136,20 @@ def _job(loop, data, batch_size: int):
     return Job(loop, as_source(data, batch_size), return_state=True)
 
 
+def _group_job(loop, data):
+    """The ``LoopTask`` of a job of replica groups (``cluster.replica = "node"``): the loop
+    and ``moshray.data.by_step`` data; ``UserError`` for other data."""
+    from moshray.actors.replica.data_sources import StepBatches
+    from moshray.actors.replica.group_loop import LoopTask
+
+    if not isinstance(data, StepBatches):
+        raise UserError("data", "replica groups (cluster.replica = \"node\") take "
+                        "moshray.data.by_step(fn), fn(step) -> the global batch of that step, "
+                        f"got {type(data).__name__}")
+    ship_by_value(loop, data)
+    return LoopTask(loop, data)
+
+
 def fit(
     loop: Callable[[Any], Any],
     data: Any,
@@ -219,8 +233,10 @@ def fit(
     cfg = with_stop_rule(build_config(config, **settings))
     if cfg.cluster.trace == "off":
         cfg = replace(cfg, cluster=replace(cfg.cluster, trace=None))
+    job = _group_job(loop, data) if cfg.cluster.replica == "node" \
+        else _job(loop, data, cfg.training.batch_size)
     try:
-        summary = run(cfg, _job(loop, data, cfg.training.batch_size), on_report=on_report)
+        summary = run(cfg, job, on_report=on_report)
     except JobFailed as failed:  # the user's own exception, with its remote traceback
         if failed.error is None:
             raise

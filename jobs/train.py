@@ -81,12 +81,14 @@ def run(config: TrainConfig, job=None, stop_when: StopWhen | None = None,
     summary); an exception it raises propagates and the replicas are killed, not stopped
     cleanly."""
     address = config.cluster.address or os.environ.get("RAY_ADDRESS")
+    driver = run_job
+    if config.cluster.replica == "node":  # replica groups: their own driver
+        from moshray.jobs.controller.groups import run_groups as driver
     if address:
-        return run_job(config, address, job, stop_when, on_report)
+        return driver(config, address, job, stop_when, on_report)
     from moshray.jobs.local.cloud import run_embedded
 
-    return run_embedded(config, lambda addr: run_job(config, addr, job, stop_when,
-                                                     on_report))
+    return run_embedded(config, lambda addr: driver(config, addr, job, stop_when, on_report))
 
 
 def stop_on_sigterm() -> None:
@@ -94,6 +96,34 @@ def stop_on_sigterm() -> None:
     which installs Ray's own handler, from the main thread (elsewhere it does nothing)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: STOP.set())
+
+
+def connect(config: TrainConfig, address: str) -> bool:
+    """Connect this driver to the cluster at ``address`` unless it is connected already;
+    True when this call connected (the caller then disconnects with ``ray.shutdown``).
+    ``check_address`` fails in seconds, with one line, where nothing answers."""
+    import ray
+
+    from moshray.jobs import run_report
+
+    owned = not ray.is_initialized()  # a caller's own connection stays up after the job
+    if owned:
+        from moshray.jobs.ray_address import check_address
+
+        # seconds, not minutes of Ray's GCS retries, for an address where nothing answers
+        check_address(address, "cluster.address" if config.cluster.address else "RAY_ADDRESS")
+        if address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
+            # A loopback cluster (tests, one machine): stay on loopback; Ray would otherwise
+            # swap 127.0.0.1 for this machine's network address.
+            from moshray.jobs.local.cluster import pin_loopback
+
+            pin_loopback()
+        # Ray's own INFO lines (connecting, connected) stay off the console
+        ray.init(address=address, namespace="moshray", log_to_driver=True,
+                 logging_level=logging.WARNING)
+        stop_on_sigterm()
+    run_report.quiet_ray_logs()  # raylet / GCS lines stay in Ray's log files
+    return owned
 
 
 def run_job(config: TrainConfig, address: str, job=None,
@@ -120,23 +150,7 @@ def run_job(config: TrainConfig, address: str, job=None,
 
     # The console: lines printed while the progress bar is up clear and redraw it.
     out = run_report.ConsoleStream(sys.stderr if config.json else sys.stdout)
-    owned = not ray.is_initialized()  # a caller's own connection stays up after the job
-    if owned:
-        from moshray.jobs.ray_address import check_address
-
-        # seconds, not minutes of Ray's GCS retries, for an address where nothing answers
-        check_address(address, "cluster.address" if config.cluster.address else "RAY_ADDRESS")
-        if address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
-            # A loopback cluster (tests, one machine): stay on loopback; Ray would otherwise
-            # swap 127.0.0.1 for this machine's network address.
-            from moshray.jobs.local.cluster import pin_loopback
-
-            pin_loopback()
-        # Ray's own INFO lines (connecting, connected) stay off the console
-        ray.init(address=address, namespace="moshray", log_to_driver=True,
-                 logging_level=logging.WARNING)
-        stop_on_sigterm()
-    run_report.quiet_ray_logs()  # raylet / GCS lines stay in Ray's log files
+    owned = connect(config, address)
     controller = coordinator = experts = lease = None
     try:
         # Durability follows the machines seen: decided now, again as new ones appear.

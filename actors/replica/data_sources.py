@@ -11,6 +11,9 @@ the driver can open.
   pyarrow opens), one shard per row group, streamed in record batches, never read whole.
   Local files only on one machine: the job refuses them once it sees a second one.
 - ``from_dataset(ds, batch_size)``: a Ray Data ``Dataset``, its blocks in the object store.
+- ``by_step(fn)``: for replica groups (``cluster.replica = "node"``) only, not a source:
+  ``fn(step)`` is the global batch of each step, which the swarm splits among the groups
+  and their ranks (``actors/replica/group_loop.py``).
 
 ``as_source`` turns what a user passes (a source, a function, URIs, a Dataset) into one.
 """
@@ -212,8 +215,47 @@ def from_dataset(ds, batch_size: int, num_shards: int | None = None,
     return ArrowRefsSource((refs,), int(batch_size), transform or record_batch_to_tensors)
 
 
+@dataclass(frozen=True)
+class StepBatches:
+    """``by_step(fn)``: the global batch of every step for replica groups; calling it with a
+    step gives ``fn(step)`` checked to be a tuple of tensors (``UserError`` otherwise)."""
+
+    fn: Callable[[int], Any]
+
+    def __call__(self, step: int) -> tuple:
+        batch = self.fn(step)
+        if isinstance(batch, list):
+            batch = tuple(batch)
+        if not (isinstance(batch, tuple) and batch and all(
+                hasattr(t, "shape") and hasattr(t, "tensor_split") for t in batch)):
+            raise UserError("data", f"by_step: fn({step}) must return a tuple of tensors "
+                            f"(inputs, targets, ...), got {type(batch).__name__}")
+        return batch
+
+
+def by_step(fn: Callable[[int], Any]) -> StepBatches:
+    """The global batch of each step, ``fn(step) -> (tensor, ...)``, for replica groups
+    (``cluster.replica = "node"``): step ``s``'s rows divide among the groups x ranks that
+    train it. ``UserError`` if ``fn`` is no function of one argument."""
+    if not callable(fn):
+        raise UserError("data", f"by_step: expected a function step -> batch, got "
+                        f"{type(fn).__name__}")
+    try:
+        inspect.signature(fn).bind(0)
+    except TypeError:
+        raise UserError("data", "by_step: the function must take one argument, the step") \
+            from None
+    except ValueError:  # no signature (a builtin): let the first call tell
+        pass
+    return StepBatches(fn)
+
+
 def as_source(data: Any, batch_size: int | None = None) -> DataSource:
     """What ``moshray.fit`` accepts as ``data``, as a source (see module docstring)."""
+    if isinstance(data, StepBatches):
+        raise UserError("data", "moshray.data.by_step is for replica groups: set "
+                        "cluster.replica = \"node\", or pass shards (from_fn) for one replica "
+                        "per GPU")
     if isinstance(data, DataSource):
         return data
     if type(data).__name__ in ("Dataset", "MaterializedDataset") and hasattr(data, "to_arrow_refs"):

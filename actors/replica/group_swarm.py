@@ -72,6 +72,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moshray.actors.replica.group import ReplicaGroup
+from moshray.actors.replica.group_loop import LoopTask
 from moshray.actors.replica.group_spec import (
     NODE_ID_LABEL, GroupConfig, GroupError, GroupTask, digest, rank_bundles,
 )
@@ -576,7 +577,7 @@ class GroupSwarm:
     on this thread after every swarm step with a ``SwarmProgress`` (a chaos schedule, a
     progress line); ``clock`` and ``nodes`` may be injected."""
 
-    def __init__(self, config: SwarmConfig, task: GroupTask, *,
+    def __init__(self, config: SwarmConfig, task: GroupTask | LoopTask, *,
                  on_step: Callable[[SwarmProgress], None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  nodes: Callable[[], tuple[NodeInfo, ...]] = read_nodes):
@@ -585,7 +586,9 @@ class GroupSwarm:
         self.members: dict[str, _Member] = {}
         self.memory: dict[str, NodeMemory] = {}
         self.frontier, self.failed_in_row = 0, 0
-        self.stats = SwarmStats(config.mode, config.group.world_size, config.group.parallel)
+        # a loop chooses FSDP2 or replication itself (session.prepare's shard)
+        parallel = "loop" if isinstance(task, LoopTask) else config.group.parallel
+        self.stats = SwarmStats(config.mode, config.group.world_size, parallel)
         self._count = 0
         self._idle_since: float | None = None
         self._starter = ThreadPoolExecutor(max_workers=4, thread_name_prefix="swarm-start")

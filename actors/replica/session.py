@@ -254,10 +254,13 @@ class Session:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                state: dict | None = None) -> ElasticOptimizer:
+                state: dict | None = None, shard: bool = False) -> ElasticOptimizer:
         """Join the swarm with these objects (see module docstring). ``state``: the user's
         extra state dict (values: anything picklable, or objects with ``state_dict`` and
-        ``load_state_dict``), kept equal across replicas and in checkpoints."""
+        ``load_state_dict``), kept equal across replicas and in checkpoints. ``shard``:
+        for replica groups (``cluster.replica = "node"``, ``group_loop.GroupSession``),
+        where it shards the model over the group's ranks; a replica of one GPU holds the
+        whole model, so the same loop runs here unchanged."""
         if self.state is not None:
             raise UserError("session", "prepare() was called twice: call it once per replica")
         if not isinstance(model, torch.nn.Module):

@@ -49,6 +49,7 @@ LrScaling = Literal["sqrt", "none"]
 # _validate against the registry, so a plug-in cloud is accepted once its module is imported)
 NoticeSourceName = str
 HostsMode = Literal["loopback", "netns"]
+ReplicaUnit = Literal["gpu", "node"]
 
 
 # --------------------------------------------------------------------------- sections
@@ -368,7 +369,11 @@ class ClusterSection(_Section):
     169.254.169.254; needs root; see ``jobs/local/cluster.py``). ``driver_lease_s``: the
     replicas and the Coordinator outlive the driver (a resubmitted job with the same config
     adopts them) for at most this long after its last renewal, then stop by themselves,
-    with a final checkpoint (``jobs/controller/lease.py``).
+    with a final checkpoint (``jobs/controller/lease.py``). ``replica``: what one replica
+    is: ``gpu`` (a replica per GPU, ``replicas_per_node`` on a node) or ``node`` (a replica
+    group per node: one Ray actor per GPU, ``group_ranks`` of them, joined in a
+    ``torch.distributed`` process group, the model sharded inside by FSDP2;
+    ``jobs/controller/groups.py``).
     """
 
     _section = "cluster"
@@ -407,13 +412,19 @@ class ClusterSection(_Section):
     adopts them); then they stop by themselves, with a final checkpoint."""
     dashboard: bool = False
     """Embedded cluster: start Ray's dashboard on 127.0.0.1 and print its URL."""
+    replica: ReplicaUnit = "gpu"
+    """What one replica is: ``gpu`` (one per GPU) or ``node`` (a replica group of one rank
+    per GPU of a node, the model sharded over them; the data must be
+    ``moshray.data.by_step``)."""
+    group_ranks: int = 0
+    """replica = node: ranks per group; 0: the GPUs of a node (2 on CPU nodes)."""
 
     def _validate(self) -> None:
         _non_empty(self._path("address"), self.address)
         _non_empty(self._path("trace"), self.trace)
         for name in ("local_nodes", "max_nodes", "min_nodes"):
             _positive_int(self._path(name), getattr(self, name))
-        for name in ("replicas_per_node", "local_gpus"):
+        for name in ("replicas_per_node", "local_gpus", "group_ranks"):
             _check(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
                    self._path(name), "must be an integer >= 0", getattr(self, name))
         _check(self.min_nodes <= self.max_nodes, self._path("min_nodes"),

@@ -1,0 +1,193 @@
+"""The driver of a job whose replicas are replica groups (``cluster.replica = "node"``, issue
+47): one group of ``group_ranks`` Ray actors on every spot node (``STRICT_PACK``, one GPU
+each on GPU nodes), the model sharded inside by FSDP2 as the user's loop asks
+(``session.prepare(..., shard=True)``), averaged by shard across groups
+(``actors/replica/group_swarm.py`` carries all of that out).
+
+What it does, in order: connects (``jobs/train.connect``), turns the ``TrainConfig`` into a
+``SwarmConfig`` (``swarm_config``, pure, against the nodes it sees), asks Ray's autoscaler
+for ``cluster.max_nodes`` nodes that each fit a group (``request_resources``), runs the
+swarm until ``training.max_steps`` or ``training.max_seconds`` (then the swarm ends after
+the step in flight, consistency checked), or a SIGTERM (``ray job stop``), and writes the
+summary (``<run_dir>/summary.json``, printed as JSON with ``json``).
+
+Failure behaviour. A setting groups cannot honour is a ``ConfigError`` (one line) before
+anything starts. A swarm that cannot go on raises ``SwarmError`` (one line; the groups
+closed). On every exit path the capacity request is withdrawn and the groups' actors are
+gone (the swarm closes them; they are the driver's, so a crashed driver takes them along).
+Not yet for groups: checkpoints of ``fit`` (``actors/replica/group_checkpoint.py`` has the
+sharded format), DMoE experts, Prometheus metrics, adoption by a resubmitted driver.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from moshray.actors.replica.group_loop import LoopTask
+from moshray.actors.replica.group_spec import GroupConfig
+from moshray.actors.replica.group_swarm import GroupSwarm, SwarmConfig, SwarmProgress
+from moshray.cluster.placement import SPOT_RESOURCE
+from moshray.jobs.config import ConfigError, TrainConfig
+
+log = logging.getLogger(__name__)
+
+GROUP_MODES = ("collaborative", "local_sgd")
+CPU_RANKS = 2  # ranks of a group on CPU nodes when cluster.group_ranks is 0
+RANK_TIMEOUT_S = 120.0  # a group's start, join and step
+UNBOUNDED_STEPS = 10**9  # max_seconds only: the swarm ends on the clock
+
+
+def swarm_config(config: TrainConfig, nodes: Sequence[Mapping[str, float]]) -> SwarmConfig:
+    """The swarm for ``config`` on a cluster whose alive spot nodes have ``nodes``'
+    resources (pure). Ranks per group: ``cluster.group_ranks``, else the most GPUs of a
+    spot node, else ``CPU_RANKS``; one GPU per rank where the nodes have GPUs. Local SGD
+    rounds are ``training.local_steps`` long. ``ConfigError`` (one line) for what groups
+    cannot do: another mode, no step bound, an averaging deadline longer than a step's."""
+    t, c = config.training, config.cluster
+    if t.mode not in GROUP_MODES:
+        raise ConfigError("training.mode", f"replica groups (cluster.replica = \"node\") train "
+                          f"{' or '.join(GROUP_MODES)}, got {t.mode!r}")
+    if t.max_steps is None and t.max_seconds is None:
+        raise ConfigError("training.max_steps", "replica groups need max_steps or max_seconds "
+                          "(their data is by step, without epochs)")
+    gpus = max((int(n.get("GPU", 0)) for n in nodes), default=0)
+    world = c.group_ranks or gpus or CPU_RANKS
+    inner = t.local_steps if t.mode == "local_sgd" else 1
+    steps = t.max_steps if t.max_steps is not None else UNBOUNDED_STEPS
+    steps = -(-steps // inner) * inner  # whole local SGD rounds
+    try:
+        group = GroupConfig(world_size=world, gpus_per_rank=1.0 if gpus >= world else 0.0,
+                            cpus_per_rank=1.0, timeout_s=RANK_TIMEOUT_S, name="g",
+                            resources={SPOT_RESOURCE: 1}, round_timeout_s=t.round_timeout_s)
+        return SwarmConfig(group=group, mode=t.mode, steps=steps, inner_steps=inner,
+                           max_groups=c.max_nodes, min_groups=c.min_nodes,
+                           wait_s=c.wait_for_nodes_s)
+    except ValueError as exc:
+        field, _, why = str(exc).partition(": ")
+        raise ConfigError(field, why or str(exc)) from None
+
+
+def _spot_nodes() -> list[dict[str, float]]:
+    import ray
+
+    return [n["Resources"] for n in ray.nodes()
+            if n["Alive"] and n.get("Resources", {}).get(SPOT_RESOURCE)]
+
+
+class _Progress:
+    """A console line every ``every`` swarm steps (and the first)."""
+
+    def __init__(self, out, every: int = 10):
+        self.out, self.every, self.count = out, every, 0
+
+    def __call__(self, p: SwarmProgress) -> None:
+        self.count += 1
+        if self.count == 1 or self.count % self.every == 0:
+            r = p.result
+            loss = f"{r.loss:.4f}" if r.loss is not None else "-"
+            print(f"step {p.frontier}: {len(p.groups)} group(s), loss {loss}",
+                  file=self.out, flush=True)
+
+
+def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=None,
+               on_report=None) -> dict:
+    """The job's driver for replica groups (see module docstring); returns the summary.
+    ``job``: a ``LoopTask`` (``moshray.fit``), or None for the built-in LM (its model,
+    sharded). ``stop_when`` / ``on_report`` are ``run_job``'s; groups take neither yet
+    (``ConfigError`` for ``on_report``)."""
+    import ray
+    from ray.autoscaler.sdk import request_resources
+
+    from moshray.jobs.train import STOP, connect
+
+    if on_report is not None:
+        raise ConfigError("cluster.replica", "replica groups do not forward session.report() "
+                          "to on_report yet; use one replica per GPU for it")
+    if job is not None and not isinstance(job, LoopTask):
+        raise ConfigError("cluster.replica", "replica groups take a loop and data by step: "
+                          "moshray.fit(loop, moshray.data.by_step(fn), ...)")
+    out = sys.stderr if config.json else sys.stdout
+    owned = connect(config, address)
+    asked, timer, swarm = False, None, None
+    done = threading.Event()
+    try:
+        deadline = time.monotonic() + config.cluster.wait_for_nodes_s
+        nodes = _spot_nodes()
+        while not nodes and time.monotonic() < deadline and not STOP.is_set():
+            time.sleep(0.5)
+            nodes = _spot_nodes()
+        swarm_cfg = swarm_config(config, nodes)
+        if job is None:
+            job = _builtin_lm(config, swarm_cfg.group.world_size)
+        request_resources(bundles=[swarm_cfg.need] * config.cluster.max_nodes)
+        asked = True
+        print(f"replica groups: {swarm_cfg.group.world_size} rank(s) each, up to "
+              f"{config.cluster.max_nodes} group(s), {swarm_cfg.mode}", file=out, flush=True)
+        swarm = GroupSwarm(swarm_cfg, job, on_step=_Progress(out))
+        if config.training.max_seconds is not None:
+            timer = threading.Timer(config.training.max_seconds, swarm.finish)
+            timer.daemon = True
+            timer.start()
+
+        def finish_on_sigterm() -> None:  # ``ray job stop``: end after the step in flight
+            while not done.wait(0.5):
+                if STOP.is_set() or (stop_when is not None and stop_when()):
+                    swarm.finish()
+                    return
+
+        threading.Thread(target=finish_on_sigterm, daemon=True).start()
+        stats = swarm.run()
+    finally:
+        done.set()
+        if timer is not None:
+            timer.cancel()
+        if asked:
+            try:
+                request_resources(bundles=[])
+            except Exception as exc:  # noqa: BLE001 - never hide the error being handled
+                log.warning("capacity request not withdrawn: %r", exc)
+        if owned:
+            ray.shutdown()
+    summary = {"replica": "node", **stats.to_dict(), "groups": stats.groups_max,
+               "final_loss": stats.final_loss}
+    os.makedirs(config.run_dir, exist_ok=True)
+    with open(os.path.join(config.run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    if config.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        print(f"done: {stats.steps} steps by up to {stats.groups_max} group(s) of "
+              f"{stats.ranks_per_group}, {stats.lost_steps} lost, groups consistent: "
+              f"{stats.consistent}", file=out, flush=True)
+    return summary
+
+
+def _builtin_lm(config: TrainConfig, world: int) -> LoopTask:
+    """The built-in LM (``moshray train``) as a loop, its model sharded over the ranks."""
+    from moshray.actors.replica.group_loop import loop_of
+    from moshray.jobs.examples.lm.tasks import lm_task
+
+    m = config.model
+    model = {"seq_len": m.seq_len, "d_model": m.d_model, "n_layers": m.n_layers,
+             "n_heads": m.n_heads, "d_ff": m.d_ff}
+    steps = config.training.max_steps or UNBOUNDED_STEPS
+    return loop_of(lm_task(model, steps=steps, rows=step_rows(config, world), amp=False,
+                           lr=config.training.lr))
+
+
+def step_rows(config: TrainConfig, world: int | None = None) -> int:
+    """Rows of the built-in LM's global batch: at least ``training.batch_size`` and a
+    multiple of groups x ranks for every group count up to ``cluster.max_nodes`` (a step's
+    rows divide evenly among the groups and ranks that train it)."""
+    import math
+
+    world = world or config.cluster.group_ranks or CPU_RANKS
+    unit = math.lcm(*(g * world for g in range(1, config.cluster.max_nodes + 1)))
+    return -(-config.training.batch_size // unit) * unit

@@ -38,6 +38,7 @@ from moshray.jobs.bench.links import (
     steps_to_target,
     swarm_model,
     time_to_target,
+    zone_layout,
 )
 from moshray.jobs.local import links
 
@@ -126,7 +127,8 @@ def test_compare_figures_give_step_time_rise_and_the_last_links_bytes_fall() -> 
     assert out["last_link_bytes_fall"] == {"collaborative": 2.0, "ddp": 1.0}
     assert out["systems"]["ddp"]["even"] == {"steps": 11, "peers_per_step": None,
                                              "median_step_s": 1.0,
-                                             "last_link_bytes_per_step": 90}
+                                             "last_link_bytes_per_step": 90,
+                                             "cross_zone_bytes_per_step": None}
     runs["straggler"]["ddp"] = replace(runs["straggler"]["ddp"], peers=(3, 2, 2, 3, 2))
     assert compare_figures("straggler", "even", runs)["systems"]["ddp"]["straggler"][
         "peers_per_step"] == 2
@@ -140,6 +142,92 @@ def test_the_grid_predicts_the_cross_zone_fall_of_a_layout() -> None:
     assert grid_cross_zone_fall(((0, "a"), (1, "a"), (2, "b"))) == pytest.approx(4 / 3, 1e-3)
     assert grid_cross_zone_fall(((0, "a"), (1, "a"), (2, "b"), (3, "b"))) == 2.0
     assert grid_cross_zone_fall(((0, "a"), (1, "a"))) is None
+
+
+def test_zone_b_takes_the_last_nodes_behind_the_slow_link() -> None:
+    laid = links.lay_out(links.get_profile("zones"), 4, 200_000, 0.05)
+    slow = laid.mbit[-1]
+    two = zone_layout(laid, 2)
+    assert two.mbit == (None, None, slow, slow)
+    assert two.zones == ((0, "a"), (1, "a"), (2, "b"), (3, "b"))
+    assert zone_layout(laid, 1) == laid
+    assert links.baseline(two) == ("zone_blind", links.NodeLinks("zones", two.mbit))
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="zone B needs 1 to 3 of 4 nodes"):
+            zone_layout(laid, bad)
+
+
+def test_compare_figures_give_the_bytes_across_the_zones() -> None:
+    def curve(cross: float | None) -> Curve:
+        return Curve("x", tuple((float(i), 3.0) for i in range(10)), bytes_by_node=(1.0, 9.0),
+                     cross_zone_bytes=cross)
+
+    out = compare_figures("zones", "zone_blind", {"zone_blind": {"collaborative": curve(4000)},
+                                                  "zones": {"collaborative": curve(2000)}})
+    assert out["cross_zone_bytes_fall"] == {"collaborative": 2.0}
+    assert out["systems"]["collaborative"]["zones"]["cross_zone_bytes_per_step"] == 200
+    out = compare_figures("zones", "zone_blind", {"zone_blind": {"collaborative": curve(None)},
+                                                  "zones": {"collaborative": curve(None)}})
+    assert "cross_zone_bytes_fall" not in out
+    assert out["systems"]["collaborative"]["zones"]["cross_zone_bytes_per_step"] is None
+
+
+def _netns_unavailable() -> str | None:
+    from moshray.jobs.local.netns import unavailable
+
+    return unavailable()
+
+
+@pytest.mark.skipif(_netns_unavailable() is not None,
+                    reason=_netns_unavailable() or "netns available")
+def test_zone_bytes_count_only_frames_crossing_between_the_zones() -> None:
+    """Three hosts on the bridge, slots 1 and 2 in zone B: UDP datagrams inside zone B are
+    not counted (nor the namespaces' own multicast reports); from zone B to the head and
+    from the head into zone B they are, each frame once (on the one zone-B link it passes),
+    at its full length."""
+    import socket
+    import time
+    from types import SimpleNamespace
+
+    from moshray.jobs.bench.links import ZoneBytes
+    from moshray.jobs.local.netns import HostNetwork
+
+    def in_ns(host, code: str) -> subprocess.Popen:
+        return subprocess.Popen(["ip", "netns", "exec", host.namespace, sys.executable, "-c",
+                                 code])
+
+    def listen(host) -> subprocess.Popen:  # three datagrams on port 9, then exit
+        return in_ns(host, "import socket; s = socket.socket(2, 2); s.bind(('0.0.0.0', 9)); "
+                           "s.settimeout(20); [s.recv(2000) for _ in range(3)]")
+
+    def send(host, address: str) -> None:
+        in_ns(host, f"import socket; s = socket.socket(2, 2); "
+                    f"[s.sendto(b'x' * 1000, ({address!r}, 9)) for _ in range(3)]"
+              ).wait(timeout=30)
+
+    frame = 14 + 20 + 8 + 1000  # Ethernet, IPv4, UDP, payload
+    with HostNetwork() as net:
+        hosts = [net.add_host(slot) for slot in range(3)]
+        with ZoneBytes(SimpleNamespace(net=net), [1, 2], [0]) as crossing, \
+                socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as head:
+            head.bind((net.head_address, 9))
+            head.settimeout(20)
+            inside = listen(hosts[2])
+            time.sleep(1.0)
+            send(hosts[1], hosts[2].address)  # inside zone B
+            assert inside.wait(timeout=30) == 0
+            time.sleep(0.6)
+            assert crossing.read() == [0, 0]
+            send(hosts[1], net.head_address)  # zone B -> the head (zone A)
+            for _ in range(3):
+                head.recv(2000)
+            across = listen(hosts[2])
+            time.sleep(1.0)
+            for _ in range(3):  # the head -> zone B
+                head.sendto(b"x" * 1000, (hosts[2].address, 9))
+            assert across.wait(timeout=30) == 0
+            time.sleep(0.6)
+            assert crossing.read() == [3 * frame, 3 * frame]
 
 
 # ----------------------------------------------------------------------- figures
@@ -381,6 +469,8 @@ def test_blockwise4_through_the_round(n: int, max_group: int, size: int) -> None
     (["--profile", "slow"], "--compare takes --profile straggler or zones"),
     (["--profile", "straggler", "--systems", "diloco4"], "--compare runs only ddp"),
     (["--profile", "zones", "--nodes", "9"], "--nodes must be 2..8"),
+    (["--profile", "straggler", "--zone-b", "2"], "--zone-b goes with --compare --profile zones"),
+    (["--profile", "zones", "--nodes", "3", "--zone-b", "3"], "--zone-b must be 1..2"),
 ])
 def test_compare_refuses_what_it_cannot_run_with_one_line(args, needle, capsys) -> None:
     from moshray.jobs.cli import main

@@ -73,6 +73,32 @@ def test_cross_zone_bytes_fall_by_at_least_the_zone_size(sizes) -> None:
     assert set(aware) == {2 * (n_zones - 1) * nbytes}
 
 
+@pytest.mark.parametrize("sizes", [(2, 2), (3, 3), (4, 4), (2, 1), (3, 2), (4, 2)], ids=str)
+def test_small_layouts_fall_by_the_harmonic_mean_of_the_zone_sizes(sizes) -> None:
+    """The bench's layouts (one group of at most 8): the zone-blind group moves
+    ``2 S / n`` per pair of a part's owner and a member in the other zone, ``4 S a b / n``
+    in all; the delegates move ``2 S``: the fall is ``2 a b / (a + b)``, the zone size for
+    two equal zones (2 + 2: 2, as the issue asks) and 4/3 for 2 + 1. Equal zones keep it
+    when the slow zone's peers take small bandwidth shares (each part still has one owner
+    per zone pair to cross to)."""
+    zones = _zones(sizes)
+    peers = list(zones)
+    a, b = sizes
+    expected = 2 * a * b / (a + b)
+    aware = sum(cross_zone_bytes(plan_grid(peers, 8, epoch=e, zones=zones), zones, NUMEL)
+                for e in range(10))
+    blind = sum(cross_zone_bytes(plan_grid(peers, 8, epoch=e), zones, NUMEL)
+                for e in range(10))
+    assert blind / aware == pytest.approx(expected, rel=1e-4)
+    if a == b:
+        shares = {p: 1.0 if zones[p] == "zone-0" else 0.05 for p in peers}
+        aware = sum(cross_zone_bytes(plan_grid(peers, 8, epoch=e, zones=zones), zones, NUMEL,
+                                     shares) for e in range(10))
+        blind = sum(cross_zone_bytes(plan_grid(peers, 8, epoch=e), zones, NUMEL, shares)
+                    for e in range(10))
+        assert blind / aware == pytest.approx(a, rel=1e-4)
+
+
 def test_cross_zone_bytes_counts_the_butterfly() -> None:
     zones = {"a": "x", "b": "y"}
     plan = plan_grid(["a", "b"], 8)  # one group of two

@@ -64,12 +64,15 @@ Prints one JSON line (``--json``; else a short table and the JSON) and writes
   on even links, minus 1 (the issue's target: <= 0.25 for moshray, DDP's near the link's
   ratio);
 - ``zones`` against ``zone_blind`` (the same links, no zone labels, so the Coordinator's
-  grid ignores zones): ``collaborative``; ``last_link_bytes_fall`` is the bytes per step
-  on zone B's one node's link (``LinkBytes`` both ways: with one node in zone B every byte
-  on it crosses the slow inter-zone link), zone-blind over zone-aware, beside
+  grid ignores zones): ``collaborative``; ``cross_zone_bytes_fall`` is the bytes per step
+  crossing between the zones (``ZoneBytes``: frames between zone B's nodes and zone A's or
+  the head, counted on zone B's links), zone-blind over zone-aware, beside
   ``grid_cross_zone_fall``, what the grid's plans predict for these zone sizes (2 + 1
-  nodes: 4/3; the fall reaches the zone size only with several nodes in each zone, which
-  per-host shaping cannot count yet: see ``jobs/local/links.py``).
+  nodes: 4/3; 2 + 2: 2, the zone size; in general the harmonic mean of the two zones'
+  sizes); ``--zone-b N`` puts the last N nodes in zone B, each behind the slow link
+  (per-host shaping slows zone B's own traffic too; the count leaves it out).
+  ``last_link_bytes_fall`` is the same on the last node's link both ways (``LinkBytes``:
+  the crossing bytes with one node in zone B, zone B's own traffic too with more).
 
 Bytes per step are a run's bytes (start-up and Ray's own traffic included) over its steps;
 step times are medians of the gaps between consecutive steps. Writes
@@ -89,7 +92,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -134,7 +137,8 @@ class Curve:
     ``held_out`` evaluations (``(t_s, loss)`` on the fixed held-out batches, in time order;
     empty where none was made); ``bytes_by_node``: what ``LinkBytes`` counted on each
     node's link over the run, in slot order; ``peers``: how many took part in each step
-    (DDP's worker group, moshray's contributors)."""
+    (DDP's worker group, moshray's contributors); ``cross_zone_bytes``: the bytes that
+    crossed between zone B and the rest during the run (``ZoneBytes``; None: not counted)."""
 
     name: str
     points: tuple[tuple[float, float], ...]
@@ -142,6 +146,7 @@ class Curve:
     held_out: tuple[tuple[float, float], ...] = ()
     bytes_by_node: tuple[float, ...] = ()  # each node's link over the run (LinkBytes)
     peers: tuple[int, ...] = ()  # nodes that took part in each step (as ``points``)
+    cross_zone_bytes: float | None = None  # between zone B and the rest (ZoneBytes)
 
 
 def smoothed(points: Sequence[tuple[float, float]], window: int = SMOOTH
@@ -282,10 +287,13 @@ def compare_figures(profile: str, baseline_name: str, runs: dict[str, dict[str, 
     the last node's link (the straggler's, or zone B's only node: every byte on it
     crosses the slow inter-zone link); per system ``step_time_rise`` (the profile's median
     step over the baseline's, minus 1: 0.25 is 25% slower) and ``last_link_bytes_fall``
-    (the baseline's bytes per step on that link over the profile's). A figure is None where
-    a run has too few steps. Pure."""
+    (the baseline's bytes per step on that link over the profile's); where the runs counted
+    ``Curve.cross_zone_bytes``, ``cross_zone_bytes_per_step`` per layout and
+    ``cross_zone_bytes_fall`` per system (the baseline's over the profile's: with several
+    nodes in zone B, the last link also carries zone B's own traffic, so this is the
+    figure). A figure is None where a run has too few steps. Pure."""
     systems: dict[str, dict] = {}
-    rise, fall = {}, {}
+    rise, fall, cross = {}, {}, {}
     names = sorted({s for by in runs.values() for s in by})
     for sys_name in names:
         per = {}
@@ -301,6 +309,8 @@ def compare_figures(profile: str, baseline_name: str, runs: dict[str, dict[str, 
                 "median_step_s": None if c is None else _round(median_step_s(c.points)),
                 "last_link_bytes_per_step": (int(c.bytes_by_node[-1] / steps)
                                              if c and c.bytes_by_node and steps else None),
+                "cross_zone_bytes_per_step": (int(c.cross_zone_bytes / steps) if c and steps
+                                              and c.cross_zone_bytes is not None else None),
             }
         systems[sys_name] = per
         base, shaped = per[baseline_name], per[profile]
@@ -310,8 +320,14 @@ def compare_figures(profile: str, baseline_name: str, runs: dict[str, dict[str, 
                                        and shaped["last_link_bytes_per_step"]) else
                           round(base["last_link_bytes_per_step"]
                                 / shaped["last_link_bytes_per_step"], 3))
-    return {"profile": profile, "baseline": baseline_name, "systems": systems,
-            "step_time_rise": rise, "last_link_bytes_fall": fall}
+        if base["cross_zone_bytes_per_step"] and shaped["cross_zone_bytes_per_step"]:
+            cross[sys_name] = round(base["cross_zone_bytes_per_step"]
+                                    / shaped["cross_zone_bytes_per_step"], 3)
+    out = {"profile": profile, "baseline": baseline_name, "systems": systems,
+           "step_time_rise": rise, "last_link_bytes_fall": fall}
+    if cross:
+        out["cross_zone_bytes_fall"] = cross
+    return out
 
 
 def grid_cross_zone_fall(zones: Sequence[tuple[int, str]], epochs: int = 20) -> float | None:
@@ -402,6 +418,95 @@ class LinkBytes:
 
     def read(self) -> list[int]:
         return [sum(int(p.read_text()) for p in node) for node in self.paths]
+
+
+class ZoneBytes:
+    """Bytes crossing between zone B (``slots``) and zone A (``others``' nodes and the
+    head), counted on zone B's links: a raw packet socket on the host side of each zone-B
+    node's veth (its bridge port) sees every frame the node sends or receives; a frame counts
+    (its full length, Ethernet header included, as ``rx_bytes`` counts) when it is IPv4 with
+    one end in zone B and the other in zone A. Each such frame passes exactly one zone-B
+    link; a frame between two zone-B nodes passes two and is not counted, nor are multicast
+    or broadcast frames (IGMP reports and the like). ``tbf`` counts per link and
+    ``tc`` actions cannot be loaded here, hence the sockets. One thread per socket, each
+    woken at least every 0.5 s; ``close`` (or leaving the ``with``) stops and joins them."""
+
+    HEADER = 34  # Ethernet (14) + the IPv4 header's fields up to the destination address
+
+    def __init__(self, cluster, slots: Sequence[int], others: Sequence[int]):
+        import socket
+
+        self._b = {socket.inet_aton(cluster.net.host(s).address) for s in slots}
+        self._a = {socket.inet_aton(cluster.net.host(s).address) for s in others}
+        self._a.add(socket.inet_aton(cluster.net.head_address))
+        self._totals = [0] * len(slots)
+        self._stop = threading.Event()
+        self._sockets = []
+        try:
+            for s in slots:
+                sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+                self._sockets.append(sock)
+                sock.bind((cluster.net.host(s).veth, 0))
+                sock.settimeout(0.5)
+        except OSError:
+            self.close()
+            raise
+        self._threads = [threading.Thread(target=self._count, args=(i, sock), daemon=True,
+                                          name=f"zone-bytes-{i}")
+                         for i, sock in enumerate(self._sockets)]
+        for t in self._threads:
+            t.start()
+
+    def _count(self, index: int, sock) -> None:
+        import socket
+
+        buf = bytearray(self.HEADER)
+        zone_a, zone_b = self._a, self._b
+        while not self._stop.is_set():
+            try:
+                size = sock.recv_into(buf, self.HEADER, socket.MSG_TRUNC)
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return  # closed
+            if size >= self.HEADER and buf[12:14] == b"\x08\x00":  # IPv4
+                src, dst = bytes(buf[26:30]), bytes(buf[30:34])
+                if (src in zone_a and dst in zone_b) or (src in zone_b and dst in zone_a):
+                    self._totals[index] += size
+
+    def read(self) -> list[int]:
+        """Crossing bytes counted on each zone-B link so far (slot order)."""
+        return list(self._totals)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in getattr(self, "_threads", ()):
+            t.join(timeout=5)
+        for sock in self._sockets:
+            sock.close()
+
+    def __enter__(self) -> "ZoneBytes":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def zone_layout(laid, zone_b: int):
+    """``laid`` (the ``zones`` profile laid onto n slots: the last in zone B behind the slow
+    link) with its last ``zone_b`` slots in zone B, each behind the slow link the profile
+    gives its last node, the others in zone A as laid. Per-host shaping also slows zone B's
+    own traffic (between its nodes), which the bytes counted by ``ZoneBytes`` leave out.
+    ``ValueError`` unless ``1 <= zone_b <= n - 1``. Pure."""
+    from moshray.jobs.local.links import NodeLinks
+
+    n = len(laid.mbit)
+    if not 1 <= zone_b <= n - 1:
+        raise ValueError(f"zone B needs 1 to {n - 1} of {n} nodes, got {zone_b}")
+    in_b = [i >= n - zone_b for i in range(n)]
+    return NodeLinks(laid.profile,
+                     tuple(laid.mbit[-1] if b else r for b, r in zip(in_b, laid.mbit)),
+                     tuple((i, "b" if b else "a") for i, b in enumerate(in_b)))
 
 
 def _driver_env(cluster, home: Path) -> dict:
@@ -616,17 +721,25 @@ def _cluster(nodes: int, laid):
 
 
 def run_compare(profile_name: str, nodes: int, seconds: float, short: bool, out_dir: Path,
-                systems: Sequence[str], local_steps: int = 16) -> dict:
+                systems: Sequence[str], local_steps: int = 16, zone_b: int = 1) -> dict:
     """``--compare``: ``systems`` (of ``COMPARE_CHOICES``; ``diloco8`` averages every
     ``local_steps`` local steps, so its step is a round of them) on the profile's
     baseline layout (``links.baseline``: even links, or no zone labels), then on the
     profile's own, each layout a fresh cluster; returns ``compare_figures`` with the
     layouts' rates and, for zones, ``grid_cross_zone_fall``. Writes
-    ``links-<profile>-compare.json`` under ``out_dir``."""
+    ``links-<profile>-compare.json`` under ``out_dir``. ``zone_b``: the zones profile's
+    nodes in zone B (``zone_layout``); both layouts then count the bytes crossing between
+    zone B and the rest (``ZoneBytes``: ``cross_zone_bytes_fall``)."""
     from moshray.jobs.local import links
 
     sets = SHORT_MODEL if short else FULL_MODEL
     laid, wire_bytes, compute_s = profile_links(profile_name, _config(sets), nodes)
+    if laid.zones:
+        try:
+            laid = zone_layout(laid, zone_b)
+        except ValueError as exc:
+            raise LinksBenchError(f"--zone-b: {exc}") from None
+    zone_b_slots = [slot for slot, zone in laid.zones if zone == "b"]
     try:
         base_name, base = links.baseline(laid)
     except ValueError as exc:
@@ -638,17 +751,25 @@ def run_compare(profile_name: str, nodes: int, seconds: float, short: bool, out_
     for layout, shaped in layouts.items():
         runs[layout] = {}
         cluster = _cluster(nodes, shaped)
+        crossing = None
         try:
             counter = LinkBytes(cluster, range(nodes), both_ways=True)
+            if zone_b_slots:
+                crossing = ZoneBytes(cluster, zone_b_slots,
+                                     [s for s in range(nodes) if s not in zone_b_slots])
             for name in systems:
                 started = time.monotonic()
                 run_dir = out_dir / f"compare-{layout}" / name
+                crossed = sum(crossing.read()) if crossing else None
                 try:
-                    runs[layout][name] = (
+                    curve = (
                         run_ddp(cluster, sets, nodes, seconds, run_dir, counter)[0]
                         if name == "ddp" else
                         run_moshray(name, cluster, sets, settings[name], nodes, seconds,
                                     run_dir, counter)[0])
+                    if crossing is not None:
+                        curve = replace(curve, cross_zone_bytes=sum(crossing.read()) - crossed)
+                    runs[layout][name] = curve
                 except LinksBenchError as exc:
                     failed[f"{layout}/{name}"] = str(exc)
                     print(f"bench links: {layout}: {exc}", file=sys.stderr, flush=True)
@@ -657,11 +778,14 @@ def run_compare(profile_name: str, nodes: int, seconds: float, short: bool, out_
                       f"steps in {time.monotonic() - started:.0f} s", file=sys.stderr,
                       flush=True)
         finally:
+            if crossing is not None:
+                crossing.close()
             cluster.shutdown()
     result = compare_figures(profile_name, base_name, runs)
     result.update(layouts={n: {"link_mbit": list(l.mbit), "zones": dict(l.zones)}
                            for n, l in layouts.items()},
                   failed=failed, nodes=nodes, seconds_per_run=seconds, short=short,
+                  zone_b=len(zone_b_slots) or None,
                   gradient_bytes_fp16=wire_bytes, step_compute_s=round(compute_s, 4))
     if laid.zones:
         result["grid_cross_zone_fall"] = grid_cross_zone_fall(laid.zones)
@@ -769,6 +893,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "slower (ddp and collaborative); zones: bytes per step on the "
                              "slow inter-zone link, zone-blind against zone-aware grid "
                              "(collaborative); each layout a cluster of its own")
+    parser.add_argument("--zone-b", type=int, default=1,
+                        help="--compare --profile zones: the last N nodes form zone B, each "
+                             "behind the slow link (default 1); the bytes crossing between "
+                             "the zones are counted on zone B's links")
     parser.add_argument("--out", default="bench-links", help="directory for the PNG and JSON")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     add_results_argument(parser)
@@ -785,7 +913,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.compare:
             result = run_compare(args.profile, nodes, seconds, args.short, Path(args.out),
-                                 systems, args.local_steps)
+                                 systems, args.local_steps, args.zone_b)
         else:
             result = run(args.profile, nodes, seconds, args.short, args.local_steps,
                          Path(args.out), systems)
@@ -823,6 +951,10 @@ def _refusal(args: argparse.Namespace, nodes: int, systems: Sequence[str]) -> st
         return f"--nodes must be 2..8, got {nodes}"
     if args.local_steps < 1:
         return f"--local-steps must be >= 1, got {args.local_steps}"
+    if args.zone_b != 1 and not (args.compare and args.profile == "zones"):
+        return "--zone-b goes with --compare --profile zones"
+    if not 1 <= args.zone_b <= nodes - 1:
+        return f"--zone-b must be 1..{nodes - 1} (--nodes {nodes}), got {args.zone_b}"
     return None
 
 
@@ -843,4 +975,6 @@ def _compare_table(result: dict) -> list[str]:
         f"B/step on the last link" for layout, m in by.items())
         + f"; step time rise {result['step_time_rise'][name]}, last link's bytes fall "
         f"{result['last_link_bytes_fall'][name]}"
+        + (f", bytes across the zones fall {result['cross_zone_bytes_fall'].get(name)}"
+           if "cross_zone_bytes_fall" in result else "")
         for name, by in result["systems"].items()]

@@ -64,3 +64,39 @@ def test_loop_driven_groups_train_through_a_join_and_a_lost_node(slots, mode, sh
         assert max(applied[0].rank_numel) < numel
     else:  # every rank holds all of it
         assert min(applied[0].rank_numel) >= numel
+
+
+def test_a_group_job_hears_a_spot_notice_and_its_group_leaves_before_the_node_goes(
+        slots, tmp_path):
+    """The job's driver (jobs/controller/groups.py) puts a notice watcher on every spot node;
+    the cloud's notice reaches the node's metadata service, the watcher drains the node in
+    Ray, and the swarm's group there leaves before its next step: nothing lost."""
+    import threading
+
+    from moshray.jobs.config import TrainConfig
+    from moshray.jobs.controller.groups import run_groups
+
+    config = TrainConfig.from_dict({
+        "cluster": {"replica": "node", "group_ranks": 2, "max_nodes": 2, "min_nodes": 2,
+                    "notice_source": "auto"},
+        "training": {"max_steps": 40, "mode": "collaborative", "round_timeout_s": 15.0},
+        "run_dir": str(tmp_path / "run")})
+    task = loop_of(lm_task(MODEL, steps=40, rows=ROWS, amp=False, lr=3e-3))
+    noticed, staying, left = [], [], threading.Event()
+
+    def on_step(progress):
+        if progress.frontier == 3 and not noticed:  # the node of the first group
+            slot = {slots.node_id(s): s for s in slots.live_slots()}[progress.groups[0].node_id]
+            staying.append(progress.groups[1].node_id)
+            slots.notice(slot, notice_s=60.0)
+            noticed.append(progress.frontier)
+        if noticed and [g.node_id for g in progress.groups if g.state.value == "active"] \
+                == [staying[0]]:  # the other's group left (another may be starting)
+            left.set()
+
+    summary = run_groups(config, slots.address, task, stop_when=left.is_set, on_step=on_step,
+                         node_labels={SLOT_LABEL: [str(s) for s in FIRST]})
+    assert noticed == [3] and left.is_set()
+    assert summary["notice_leaves"] == 1 and summary["lost_steps"] == 0
+    assert summary["replicas_consistent"] is True
+    assert summary["steps"] < 40  # it ended once the group had left (stop_when)

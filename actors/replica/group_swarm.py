@@ -528,7 +528,8 @@ class SwarmStats:
         return {"mode": self.mode, "ranks_per_group": self.ranks_per_group,
                 "parallel": self.parallel, "steps": self.steps,
                 "lost_steps": self.lost_steps, "groups_max": self.groups_max,
-                "joins": self.joins, "leaves": self.leaves, "rebuilt": self.rebuilt,
+                "joins": self.joins, "leaves": self.leaves,
+                "notice_leaves": self.notice_leaves, "rebuilt": self.rebuilt,
                 "retried": self.retried, "groups_final": self.groups_final,
                 "final_loss": self.final_loss, "replicas_consistent": self.consistent,
                 "wall_s": round(self.wall_s, 2)}

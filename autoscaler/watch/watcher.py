@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 
@@ -252,6 +253,25 @@ def open_watcher(node_id: str, config: WatcherConfig = WatcherConfig()) -> Opene
         except ActorAlreadyExistsError:
             continue
     raise RuntimeError(f"the watcher name of node {node_id[:12]} keeps changing hands")
+
+
+def close_watchers(watchers: dict[str, Any], timeout_s: float = 10.0) -> None:
+    """Stop and remove ``watchers`` (node id -> watcher actor; the ones a job started, so
+    their names are free for the next job): each closes its source, then is killed.
+    Bounded by ``timeout_s``; each failure is logged, never raised."""
+    refs = []
+    for node_id, watcher in watchers.items():
+        try:
+            refs.append(watcher.stop.remote())
+        except ray.exceptions.RayError as exc:
+            log.info("watcher of %s not stopped: %r", node_id[:12], exc)
+    if refs:  # let each close its source, then remove it (a stopped one hears nothing)
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for node_id, watcher in watchers.items():
+        try:
+            ray.kill(watcher, no_restart=True)
+        except ray.exceptions.RayError as exc:
+            log.info("watcher of %s not removed: %r", node_id[:12], exc)
 
 
 def get_watcher(node_id: str):

@@ -499,20 +499,11 @@ class ElasticController:
         the next job); a watcher it found on a node (the node's own ``moshray watch``, an
         earlier or other driver's) keeps running. Bounded by ``timeout_s``; each failure is
         logged."""
-        own = [(n, w) for n, w in self.watchers.items() if n in self.own_watchers]
-        refs = []
-        for node_id, watcher in own:
-            try:
-                refs.append(watcher.stop.remote())
-            except ray.exceptions.RayError as exc:
-                log.info("watcher of %s not stopped: %r", node_id[:12], exc)
-        if refs:  # let each close its source, then remove it (a stopped one hears nothing)
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        for node_id, watcher in own:
-            try:
-                ray.kill(watcher, no_restart=True)
-            except ray.exceptions.RayError as exc:
-                log.info("watcher of %s not removed: %r", node_id[:12], exc)
+        from moshray.autoscaler.watch.watcher import close_watchers
+
+        own = {n: w for n, w in self.watchers.items() if n in self.own_watchers}
+        close_watchers(own, timeout_s)
+        for node_id in own:
             self.watchers.pop(node_id, None)
         self.own_watchers.clear()
 

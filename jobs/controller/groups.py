@@ -15,7 +15,8 @@ Failure behaviour. A setting groups cannot honour is a ``ConfigError`` (one line
 anything starts. A swarm that cannot go on raises ``SwarmError`` (one line; the groups
 closed). On every exit path the capacity request is withdrawn and the groups' actors are
 gone (the swarm closes them; they are the driver's, so a crashed driver takes them along).
-Not yet for groups: checkpoints of ``fit`` (``actors/replica/group_checkpoint.py`` has the
+Every spot node gets a notice watcher (``_Watchers``): a notice drains the node and its
+group leaves before it goes. Not yet for groups: checkpoints of ``fit`` (``actors/replica/group_checkpoint.py`` has the
 sharded format), DMoE experts, Prometheus metrics, adoption by a resubmitted driver.
 """
 
@@ -44,12 +45,14 @@ RANK_TIMEOUT_S = 120.0  # a group's start, join and step
 UNBOUNDED_STEPS = 10**9  # max_seconds only: the swarm ends on the clock
 
 
-def swarm_config(config: TrainConfig, nodes: Sequence[Mapping[str, float]]) -> SwarmConfig:
+def swarm_config(config: TrainConfig, nodes: Sequence[Mapping[str, float]],
+                 node_labels: Mapping[str, Any] | None = None) -> SwarmConfig:
     """The swarm for ``config`` on a cluster whose alive spot nodes have ``nodes``'
     resources (pure). Ranks per group: ``cluster.group_ranks``, else the most GPUs of a
     spot node, else ``CPU_RANKS``; one GPU per rank where the nodes have GPUs. Local SGD
     rounds are ``training.local_steps`` long. ``ConfigError`` (one line) for what groups
-    cannot do: another mode, no step bound, an averaging deadline longer than a step's."""
+    cannot do: another mode, no step bound, an averaging deadline longer than a step's.
+    ``node_labels``: only nodes with these labels hold groups (``SwarmConfig``)."""
     t, c = config.training, config.cluster
     if t.mode not in GROUP_MODES:
         raise ConfigError("training.mode", f"replica groups (cluster.replica = \"node\") train "
@@ -68,17 +71,53 @@ def swarm_config(config: TrainConfig, nodes: Sequence[Mapping[str, float]]) -> S
                             resources={SPOT_RESOURCE: 1}, round_timeout_s=t.round_timeout_s)
         return SwarmConfig(group=group, mode=t.mode, steps=steps, inner_steps=inner,
                            max_groups=c.max_nodes, min_groups=c.min_nodes,
-                           wait_s=c.wait_for_nodes_s)
+                           wait_s=c.wait_for_nodes_s, node_labels=node_labels or ())
     except ValueError as exc:
         field, _, why = str(exc).partition(": ")
         raise ConfigError(field, why or str(exc)) from None
 
 
-def _spot_nodes() -> list[dict[str, float]]:
+def _spot_nodes() -> dict[str, dict[str, float]]:
+    """Alive spot nodes: node id -> resources."""
     import ray
 
-    return [n["Resources"] for n in ray.nodes()
-            if n["Alive"] and n.get("Resources", {}).get(SPOT_RESOURCE)]
+    return {n["NodeID"]: n["Resources"] for n in ray.nodes()
+            if n["Alive"] and n.get("Resources", {}).get(SPOT_RESOURCE)}
+
+
+class _Watchers:
+    """A notice watcher on every spot node (the node's own where it has one, else started
+    here and stopped at the end): a notice makes Ray drain the node, and the swarm's group
+    there leaves before the node goes (``group_swarm.py``). There is no Coordinator to
+    tell: the watcher tells Ray only."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.seen: set[str] = set()
+        self.own: dict[str, Any] = {}
+
+    def open_new(self) -> None:
+        from moshray.autoscaler.watch.config import WatcherConfig
+        from moshray.autoscaler.watch.watcher import open_watcher
+        from moshray.cluster import placement
+
+        for node_id in set(_spot_nodes()) - self.seen:
+            self.seen.add(node_id)
+            try:
+                opened = open_watcher(node_id, WatcherConfig(
+                    source=self.config.cluster.notice_source, poll_s=0.25,
+                    coordinator_name=placement.COORDINATOR_NAME))
+            except Exception as exc:  # noqa: BLE001 - a node gone meanwhile; logged
+                log.warning("no notice watcher on node %s: %r", node_id[:12], exc)
+                continue
+            if opened.created:
+                self.own[node_id] = opened.actor
+
+    def close(self) -> None:
+        from moshray.autoscaler.watch.watcher import close_watchers
+
+        close_watchers(self.own)
+        self.own.clear()
 
 
 class _Progress:
@@ -97,11 +136,13 @@ class _Progress:
 
 
 def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=None,
-               on_report=None) -> dict:
+               on_report=None, *, on_step=None,
+               node_labels: Mapping[str, Any] | None = None) -> dict:
     """The job's driver for replica groups (see module docstring); returns the summary.
     ``job``: a ``LoopTask`` (``moshray.fit``), or None for the built-in LM (its model,
-    sharded). ``stop_when`` / ``on_report`` are ``run_job``'s; groups take neither yet
-    (``ConfigError`` for ``on_report``)."""
+    sharded). ``stop_when``: as ``run_job``'s; ``on_report``: not for groups yet
+    (``ConfigError``). ``on_step(SwarmProgress)``: after every swarm step, on this
+    thread. ``node_labels``: see ``swarm_config`` (a harness sharing a cluster)."""
     import ray
     from ray.autoscaler.sdk import request_resources
 
@@ -115,7 +156,8 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
                           "moshray.fit(loop, moshray.data.by_step(fn), ...)")
     out = sys.stderr if config.json else sys.stdout
     owned = connect(config, address)
-    asked, timer, swarm = False, None, None
+    asked, timer, swarm, tending = False, None, None, None
+    watchers = _Watchers(config)
     done = threading.Event()
     try:
         deadline = time.monotonic() + config.cluster.wait_for_nodes_s
@@ -123,29 +165,44 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
         while not nodes and time.monotonic() < deadline and not STOP.is_set():
             time.sleep(0.5)
             nodes = _spot_nodes()
-        swarm_cfg = swarm_config(config, nodes)
+        swarm_cfg = swarm_config(config, list(nodes.values()), node_labels)
         if job is None:
             job = _builtin_lm(config, swarm_cfg.group.world_size)
         request_resources(bundles=[swarm_cfg.need] * config.cluster.max_nodes)
         asked = True
         print(f"replica groups: {swarm_cfg.group.world_size} rank(s) each, up to "
               f"{config.cluster.max_nodes} group(s), {swarm_cfg.mode}", file=out, flush=True)
-        swarm = GroupSwarm(swarm_cfg, job, on_step=_Progress(out))
+        progress = _Progress(out)
+
+        def stepped(p: SwarmProgress) -> None:
+            progress(p)
+            if on_step is not None:
+                on_step(p)
+
+        swarm = GroupSwarm(swarm_cfg, job, on_step=stepped)
         if config.training.max_seconds is not None:
             timer = threading.Timer(config.training.max_seconds, swarm.finish)
             timer.daemon = True
             timer.start()
 
-        def finish_on_sigterm() -> None:  # ``ray job stop``: end after the step in flight
-            while not done.wait(0.5):
+        watchers.open_new()
+
+        def tend() -> None:
+            """Watchers on new nodes; ``ray job stop`` (SIGTERM) or ``stop_when``: end after
+            the step in flight."""
+            while not done.wait(1.0):
                 if STOP.is_set() or (stop_when is not None and stop_when()):
                     swarm.finish()
-                    return
+                watchers.open_new()
 
-        threading.Thread(target=finish_on_sigterm, daemon=True).start()
+        tending = threading.Thread(target=tend, daemon=True, name="groups-tend")
+        tending.start()
         stats = swarm.run()
     finally:
         done.set()
+        if tending is not None:
+            tending.join(timeout=30)
+        watchers.close()
         if timer is not None:
             timer.cancel()
         if asked:

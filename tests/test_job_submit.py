@@ -54,6 +54,20 @@ def test_ray_job_submit_runs_training_to_completion(tmp_path: Path):
              "--max-seconds", "20"],
             capture_output=True, text=True, timeout=600, env=cluster.env,
         )
+        # Replica groups (cluster.replica = "node"): the built-in LM as one group of 2 CPU
+        # ranks per spot node, its model sharded by FSDP2, averaged by shard.
+        groups = subprocess.run(
+            ["ray", "job", "submit", "--address", cluster.dashboard_url, "--",
+             "python", "-X", "faulthandler", "-m", "moshray.jobs.train", "--config",
+             str(config), "--set", "cluster.replica=node", "--json"],
+            capture_output=True, text=True, timeout=600, env=cluster.env,
+        )
+    groups_out = groups.stdout + groups.stderr
+    assert groups.returncode == 0, groups_out[-4000:]
+    grouped = json.loads([line for line in groups_out.splitlines() if line.startswith("{")][-1])
+    assert grouped["replica"] == "node" and grouped["groups_max"] == 2
+    assert grouped["ranks_per_group"] == 2 and grouped["steps"] == 6
+    assert grouped["lost_steps"] == 0 and grouped["replicas_consistent"] is True
     digits_out = digits.stdout + digits.stderr
     assert digits.returncode == 0, digits_out[-4000:]
     result = json.loads([line for line in digits_out.splitlines() if line.startswith("{")][-1])

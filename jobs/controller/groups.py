@@ -9,7 +9,7 @@ What it does, in order: connects (``jobs/train.connect``), turns the ``TrainConf
 for ``cluster.max_nodes`` nodes that each fit a group (``request_resources``), runs the
 swarm until ``training.max_steps`` or ``training.max_seconds`` (then the swarm ends after
 the step in flight, consistency checked), or a SIGTERM (``ray job stop``), and writes the
-summary (``<run_dir>/summary.json``, printed as JSON with ``json``).
+summary (``<run_dir>/summary.json``; ``moshray train --json`` prints it).
 
 Failure behaviour. A setting groups cannot honour is a ``ConfigError`` (one line) before
 anything starts. A swarm that cannot go on raises ``SwarmError`` (one line; the groups
@@ -217,9 +217,7 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
     os.makedirs(config.run_dir, exist_ok=True)
     with open(os.path.join(config.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    if config.json:
-        print(json.dumps(summary), flush=True)
-    else:
+    if not config.json:  # with json the caller prints the summary (``moshray train``)
         print(f"done: {stats.steps} steps by up to {stats.groups_max} group(s) of "
               f"{stats.ranks_per_group}, {stats.lost_steps} lost, groups consistent: "
               f"{stats.consistent}", file=out, flush=True)

@@ -408,3 +408,16 @@ def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     assert calib["summary"]["wall_s"] < startup_s + calib_s - 30, calib["summary"]["wall_s"]
     plot = Path(result["plot"])
     assert plot.parent == out and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_participation_counts_replicas_per_step_inside_the_window():
+    records = steps((1.0, 1, 32, None), (2.0, 2, 32, None), (3.0, 3, 40, None), (9.0, 4, 32, None))
+    fig = gc.participation(records, [1, 3, 2, 3], duration_s=5.0)
+    assert fig["steps"] == 3 and fig["max"] == 3
+    assert fig["mean"] == pytest.approx(2.0)
+    assert fig["steps_by_peers"] == {"1": 1, "2": 1, "3": 1}
+    assert fig["multi_step_share"] == pytest.approx(2 / 3)
+    assert fig["multi_sample_share"] == pytest.approx(72 / 104)
+    assert gc.participation([], [], 5.0)["mean"] is None
+    with pytest.raises(ValueError):
+        gc.participation(records, [1], 5.0)

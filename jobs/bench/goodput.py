@@ -47,19 +47,21 @@ rates happened: ``moshray_gap`` / ``raytrain_gap`` (``goodput_gap``: 20-s slices
 start-up, after node events or steady, each with the samples expected, gained and
 ``missing``), and what moshray's joins cost: ``moshray_replica_starts`` (replicas started,
 trained, their seconds from start to training, and those gone before they trained, from the
-controller's replica timelines). Where the machine's CPU went during each trace run:
-``moshray_cpu`` / ``raytrain_cpu`` (``run_cpu``: CPU seconds and average cores of the
-training processes, control actors, notice watchers, Ray's daemons and the drivers; every
-node shares these cores here, so what node events cost comes out of training). How far runs
-made at different times can be compared on this machine: ``machine_step_ms`` (the model's
-bare training step on one core, read at the start, after the calibrations, after moshray's
-trace run and at the end; ``machine_probe``) and ``machine_drift`` (the slowest reading over
-the fastest). ``--json``: the last stdout line is one JSON object (``moshray_samples``,
-``raytrain_samples``, ``ideal_samples``, ``moshray_vs_ideal``, ``moshray_vs_raytrain``,
-``steady_state_vs_raytrain``, ``moshray_final_loss``, ``raytrain_final_loss`` and more); the
-same object is written to
-``<out>/goodput.json`` and the plot (live nodes over time, each system's cumulative samples)
-to ``<out>/goodput.png``.
+controller's replica timelines), and how many took part in its steps: ``moshray_peers``
+(participants per global step: ``mean``, ``max``, ``steps_by_peers``, and the shares of steps
+and samples with more than one, ``multi_step_share`` / ``multi_sample_share``). Where the
+machine's CPU went during each trace run: ``moshray_cpu`` / ``raytrain_cpu`` (``run_cpu``:
+CPU seconds and average cores of the training processes, control actors, notice watchers,
+Ray's daemons and the drivers; every node shares these cores here, so what node events cost
+comes out of training). How far runs made at different times can be compared on this
+machine: ``machine_step_ms`` (the model's bare training step on one core, read at the start,
+after the calibrations, after moshray's trace run and at the end; ``machine_probe``) and
+``machine_drift`` (the slowest reading over the fastest). ``--json``: the last stdout line is
+one JSON object (``moshray_samples``, ``raytrain_samples``, ``ideal_samples``,
+``moshray_vs_ideal``, ``moshray_vs_raytrain``, ``steady_state_vs_raytrain``,
+``moshray_final_loss``, ``raytrain_final_loss``, ``moshray_peers`` and more); the same object
+is written to ``<out>/goodput.json`` and the plot (live nodes over time, each system's
+cumulative samples) to ``<out>/goodput.png``.
 
 Modules: ``goodput_curves`` (one system's records -> figures), ``goodput_rates`` (node counts,
 failure-free rates, the ideal, the comparisons), ``goodput_gap`` (when each system's samples
@@ -96,7 +98,7 @@ import sys
 import time
 from pathlib import Path
 
-from moshray.jobs.bench.goodput_curves import summarize
+from moshray.jobs.bench.goodput_curves import participation, summarize
 from moshray.jobs.bench.goodput_gap import GAP_WINDOW_S, gap_split, replica_starts
 from moshray.jobs.bench.goodput_rates import (
     MOSHRAY, RAYTRAIN, BenchError, compare_rates, count_seconds, ideal_curve, live_timeline,
@@ -317,10 +319,9 @@ def run(args: argparse.Namespace) -> dict:
     print(f"moshray: {duration:.0f} s under the trace (its driver's log: "
           f"{m_dir / 'moshray-driver.log'})", flush=True)
     with CpuSampler() as m_cpu:  # where the machine's CPU went, by role
-        m_summary, m_records, _ = run_moshray_driver(config, m_dir,
-                                                     startup_timeout_s=args.startup_timeout,
-                                                     finish_timeout_s=args.finish_timeout,
-                                                     links=links)
+        m_summary, m_records, m_peers = run_moshray_driver(
+            config, m_dir, startup_timeout_s=args.startup_timeout,
+            finish_timeout_s=args.finish_timeout, links=links)
     moshray = summarize("moshray", m_records, duration, args.stall_gap)
     # (the driver ran with run_dir=m_dir: its checkpoints are that run's)
     m_state = moshray_final_state(replace(config, run_dir=str(m_dir)))
@@ -381,6 +382,8 @@ def run(args: argparse.Namespace) -> dict:
         "raytrain_elasticity": rates.elasticity(RAYTRAIN, raytrain.samples),
         "moshray_gap": gaps[MOSHRAY].to_json(), "raytrain_gap": gaps[RAYTRAIN].to_json(),
         "moshray_replica_starts": starts.to_json(),
+        # replicas per global step: a goodput made by a swarm of one says nothing of links
+        "moshray_peers": participation(m_records, m_peers, duration),
         "moshray_cpu": m_cpu.result and m_cpu.result.to_json(),
         "raytrain_cpu": rt_cpu.result and rt_cpu.result.to_json(),
         "stall_gap_s": args.stall_gap, "checkpoint_every": args.checkpoint_every,
@@ -408,6 +411,10 @@ def run(args: argparse.Namespace) -> dict:
           f"moshray {gaps[MOSHRAY].line()}; Ray Train {gaps[RAYTRAIN].line()}", flush=True)
     print(f"moshray's worst slices: {gaps[MOSHRAY].worst_line()}", flush=True)
     print(f"moshray's joins: {starts.line()}", flush=True)
+    peers = result["moshray_peers"]
+    print(f"moshray's participants per step: mean {fmt(peers['mean'])}, max {peers['max']}, "
+          f"steps by count {peers['steps_by_peers']}, samples from steps with more than one "
+          f"{fmt(peers['multi_sample_share'])}", flush=True)
     for name, cpu in (("moshray", m_cpu.result), ("Ray Train", rt_cpu.result)):
         if cpu is not None:
             print(f"CPU by role over {name}'s trace run ({cpu.wall_s:.0f} s from its driver's "

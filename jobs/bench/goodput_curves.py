@@ -3,7 +3,8 @@
 No Ray, no I/O. A system reports :class:`Progress` rows (one per optimizer step, times in
 seconds after the window start) and the moments it restarted from a checkpoint; from them
 :func:`summarize` derives the useful cumulative-sample curve (rolled-back work is not useful),
-the stall time, the training loss reached and the step count over ``[0, duration]``.
+the stall time, the training loss reached and the step count over ``[0, duration]``;
+:func:`participation` says how many replicas took part in moshray's steps.
 """
 
 from __future__ import annotations
@@ -129,3 +130,29 @@ def summarize(name: str, records: Sequence[Progress], duration_s: float, gap_s: 
         goodput=samples / duration_s if duration_s > 0 else 0.0,
         final_loss=final_loss(records, duration_s),
         stall_s=stall_seconds(curve, duration_s, gap_s), steps=steps, curve=curve)
+
+
+def participation(records: Sequence[Progress], peers: Sequence[int], duration_s: float
+                  ) -> dict:
+    """How many replicas took part in each of moshray's global steps inside ``[0,
+    duration_s]`` (``records`` and ``peers`` row by row, the Coordinator's history): the mean
+    and largest count per step, the steps at each count, and the shares of steps and of
+    samples that had more than one participant (a swarm of one never averages, so a goodput
+    figure from such steps says nothing about its links). ``mean``/``max`` are None without
+    steps."""
+    if len(records) != len(peers):
+        raise ValueError(f"{len(records)} records but {len(peers)} peer counts")
+    rows = [(r, int(p)) for r, p in zip(records, peers) if r.t_s <= duration_s]
+    by_count: dict[str, int] = {}
+    for _, p in rows:
+        by_count[str(p)] = by_count.get(str(p), 0) + 1
+    samples = sum(r.samples for r, _ in rows)
+    multi = [(r, p) for r, p in rows if p > 1]
+    return {
+        "steps": len(rows),
+        "mean": sum(p for _, p in rows) / len(rows) if rows else None,
+        "max": max((p for _, p in rows), default=None),
+        "steps_by_peers": dict(sorted(by_count.items(), key=lambda kv: int(kv[0]))),
+        "multi_step_share": len(multi) / len(rows) if rows else None,
+        "multi_sample_share": sum(r.samples for r, _ in multi) / samples if samples else None,
+    }

@@ -1,6 +1,7 @@
 """A user's script training its own loop as replica groups (``cluster.replica = "node"``)
 through ``moshray.fit`` on the embedded cluster, for tests/test_group_fit.py: ``python
-tests/group_fit_scenario.py MODE RUN_DIR`` prints the summary as one JSON line."""
+tests/group_fit_scenario.py MODE RUN_DIR`` prints the summary as one JSON line (MODE
+``bad``: a loop with bad input, ``raise``: a loop that raises; the error as JSON)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,37 @@ def loop(session):
         session.report({"loss": loss})
 
 
+def bad_loop(session):
+    """Bad input in every rank: a loss that is not a scalar."""
+    model = torch.nn.Linear(8, 2)
+    opt = session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), state={"n": 0})
+    for x, y in session.batches():
+        opt.step()
+
+
+
+def raising_loop(session):
+    """A bug of the user's: the same exception in every rank."""
+    model = torch.nn.Linear(8, 2)
+    session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in session.batches():
+        raise ValueError("my bug")
+
+
 if __name__ == "__main__":
     mode, run_dir = sys.argv[1], sys.argv[2]
+    if mode in ("bad", "raise"):  # the job ends at once, with one line
+        try:
+            moshray.fit(bad_loop if mode == "bad" else raising_loop,
+                        moshray.data.by_step(batch), config={"cluster": {"replica": "node"}},
+                        max_steps=4, local_nodes=2, max_nodes=2, run_dir=run_dir)
+        except Exception as exc:  # noqa: BLE001 - what the user sees
+            print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
+        sys.exit(0)
     result = moshray.fit(loop, moshray.data.by_step(batch),
                          config={"cluster": {"replica": "node", "group_ranks": 2},
                                  "training": {"local_steps": 2}},
                          mode=mode, max_steps=8, local_nodes=2, max_nodes=2, min_nodes=2,
                          run_dir=run_dir)
     print(json.dumps(result.summary))
+

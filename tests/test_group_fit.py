@@ -65,3 +65,20 @@ def test_fit_trains_a_users_loop_as_replica_groups(tmp_path, mode):
     assert summary["final_loss"] < 0.69  # below chance on 2 classes: it learned
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 8
     assert "replica groups: 2 rank(s) each" in proc.stdout + proc.stderr
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("scenario,kind,line", [
+    ("bad", "UserError", "state: replica groups do not carry an extra state dict"),
+    ("raise", "SwarmError", "group swarm: the loop raised the same error on 2 nodes: "
+                            "ValueError: my bug")])
+def test_a_groups_loop_that_fails_ends_the_job_with_one_line(tmp_path, scenario, kind, line):
+    """Bad input ends the job at the first failure; the same exception on two nodes ends it
+    then (not after every node's strikes), naming the exception."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("group_fit_scenario.py")),
+                           scenario, str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    error = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert error["type"] == kind and error["error"].startswith(line)
+    assert "\n" not in error["error"]

@@ -38,7 +38,8 @@ driver moves on without it (False).
 
 Failure behaviour. A loop that raises (or returns) fails the command in flight and every
 later one with ``GroupError`` naming the rank and the exception, so the driver closes the
-group (``group_swarm.py``: it is rebuilt, ``max_strikes`` times per node). ``UserError``
+group (``group_swarm.py``: it is rebuilt, ``max_strikes`` times per node); a ``UserError``
+(bad input: no rebuilt group gets past it) ends the job at once with it. ``UserError``
 (one line) for misuse: ``prepare`` twice or after ``batches()``, ``batches()`` before
 ``prepare``, ``opt.step()`` outside a batch or twice for one batch, an extra state dict
 (not carried by groups). Every park is bounded: ``GroupConfig.timeout_s`` x
@@ -68,6 +69,27 @@ if TYPE_CHECKING:
     from moshray.actors.replica.group_rank import GroupRank
 
 IDLE_FACTOR = 10  # a parked loop waits at most timeout_s x this for the driver's next command
+USER_ERROR_MARK = "the loop raised UserError: "  # in a GroupError: bad input, ends the job
+
+
+LOOP_RAISED_MARK = "the loop raised "  # in a GroupError: the user's loop raised this
+
+
+def loop_error_in(text: str) -> str | None:
+    """What the user's loop raised, as a group failure's text reports it (``LoopHost``):
+    ``"ValueError: ..."``, or None when the failure is not the loop's."""
+    at = text.find(LOOP_RAISED_MARK)
+    return " ".join(text[at + len(LOOP_RAISED_MARK):].split()) if at >= 0 else None
+
+
+def user_error_in(text: str) -> UserError | None:
+    """The ``UserError`` a group failure's text reports (``LoopHost``), or None: bad input
+    that no rebuilt group would get past, so the job ends at once (``group_swarm.py``)."""
+    at = text.find(USER_ERROR_MARK)
+    if at < 0:
+        return None
+    what, _, message = text[at + len(USER_ERROR_MARK):].partition(": ")
+    return UserError(what.strip() or "loop", message.splitlines()[0] if message else what)
 
 
 @dataclass(frozen=True)
@@ -196,6 +218,8 @@ class LoopHost:
             self.ended = f"rank {self.rank.rank}: the loop returned while the swarm trains"
         except LoopStopped:
             self.ended = f"rank {self.rank.rank}: closed"
+        except UserError as exc:  # one line: the swarm ends the job with it (user_error_in)
+            self.ended = f"rank {self.rank.rank}: {USER_ERROR_MARK}{exc}"
         except BaseException as exc:  # noqa: BLE001 - the driver hears it as a GroupError
             self.ended = f"rank {self.rank.rank}: the loop raised {type(exc).__name__}: {exc}"
         for cmd in (self.pending, self.current):

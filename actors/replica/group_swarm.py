@@ -72,7 +72,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moshray.actors.replica.group import ReplicaGroup
-from moshray.actors.replica.group_loop import LoopTask
+from moshray.actors.replica.group_loop import LoopTask, loop_error_in, user_error_in
 from moshray.actors.replica.group_spec import (
     NODE_ID_LABEL, GroupConfig, GroupError, GroupTask, digest, rank_bundles,
 )
@@ -86,14 +86,16 @@ MODES = ("collaborative", "local_sgd")
 
 
 class SwarmError(RuntimeError):
-    """The swarm cannot go on; ``str()`` is one line, ``stats`` what it did until then."""
+    """The swarm cannot go on; ``str()`` is one line, ``stats`` what it did until then,
+    ``user_error`` the bad input of a user's loop that ended it (``group_loop.py``)."""
 
-    def __init__(self, message: str, stats: SwarmStats | None = None):
+    def __init__(self, message: str, stats: SwarmStats | None = None,
+                 user_error: Exception | None = None):
         super().__init__(message)
-        self.stats = stats
+        self.stats, self.user_error = stats, user_error
 
     def __reduce__(self):
-        return type(self), (str(self), self.stats)
+        return type(self), (str(self), self.stats, self.user_error)
 
 
 # -- configuration and messages --------------------------------------------------------------
@@ -596,6 +598,8 @@ class GroupSwarm:
         self._last: StepTogether | None = None
         self._stop = threading.Event()
         self._finish = threading.Event()
+        self._loop_errors: dict[str, set[str]] = {}  # what loops raised -> on which nodes
+        self._last_failure: str | None = None
 
     def stop(self) -> None:
         """Ask ``run`` (on another thread) to stop after the action it is carrying out: it
@@ -687,6 +691,7 @@ class GroupSwarm:
         try:
             m.group.join_from(donor.group, self.task)
         except GroupError as exc:
+            self._loop_failed(str(exc), m.node_id)
             if donor.group.broken:
                 donor.failure = f"failed as a donor: {exc}"
             if m.group.broken or not donor.group.broken:
@@ -696,6 +701,23 @@ class GroupSwarm:
         self.stats = replace(self.stats, joins=self.stats.joins + 1)
         self._activate(m, "joined by shard")
         return True
+
+    def _loop_failed(self, reason: str, node_id: str) -> None:
+        """A group failure's ``reason``: bad input in the user's loop (a ``UserError``: no
+        rebuild gets past it) or the same exception from the loop on two nodes ends the
+        swarm at once (``SwarmError``, one line; as the elastic controller does for one
+        replica per GPU); any other is kept for the message of a later ``SwarmError``."""
+        if (bad := user_error_in(reason)) is not None:
+            raise SwarmError(f"group swarm: {bad}", user_error=bad)
+        raised = loop_error_in(reason)
+        if raised is None:
+            return
+        self._last_failure = raised
+        nodes = self._loop_errors.setdefault(raised, set())
+        nodes.add(node_id)
+        if len(nodes) >= 2:
+            raise SwarmError(f"group swarm: the loop raised the same error on {len(nodes)} "
+                             f"nodes: {raised}")
 
     def _activate(self, m: _Member, reason: str) -> None:
         self._to(m, G.ACTIVE, reason)
@@ -713,6 +735,8 @@ class GroupSwarm:
         else:
             result = step_together(groups, self.task)
         failures = {f.name: f for f in result.failures}
+        for f in result.failures:
+            self._loop_failed(f.reason or "", self.members[f.name].node_id)
         for n in names:
             m = self.members[n]
             if n in result.applied:
@@ -778,7 +802,7 @@ class GroupSwarm:
             self.stats = replace(self.stats, consistent=consistent)
         except SwarmError as exc:
             self.stats = replace(self.stats, wall_s=self.clock() - t0)
-            raise SwarmError(str(exc), self.stats) from None
+            raise SwarmError(str(exc), self.stats, exc.user_error) from None
         finally:
             self.close()
         self.stats = replace(self.stats, wall_s=self.clock() - t0)
@@ -805,7 +829,9 @@ class GroupSwarm:
             elif isinstance(action, Finish):
                 return True
             elif isinstance(action, Fail):
-                raise SwarmError(f"group swarm: {action.reason}")
+                last = f"; the loop last raised {self._last_failure}" if self._last_failure \
+                    else ""
+                raise SwarmError(f"group swarm: {action.reason}{last}")
         return False
 
     def _consistent(self) -> bool:

@@ -13,7 +13,9 @@ summary (``<run_dir>/summary.json``; ``moshray train --json`` prints it).
 
 Failure behaviour. A setting groups cannot honour is a ``ConfigError`` (one line) before
 anything starts. A swarm that cannot go on raises ``SwarmError`` (one line; the groups
-closed). On every exit path the capacity request is withdrawn and the groups' actors are
+closed); bad input in the user's loop (a ``UserError`` in a rank) ends the job at once with
+that ``UserError``, the same exception from the loop on two nodes with a ``SwarmError``
+naming it (a group whose loop raised is rebuilt up to ``max_strikes`` times per node). On every exit path the capacity request is withdrawn and the groups' actors are
 gone (the swarm closes them; they are the driver's, so a crashed driver takes them along).
 Every spot node gets a notice watcher (``_Watchers``): a notice drains the node and its
 group leaves before it goes. Not yet for groups: checkpoints of ``fit`` (``actors/replica/group_checkpoint.py`` has the
@@ -33,7 +35,9 @@ from typing import Any
 
 from moshray.actors.replica.group_loop import LoopTask
 from moshray.actors.replica.group_spec import GroupConfig
-from moshray.actors.replica.group_swarm import GroupSwarm, SwarmConfig, SwarmProgress
+from moshray.actors.replica.group_swarm import (
+    GroupSwarm, SwarmConfig, SwarmError, SwarmProgress,
+)
 from moshray.cluster.placement import SPOT_RESOURCE
 from moshray.jobs.config import ConfigError, TrainConfig
 
@@ -197,7 +201,12 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
 
         tending = threading.Thread(target=tend, daemon=True, name="groups-tend")
         tending.start()
-        stats = swarm.run()
+        try:
+            stats = swarm.run()
+        except SwarmError as exc:  # bad input in the loop: the user's one line, as fit's
+            if exc.user_error is not None:
+                raise exc.user_error from None
+            raise
     finally:
         done.set()
         if tending is not None:

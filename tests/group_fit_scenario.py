@@ -1,6 +1,6 @@
 """A user's script training its own loop as replica groups (``cluster.replica = "node"``)
 through ``moshray.fit`` on the embedded cluster, for tests/test_group_fit.py: ``python
-tests/group_fit_scenario.py MODE RUN_DIR`` prints the summary as one JSON line (MODE
+tests/group_fit_scenario.py MODE RUN_DIR [CHECKPOINT_URI STEPS NODES]`` prints the summary as one JSON line (MODE
 ``bad``: a loop with bad input, ``raise``: a loop that raises; the error as JSON)."""
 
 from __future__ import annotations
@@ -59,10 +59,15 @@ if __name__ == "__main__":
         except Exception as exc:  # noqa: BLE001 - what the user sees
             print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
         sys.exit(0)
+    nodes, steps, uri = 2, 8, None
+    if len(sys.argv) > 3:  # checkpoints under URI: a run of STEPS steps on NODES groups
+        uri, steps, nodes = sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     result = moshray.fit(loop, moshray.data.by_step(batch),
                          config={"cluster": {"replica": "node", "group_ranks": 2},
-                                 "training": {"local_steps": 2}},
-                         mode=mode, max_steps=8, local_nodes=2, max_nodes=2, min_nodes=2,
-                         run_dir=run_dir)
+                                 "training": {"local_steps": 2},
+                                 "checkpoint": {"uri": uri, "every_steps": 2,
+                                                "run_id": "resumable"}},
+                         mode=mode, max_steps=steps, local_nodes=nodes, max_nodes=nodes,
+                         min_nodes=nodes, run_dir=run_dir)
     print(json.dumps(result.summary))
 

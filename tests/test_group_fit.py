@@ -82,3 +82,24 @@ def test_a_groups_loop_that_fails_ends_the_job_with_one_line(tmp_path, scenario,
     error = json.loads(proc.stdout.strip().splitlines()[-1])
     assert error["type"] == kind and error["error"].startswith(line)
     assert "\n" not in error["error"]
+
+
+@pytest.mark.cluster
+def test_a_group_job_checkpoints_by_shard_and_resumes_on_more_groups(tmp_path):
+    """Run 1: 2 groups x 2 ranks, 4 steps, a sharded checkpoint every 2 steps. Run 2 (same
+    run id): 3 groups resume from step 4, resharded, and train to step 8."""
+    script, uri = str(Path(__file__).with_name("group_fit_scenario.py")), str(tmp_path / "ck")
+    summaries = []
+    for run, steps, nodes in (("r1", 4, 2), ("r2", 8, 3)):
+        proc = subprocess.run([sys.executable, script, "collaborative", str(tmp_path / run),
+                               uri, str(steps), str(nodes)], capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summaries.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    first, second = summaries
+    assert first["resumed_from"] is None and first["checkpoint"] == 4
+    assert sorted(p.name for p in (tmp_path / "ck" / "resumable" / "groups").iterdir())[:2] \
+        == ["step-00000002", "step-00000004"]
+    assert second["resumed_from"].endswith("step-00000004") and second["steps"] == 8
+    assert second["groups_max"] == 3 and second["lost_steps"] == 0
+    assert second["replicas_consistent"] is True and second["checkpoint"] == 8

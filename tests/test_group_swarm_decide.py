@@ -107,6 +107,7 @@ def test_steps_are_lost_only_when_every_group_holding_the_newest_left():
     assert frontier_after(8, [8, 7]) == (8, 0)
     assert frontier_after(8, [7, 6]) == (7, 1)
     assert frontier_after(8, []) == (0, 8)
+    assert frontier_after(0, [5, 5]) == (5, 0)  # groups resumed from a checkpoint at 5
     groups = [GroupView("g0", "n1", A, 8), GroupView("g1", "n2", A, 7)]
     d = decide(view([node(1, alive=False), node(2)], groups, frontier=8), CONFIG)
     assert (d.frontier, d.lost) == (7, 1)

@@ -370,9 +370,10 @@ def eligible(node: NodeInfo, config: SwarmConfig) -> str | None:
 def frontier_after(frontier: int, held: Sequence[int]) -> tuple[int, int]:
     """The swarm's newest step once only groups holding ``held`` steps remain, and the steps
     lost (progress undone: every group holding a newer one left). With no group left the
-    frontier is 0 and everything is lost."""
+    frontier is 0 and everything is lost. A group holding a newer step than the frontier
+    (resumed from a checkpoint) moves the frontier there."""
     top = max(held, default=0)
-    return (top, frontier - top) if top < frontier else (frontier, 0)
+    return (top, frontier - top) if top < frontier else (top, 0)
 
 
 def decide(view: SwarmView, config: SwarmConfig) -> Decision:
@@ -578,13 +579,22 @@ def read_nodes() -> tuple[NodeInfo, ...]:
 class GroupSwarm:
     """The driver's swarm of replica groups (see module docstring). ``on_step`` is called
     on this thread after every swarm step with a ``SwarmProgress`` (a chaos schedule, a
-    progress line); ``clock`` and ``nodes`` may be injected."""
+    progress line, ``save``); ``on_finish(swarm)`` after the last step, before the final
+    consistency check (a final checkpoint); ``resume``: a sharded checkpoint the first
+    groups load instead of starting from the task's model; ``clock`` and ``nodes`` may be
+    injected."""
 
     def __init__(self, config: SwarmConfig, task: GroupTask | LoopTask, *,
                  on_step: Callable[[SwarmProgress], None] | None = None,
+                 resume: str | None = None,
+                 on_finish: Callable[[GroupSwarm], None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  nodes: Callable[[], tuple[NodeInfo, ...]] = read_nodes):
         self.config, self.task, self.on_step = config, task, on_step
+        # A sharded checkpoint (group_checkpoint.py) the first groups start from instead of
+        # the task's model: each loads it, resharded to its ranks, and holds its step.
+        self.resume = resume
+        self.on_finish = on_finish  # after the last step, before the consistency check
         self.clock, self.nodes = clock, nodes
         self.members: dict[str, _Member] = {}
         self.memory: dict[str, NodeMemory] = {}
@@ -702,6 +712,34 @@ class GroupSwarm:
         self._activate(m, "joined by shard")
         return True
 
+    def _start_from(self, m: _Member) -> None:
+        """A group up before anything was trained: it holds the task's model at step 0,
+        or, with ``resume``, loads that checkpoint and holds its step (the swarm's frontier
+        moves there at the next ``decide``). A refused or failed load is the group's
+        failure (it is closed; a checkpoint that does not fit the model fails every group,
+        and the swarm ends with the reason)."""
+        if self.resume is not None:
+            try:
+                m.step = m.group.load_sharded(self.resume, self.task)
+            except GroupError as exc:
+                m.failure = f"resume from {self.resume}: {' '.join(str(exc).split())[:300]}"
+                self._last_failure = m.failure
+                return
+            self._activate(m, f"resumed at step {m.step}")
+            return
+        self._activate(m, "started at step 0")
+
+    def save(self, path: str) -> int:
+        """Write a sharded checkpoint of the swarm's newest step to ``path`` (one group
+        holding it writes; ``ReplicaGroup.save_sharded``) and return its step. For an
+        ``on_step`` hook (this thread). ``GroupError`` (one line) when no group holds the
+        newest step or the write fails."""
+        holders = [m for m in self.members.values() if m.state is G.ACTIVE
+                   and m.step == self.frontier and not m.failure]
+        if not holders:
+            raise GroupError(f"no group holds step {self.frontier} to save")
+        return holders[0].group.save_sharded(path)
+
     def _loop_failed(self, reason: str, node_id: str) -> None:
         """A group failure's ``reason``: bad input in the user's loop (a ``UserError``: no
         rebuild gets past it) or the same exception from the loop on two nodes ends the
@@ -798,6 +836,8 @@ class GroupSwarm:
                 done = self._carry_out(decision.actions)
                 if done:
                     break
+            if self.on_finish is not None:
+                self.on_finish(self)
             consistent = self._consistent()
             self.stats = replace(self.stats, consistent=consistent)
         except SwarmError as exc:
@@ -816,7 +856,7 @@ class GroupSwarm:
             elif isinstance(action, Place):
                 self._place(action)
             elif isinstance(action, Activate):
-                self._activate(self.members[action.name], "started at step 0")
+                self._start_from(self.members[action.name])
             elif isinstance(action, Join):
                 self._join(action)
             elif isinstance(action, Step):

@@ -18,8 +18,9 @@ that ``UserError``, the same exception from the loop on two nodes with a ``Swarm
 naming it (a group whose loop raised is rebuilt up to ``max_strikes`` times per node). On every exit path the capacity request is withdrawn and the groups' actors are
 gone (the swarm closes them; they are the driver's, so a crashed driver takes them along).
 Every spot node gets a notice watcher (``_Watchers``): a notice drains the node and its
-group leaves before it goes. Not yet for groups: checkpoints of ``fit`` (``actors/replica/group_checkpoint.py`` has the
-sharded format), DMoE experts, Prometheus metrics, adoption by a resubmitted driver.
+group leaves before it goes. Checkpoints are sharded (``_Checkpoints``) and a job resumes
+on any number of groups. Not yet for groups: DMoE experts, Prometheus metrics,
+``session.report`` beyond the loss, adoption by a resubmitted driver.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from moshray.actors.replica.group_loop import LoopTask
-from moshray.actors.replica.group_spec import GroupConfig
+from moshray.actors.replica.group_spec import GroupConfig, GroupError
 from moshray.actors.replica.group_swarm import (
     GroupSwarm, SwarmConfig, SwarmError, SwarmProgress,
 )
@@ -124,6 +125,67 @@ class _Watchers:
         self.own.clear()
 
 
+class _Checkpoints:
+    """Sharded checkpoints of a group job (``actors/replica/group_checkpoint.py``) under
+    ``<checkpoint.uri>/<run id>/groups/step-<step>``: one group holding the newest step
+    writes one every ``checkpoint.every_steps`` steps and at the end; a job starts from the
+    newest whole one of its run (else of ``checkpoint.resume_from``'s), resharded to
+    however many groups and ranks it has. A local or shared file system path only
+    (``ConfigError`` for a URL). A failed save ends the job (``RuntimeError``, one line)."""
+
+    def __init__(self, config: TrainConfig):
+        from moshray.actors.replica.checkpoint import job_run_id
+
+        c = config.checkpoint
+        self.every = c.every_steps
+        self.base = self.start = None
+        self.last = 0
+        if c.uri is None:
+            return
+        if "://" in c.uri:
+            raise ConfigError("checkpoint.uri", "replica groups write sharded checkpoints to "
+                              "a local or shared file system path, not a URL; got " + c.uri)
+        root = os.path.expanduser(c.uri)
+        self.base = os.path.join(root, job_run_id(c, config.run_dir), "groups")
+        self.start = newest(self.base)
+        if self.start is None and c.resume_from:
+            other = c.resume_from if os.sep in c.resume_from else \
+                os.path.join(root, c.resume_from)
+            self.start = newest(os.path.join(other, "groups"))
+        if self.start is not None:
+            self.last = int(os.path.basename(self.start).split("-")[1])
+
+    def maybe_save(self, swarm: GroupSwarm, final: bool = False) -> None:
+        if self.base is None or swarm.frontier <= self.last or not (
+                final or swarm.frontier - self.last >= self.every):
+            return
+        path = os.path.join(self.base, f"step-{swarm.frontier:08d}")
+        try:
+            os.makedirs(self.base, exist_ok=True)
+            self.last = swarm.save(path)
+        except (GroupError, OSError) as exc:
+            raise RuntimeError(f"checkpoint: saving step {swarm.frontier} to {path} failed: "
+                               f"{' '.join(str(exc).split())}") from None
+
+
+def newest(base: str) -> str | None:
+    """The newest whole group checkpoint (``step-<n>`` with its manifest) under ``base``."""
+    from moshray.actors.replica.group_checkpoint import CheckpointError, read_manifest
+
+    try:
+        names = sorted((e.name for e in os.scandir(base)
+                        if e.is_dir() and e.name.startswith("step-")), reverse=True)
+    except FileNotFoundError:
+        return None
+    for name in names:
+        try:
+            read_manifest(os.path.join(base, name))
+        except CheckpointError:
+            continue  # torn or partial: an older one
+        return os.path.join(base, name)
+    return None
+
+
 class _Progress:
     """A console line every ``every`` swarm steps (and the first)."""
 
@@ -134,7 +196,7 @@ class _Progress:
         self.count += 1
         if self.count == 1 or self.count % self.every == 0:
             r = p.result
-            loss = f"{r.loss:.4f}" if r.loss is not None else "-"
+            loss = f"{r.loss:.4f}" if r.loss is not None and r.loss == r.loss else "-"
             print(f"step {p.frontier}: {len(p.groups)} group(s), loss {loss}",
                   file=self.out, flush=True)
 
@@ -159,6 +221,7 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
         raise ConfigError("cluster.replica", "replica groups take a loop and data by step: "
                           "moshray.fit(loop, moshray.data.by_step(fn), ...)")
     out = sys.stderr if config.json else sys.stdout
+    checkpoints = _Checkpoints(config)  # a bad checkpoint setting: before anything starts
     owned = connect(config, address)
     asked, timer, swarm, tending = False, None, None, None
     watchers = _Watchers(config)
@@ -177,13 +240,18 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
         print(f"replica groups: {swarm_cfg.group.world_size} rank(s) each, up to "
               f"{config.cluster.max_nodes} group(s), {swarm_cfg.mode}", file=out, flush=True)
         progress = _Progress(out)
+        if checkpoints.start is not None:
+            print(f"resuming from checkpoint at step {checkpoints.last} "
+                  f"({checkpoints.start})", file=out, flush=True)
 
         def stepped(p: SwarmProgress) -> None:
             progress(p)
+            checkpoints.maybe_save(swarm)
             if on_step is not None:
                 on_step(p)
 
-        swarm = GroupSwarm(swarm_cfg, job, on_step=stepped)
+        swarm = GroupSwarm(swarm_cfg, job, on_step=stepped, resume=checkpoints.start,
+                           on_finish=lambda s: checkpoints.maybe_save(s, final=True))
         if config.training.max_seconds is not None:
             timer = threading.Timer(config.training.max_seconds, swarm.finish)
             timer.daemon = True
@@ -222,7 +290,8 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
         if owned:
             ray.shutdown()
     summary = {"replica": "node", **stats.to_dict(), "groups": stats.groups_max,
-               "final_loss": stats.final_loss}
+               "final_loss": stats.final_loss, "resumed_from": checkpoints.start,
+               "checkpoint": checkpoints.last if checkpoints.base else None}
     os.makedirs(config.run_dir, exist_ok=True)
     with open(os.path.join(config.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

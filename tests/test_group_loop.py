@@ -35,11 +35,15 @@ def slots(local_cluster):
                 local_cluster.remove_node(slot)
 
 
-@pytest.mark.parametrize("mode,shard", [("collaborative", True), ("local_sgd", False)])
-def test_loop_driven_groups_train_through_a_join_and_a_lost_node(slots, mode, shard):
+@pytest.mark.parametrize("mode,shard,outer", [("collaborative", True, None),
+                                              ("local_sgd", False, None),
+                                              ("local_sgd", True, 0.7)])
+def test_loop_driven_groups_train_through_a_join_and_a_lost_node(slots, mode, shard, outer):
+    """``outer``: DiLoCo's outer Nesterov step by shard (lr 0.7, momentum 0.9); the joiner
+    copies the outer momentum with the shards, or its next outer step would differ."""
     config = SwarmConfig(
-        group=GroupConfig(world_size=2, name="L" + mode[0], timeout_s=60.0,
-                          round_timeout_s=15.0),
+        group=GroupConfig(world_size=2, name="L" + mode[0] + ("o" if outer else ""),
+                          timeout_s=60.0, round_timeout_s=15.0, outer_lr=outer),
         mode=mode, steps=8, inner_steps=2,
         node_labels={SLOT_LABEL: [str(s) for s in (*FIRST, LATE)]}, min_groups=2,
         settle_s=6.0)

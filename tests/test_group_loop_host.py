@@ -63,7 +63,8 @@ def _rank(timeout_s: float = 5.0):
     return SimpleNamespace(rank=0, settings=GroupConfig(world_size=1, timeout_s=timeout_s),
                            device=torch.device("cpu"), _compute=ComputeQueue("rank0"),
                            model=None, module=None, opt=None, optimizer_name="", step=0,
-                           grads_of=None, use_parallel=lambda parallel: None)
+                           grads_of=None, use_parallel=lambda parallel: None,
+                           round_start=lambda: None)
 
 
 def _prepare_plain(session, model, opt):

@@ -265,6 +265,8 @@ class LoopHost:
             self.park(lambda: self.pending is not None, "waiting for the next step")
             cmd, self.pending, self.current = self.pending, None, self.pending
             cmd.t0 = time.perf_counter()
+            if cmd.kind == "local":
+                self.rank.round_start()
             if self.rank.opt is not None:
                 self.rank.opt.zero_grad(set_to_none=True)
             self.rank.grads_of = None

@@ -137,6 +137,10 @@ class GroupRank:
         self.optimizer_name = ""
         self.step = 0
         self.grads_of: int | None = None
+        # DiLoCo's outer step (``GroupConfig.outer_lr``): the parameter shards at the start
+        # of the local SGD round (the last average) and the outer momentum, per parameter.
+        self.anchor: list[torch.Tensor] | None = None
+        self.outer_m: list[torch.Tensor] | None = None
         # A loop-driven group (group_loop.py): the user's loop, run in the compute thread
         # from the first command of a ``LoopTask`` on.
         self.host: LoopHost | None = None
@@ -366,6 +370,7 @@ class GroupRank:
             raise GroupError(f"rank {self.rank}: asked for local steps from step {first}, "
                              f"holds step {self.step}")
         t0 = time.perf_counter()
+        self.round_start()
         losses, _, rows = self._own_steps(task, count, part)
         return LocalReport(self.rank, first, count, losses[-1], rows, time.perf_counter() - t0)
 
@@ -383,12 +388,43 @@ class GroupRank:
             return self.step, None
         return self.step, flatten(parameter_tensors(self.model))
 
+    def round_start(self) -> None:
+        """A local SGD round begins (compute thread): with an outer step, keep the shards
+        it starts from (the last average) unless they are kept already."""
+        if self.settings.outer_lr is not None and self.anchor is None \
+                and self.model is not None:
+            self.anchor = [_local(p.detach()).clone() for p in self.model.parameters()]
+
     def _write_params(self, averaged: Any, reason: str | None) -> tuple[bool, str | None]:
         def write() -> None:
             targets = parameter_tensors(self.model)
-            write_averaged(self.model, unflatten(averaged, targets), targets)
+            values = unflatten(averaged, targets)
+            if self.settings.outer_lr is not None and self.anchor is not None:
+                values = self._outer_step(values)
+            write_averaged(self.model, values, targets)
+            if self.settings.outer_lr is not None:  # the next round starts from here
+                self.anchor = [_local(p.detach()).clone() for p in self.model.parameters()]
 
         return self._vote_then(averaged, reason, write)
+
+    def _outer_step(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """DiLoCo's outer Nesterov step on this rank's shards: the outer gradient is the
+        round's start minus the average, ``m = mu m + g``, ``start - lr (g + mu m)``. Every
+        group holds the same start, average and momentum, so all stay bitwise equal. Buffers
+        (after the parameters in ``values``) take the average as it is."""
+        lr, mu = self.settings.outer_lr, self.settings.outer_momentum
+        n = len(self.anchor)
+        if self.outer_m is None:
+            self.outer_m = [torch.zeros_like(a) for a in self.anchor]
+        out = []
+        for start, avg, m in zip(self.anchor, values[:n], self.outer_m):
+            g = start - avg.to(start.dtype)
+            m.mul_(mu).add_(g)
+            out.append(start - lr * (g + mu * m))
+        return out + list(values[n:])
+
+    def _outer_state(self) -> dict[str, Any] | None:
+        return None if self.outer_m is None else {"m": [t.clone() for t in self.outer_m]}
 
     def _flat_grads(self) -> tuple[int, Any]:
         """(step, the values to average as one float32 vector), or (step, None) when the
@@ -463,8 +499,9 @@ class GroupRank:
         state = local_state(self.model, self.opt)
         layout = shard_layout(state, self.settings.world_size, self.settings.parallel,
                               self.optimizer_name)
-        return ShardHandoff(self.rank, self.step, layout, state_digest(state),
-                            (ray.put(state),))
+        refs = (ray.put(state),) + ((ray.put(self._outer_state()),)
+                                    if self.outer_m is not None else ())
+        return ShardHandoff(self.rank, self.step, layout, state_digest(state), refs)
 
     async def load_shard_state(self, handoff: ShardHandoff, task: GroupTask) -> JoinAnswer:
         """Copy the donor rank's shard state behind ``handoff`` into this rank's shards (a
@@ -472,20 +509,23 @@ class GroupRank:
         fetched from the object store within ``timeout_s``. Every rank checks the layouts
         (``layout_difference``) and the ranks vote before any copies, so a refused join
         (or a failed fetch) copies nothing; the answer then says why."""
-        state, why = None, None
+        state, why, outer = None, None, None
         try:
             state = await asyncio.wait_for(asyncio.wrap_future(handoff.refs[0].future()),
                                            self.settings.timeout_s)
+            if len(handoff.refs) > 1:  # the donor's outer momentum (DiLoCo)
+                outer = await asyncio.wait_for(asyncio.wrap_future(handoff.refs[1].future()),
+                                               self.settings.timeout_s)
         except asyncio.TimeoutError:
             why = f"the donor's shard state did not arrive within {self.settings.timeout_s:g} s"
         except ray.exceptions.RayError as exc:
             why = f"the donor's shard state is lost ({type(exc).__name__})"
         if isinstance(task, LoopTask):
             self._host(task)  # its prepare() builds the model before the load runs
-        return await self._run(self._load_shard_state, handoff, state, why, task)
+        return await self._run(self._load_shard_state, handoff, state, why, task, outer)
 
     def _load_shard_state(self, handoff: ShardHandoff, state: dict | None, why: str | None,
-                          task: GroupTask) -> JoinAnswer:
+                          task: GroupTask, outer: dict | None = None) -> JoinAnswer:
         self._build(task)
         if why is None:
             mine = shard_layout(local_state(self.model, self.opt), self.settings.world_size,
@@ -498,6 +538,10 @@ class GroupRank:
             return JoinAnswer(None, None, why or "another rank of the group refused")
         fill_local_state(self.model, self.opt, state)
         self.step, self.grads_of = handoff.step, None
+        # the donor's round start is its last average, which the state just copied holds
+        self.anchor = None
+        self.outer_m = [t.to(self.device) for t in outer["m"]] if outer else None
+        self.round_start()
         return JoinAnswer(self.step, state_digest(local_state(self.model, self.opt)))
 
     async def save_sharded(self, staging: str, final: str) -> CheckpointAnswer:

@@ -63,6 +63,10 @@ class GroupConfig:
     # wait), and the job's key its ranks' averagers sign and check with (None: unsigned).
     round_timeout_s: float | None = None
     job_key: bytes | None = field(default=None, repr=False)
+    # Local SGD: DiLoCo's outer Nesterov step on each rank's shard of every average (None:
+    # the average is taken as it is). With lr 1 and momentum 0 it is the plain average.
+    outer_lr: float | None = None
+    outer_momentum: float = 0.9
 
     def __post_init__(self) -> None:
         labels = self.node_labels.items() if isinstance(self.node_labels, Mapping) \
@@ -98,6 +102,12 @@ class GroupConfig:
             raise ValueError(f"GroupConfig.round_timeout_s: must be > 0 and below timeout_s / "
                              f"{FINAL_FRACTION:g} (a round may run that much longer), got "
                              f"{self.round_timeout_s!r}")
+        if self.outer_lr is not None and not self.outer_lr > 0:
+            raise ValueError(f"GroupConfig.outer_lr: must be None or > 0, got "
+                             f"{self.outer_lr!r}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"GroupConfig.outer_momentum: must be in [0, 1), got "
+                             f"{self.outer_momentum!r}")
         if "/" in self.name or not self.name:
             raise ValueError(f"GroupConfig.name: must be non-empty without '/' (its ranks "
                              f"average as '<name>/r<rank>'), got {self.name!r}")

@@ -55,7 +55,8 @@ def swarm_config(config: TrainConfig, nodes: Sequence[Mapping[str, float]],
     """The swarm for ``config`` on a cluster whose alive spot nodes have ``nodes``'
     resources (pure). Ranks per group: ``cluster.group_ranks``, else the most GPUs of a
     spot node, else ``CPU_RANKS``; one GPU per rank where the nodes have GPUs. Local SGD
-    rounds are ``training.local_steps`` long. ``ConfigError`` (one line) for what groups
+    rounds are ``training.local_steps`` long, with DiLoCo's outer Nesterov step on each
+    shard where ``training.outer_optimizer = "nesterov"``. ``ConfigError`` (one line) for what groups
     cannot do: another mode, no step bound, an averaging deadline longer than a step's.
     ``node_labels``: only nodes with these labels hold groups (``SwarmConfig``)."""
     t, c = config.training, config.cluster
@@ -71,9 +72,12 @@ def swarm_config(config: TrainConfig, nodes: Sequence[Mapping[str, float]],
     steps = t.max_steps if t.max_steps is not None else UNBOUNDED_STEPS
     steps = -(-steps // inner) * inner  # whole local SGD rounds
     try:
+        outer = t.mode == "local_sgd" and t.outer_optimizer == "nesterov"
         group = GroupConfig(world_size=world, gpus_per_rank=1.0 if gpus >= world else 0.0,
                             cpus_per_rank=1.0, timeout_s=RANK_TIMEOUT_S, name="g",
-                            resources={SPOT_RESOURCE: 1}, round_timeout_s=t.round_timeout_s)
+                            resources={SPOT_RESOURCE: 1}, round_timeout_s=t.round_timeout_s,
+                            outer_lr=t.outer_lr if outer else None,
+                            outer_momentum=t.outer_momentum)
         return SwarmConfig(group=group, mode=t.mode, steps=steps, inner_steps=inner,
                            max_groups=c.max_nodes, min_groups=c.min_nodes,
                            wait_s=c.wait_for_nodes_s, node_labels=node_labels or ())

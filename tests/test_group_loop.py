@@ -75,20 +75,36 @@ def test_a_group_job_hears_a_spot_notice_and_its_group_leaves_before_the_node_go
     """The job's driver (jobs/controller/groups.py) puts a notice watcher on every spot node;
     the cloud's notice reaches the node's metadata service, the watcher drains the node in
     Ray, and the swarm's group there leaves before its next step: nothing lost."""
+    import re
+    import socket
     import threading
+    import urllib.request
 
     from moshray.jobs.config import TrainConfig
     from moshray.jobs.controller.groups import run_groups
 
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    port = free_port()
     config = TrainConfig.from_dict({
         "cluster": {"replica": "node", "group_ranks": 2, "max_nodes": 2, "min_nodes": 2,
-                    "notice_source": "auto"},
+                    "notice_source": "auto"}, "metrics": {"port": port},
         "training": {"max_steps": 40, "mode": "collaborative", "round_timeout_s": 15.0},
         "run_dir": str(tmp_path / "run")})
     task = loop_of(lm_task(MODEL, steps=40, rows=ROWS, amp=False, lr=3e-3))
     noticed, staying, left = [], [], threading.Event()
+    scraped = []
+
+    def scrape():
+        scraped.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                              timeout=10).read().decode())
 
     def on_step(progress):
+        if progress.frontier == 2:
+            scrape()
         if progress.frontier == 3 and not noticed:  # the node of the first group
             slot = {slots.node_id(s): s for s in slots.live_slots()}[progress.groups[0].node_id]
             staying.append(progress.groups[1].node_id)
@@ -96,6 +112,8 @@ def test_a_group_job_hears_a_spot_notice_and_its_group_leaves_before_the_node_go
             noticed.append(progress.frontier)
         if noticed and [g.node_id for g in progress.groups if g.state.value == "active"] \
                 == [staying[0]]:  # the other's group left (another may be starting)
+            if not left.is_set():
+                scrape()
             left.set()
 
     summary = run_groups(config, slots.address, task, stop_when=left.is_set, on_step=on_step,
@@ -104,3 +122,9 @@ def test_a_group_job_hears_a_spot_notice_and_its_group_leaves_before_the_node_go
     assert summary["notice_leaves"] == 1 and summary["lost_steps"] == 0
     assert summary["replicas_consistent"] is True
     assert summary["steps"] < 40  # it ended once the group had left (stop_when)
+    # the job's Prometheus metrics, served by its driver, as the head's Prometheus sees them
+    before, after = scraped
+    assert "moshray_global_step 2.0" in before
+    assert 'moshray_replicas{state="training"} 2.0' in before
+    assert 'moshray_replicas{state="training"} 1.0' in after
+    assert re.search(r'moshray_nodes_lost_total\{notice="(true|True|yes)"\} 1\.0', after), after

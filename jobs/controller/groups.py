@@ -19,8 +19,9 @@ naming it (a group whose loop raised is rebuilt up to ``max_strikes`` times per 
 gone (the swarm closes them; they are the driver's, so a crashed driver takes them along).
 Every spot node gets a notice watcher (``_Watchers``): a notice drains the node and its
 group leaves before it goes. Checkpoints are sharded (``_Checkpoints``) and a job resumes
-on any number of groups. Not yet for groups: DMoE experts, Prometheus metrics,
-``session.report`` beyond the loss, adoption by a resubmitted driver.
+on any number of groups. The driver serves the job's Prometheus metrics (``_Metrics``).
+Not yet for groups: DMoE experts, ``session.report`` beyond the loss, the cost metrics
+(no node prices are read), adoption by a resubmitted driver.
 """
 
 from __future__ import annotations
@@ -190,6 +191,54 @@ def newest(base: str) -> str | None:
     return None
 
 
+class _Metrics:
+    """The job's Prometheus metrics (``cluster/metrics``' exporter, the same names as with
+    one replica per GPU), served by this driver on ``metrics.port`` of the head (127.0.0.1,
+    where the head's Prometheus scrapes): ``moshray_peers{state="live"}`` (groups holding
+    the newest step), ``moshray_global_step``, ``moshray_training_loss``,
+    ``moshray_replicas{state}`` (groups starting, syncing, training), ``moshray_nodes_lost``
+    and ``moshray_preemptions`` (groups that left with their node, a notice or not). A port
+    in use is a warning: training goes on unserved."""
+
+    def __init__(self, config: TrainConfig, out):
+        from moshray.cluster import metrics
+
+        m = config.metrics
+        self.state = metrics.TrainingState()
+        self.exporter = metrics.MetricsExporter(
+            metrics.Prices(m.spot_price_per_hour, m.on_demand_price_per_hour),
+            lambda: self.state)
+        self.left = (0, 0)
+        try:
+            host, port = self.exporter.serve(metrics.LOOPBACK, m.port)
+            print(f"metrics: http://{host}:{port}/metrics", file=out, flush=True)
+        except OSError as exc:
+            log.warning("metrics not served on port %s: %s", m.port, exc)
+
+    def update(self, p: SwarmProgress, stats) -> None:
+        from dataclasses import replace
+
+        from moshray.cluster import metrics
+
+        states = {"starting": 0, "syncing": 0, "training": 0, "leaving": 0}
+        for g in p.groups:
+            states[{"active": "training"}.get(g.state.value, g.state.value)] += 1
+        self.exporter.apply(metrics.ReplicaStatesEvent(tuple(states.items())))
+        noticed, lost = stats.notice_leaves, stats.leaves - stats.notice_leaves
+        for _ in range(noticed - self.left[0]):
+            self.exporter.apply(metrics.NodeLostEvent(True))
+        for _ in range(lost - self.left[1]):
+            self.exporter.apply(metrics.NodeLostEvent(False))
+        self.left = (noticed, lost)
+        loss = p.result.loss if p.result.loss == p.result.loss else self.state.loss
+        self.state = replace(self.state, live_peers=len(p.result.applied),
+                             global_step=p.frontier, loss=loss,
+                             preemptions=stats.leaves)
+
+    def close(self) -> None:
+        self.exporter.close()
+
+
 class _Progress:
     """A console line every ``every`` swarm steps (and the first)."""
 
@@ -227,7 +276,7 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
     out = sys.stderr if config.json else sys.stdout
     checkpoints = _Checkpoints(config)  # a bad checkpoint setting: before anything starts
     owned = connect(config, address)
-    asked, timer, swarm, tending = False, None, None, None
+    asked, timer, swarm, tending, served = False, None, None, None, None
     watchers = _Watchers(config)
     done = threading.Event()
     try:
@@ -243,13 +292,14 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
         asked = True
         print(f"replica groups: {swarm_cfg.group.world_size} rank(s) each, up to "
               f"{config.cluster.max_nodes} group(s), {swarm_cfg.mode}", file=out, flush=True)
-        progress = _Progress(out)
+        progress, served = _Progress(out), _Metrics(config, out)
         if checkpoints.start is not None:
             print(f"resuming from checkpoint at step {checkpoints.last} "
                   f"({checkpoints.start})", file=out, flush=True)
 
         def stepped(p: SwarmProgress) -> None:
             progress(p)
+            served.update(p, swarm.stats)
             checkpoints.maybe_save(swarm)
             if on_step is not None:
                 on_step(p)
@@ -284,6 +334,8 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
         if tending is not None:
             tending.join(timeout=30)
         watchers.close()
+        if served is not None:
+            served.close()
         if timer is not None:
             timer.cancel()
         if asked:

@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+from cluster_slots import extra_slots
 
 from moshray.actors.replica.group_spec import GroupConfig
 from moshray.actors.replica.group_swarm import GroupState, GroupSwarm, SwarmConfig
@@ -26,15 +27,8 @@ KILL_AT = 2
 
 @pytest.fixture
 def slots(local_cluster):
-    local_cluster.connect()
-    try:
-        for slot in SLOTS:
-            local_cluster.add_node(slot)
-        yield local_cluster
-    finally:
-        for slot in SLOTS:
-            if slot in local_cluster.live_slots():
-                local_cluster.remove_node(slot)
+    with extra_slots(local_cluster, SLOTS) as cluster:
+        yield cluster
 
 
 def test_a_group_with_a_killed_rank_leaves_and_rejoins_while_the_other_goes_on(slots):

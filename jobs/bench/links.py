@@ -739,6 +739,8 @@ def run_compare(profile_name: str, nodes: int, seconds: float, short: bool, out_
             laid = zone_layout(laid, zone_b)
         except ValueError as exc:
             raise LinksBenchError(f"--zone-b: {exc}") from None
+        print(f"zone B: the last {zone_b} node(s) -> links {laid.mbit} Mbit/s, zones "
+              f"{dict(laid.zones)}", file=sys.stderr, flush=True)
     zone_b_slots = [slot for slot, zone in laid.zones if zone == "b"]
     try:
         base_name, base = links.baseline(laid)

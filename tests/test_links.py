@@ -428,11 +428,13 @@ def test_bench_links_short_smoke(tmp_path: Path) -> None:
 
 def test_auto_choice_resolves_the_training_section() -> None:
     from moshray.jobs.config import TrainConfig
-    from moshray.jobs.controller.mode_probe import probe_bytes, resolved
+    from moshray.actors.replica.mode_choice import resolve_training as resolved
+    from moshray.jobs.controller.mode_probe import probe_bytes
 
     training = TrainConfig.from_dict({"training": {"mode": "auto"}}).training
     slow = resolved(training, choose_mode(2.5e9, 2e9, 1.0))
     assert (slow.mode, slow.local_steps, slow.outer_optimizer) == ("local_sgd", 64, "nesterov")
+    assert (slow.outer_lr, slow.outer_momentum) == (0.4, 0.7)  # fit for 64 local steps
     assert slow.wire_codec == "none"  # local SGD's default: full-precision parameters
     fast = resolved(training, choose_mode(10e9, 2e5, 0.05))
     assert fast.mode == "collaborative" and fast.wire_codec == "fp16"

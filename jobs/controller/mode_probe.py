@@ -17,7 +17,7 @@ import math
 import time
 from dataclasses import replace
 
-from moshray.actors.replica.mode_choice import ModeChoice, choose_mode
+from moshray.actors.replica.mode_choice import ModeChoice, choose_mode, resolve_training
 
 MIN_PROBE_BYTES = 1 << 20
 MAX_PROBE_BYTES = 16 << 20
@@ -26,15 +26,6 @@ MAX_PROBE_BYTES = 16 << 20
 def probe_bytes(wire_bytes: float) -> int:
     """The payload a probe sends: the gradient's size within [1 MB, 16 MB]."""
     return int(min(max(wire_bytes, MIN_PROBE_BYTES), MAX_PROBE_BYTES))
-
-
-def resolved(training, choice: ModeChoice):
-    """``training`` (a ``TrainingSection``) with ``choice`` applied: the mode, and for
-    local SGD the chosen ``local_steps`` and the outer Nesterov step."""
-    if choice.mode == "local_sgd":
-        return replace(training, mode="local_sgd", local_steps=choice.local_steps,
-                       outer_optimizer="nesterov")
-    return replace(training, mode=choice.mode)
 
 
 def _probe_class():
@@ -136,4 +127,4 @@ def resolve_auto(config, job_is_builtin: bool, out):
         return config
     choice = measure_and_choose(config, job_is_builtin)
     print(choice.line, file=out, flush=True)
-    return replace(config, training=resolved(config.training, choice))
+    return replace(config, training=resolve_training(config.training, choice))

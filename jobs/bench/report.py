@@ -197,6 +197,11 @@ def _goodput_links_rows(f: Mapping) -> Rows:
              if not label.startswith("`moshray_vs_raytrain`")]
     rows.insert(3, ("`moshray_vs_raytrain` on these links (target >= 3)",
                     fmt(rt, ".2f") + _met(rt, 3.0)))
+    peers = f.get("moshray_peers")
+    if peers:  # a goodput made by a swarm of one says nothing of its links
+        rows.insert(4, ("moshray replicas per global step: mean, max; samples from steps of >1",
+                        f"{fmt(peers.get('mean'), '.2f')}, {peers.get('max')}; "
+                        f"{fmt(peers.get('multi_sample_share'), '.0%')}"))
     return rows
 
 
@@ -256,26 +261,36 @@ def _straggler_rows(f: Mapping) -> Rows:
     return rows
 
 
+def _zones_fall(f: Mapping) -> tuple[str, float | None]:
+    """Which bytes a zones result counted and their fall: the frames crossing between the
+    zones where it counted them (``--zone-b``), else the last node's link."""
+    cross = (f.get("cross_zone_bytes_fall") or {}).get("collaborative")
+    if cross is not None:
+        return "cross_zone_bytes", cross
+    return "last_link_bytes", (f.get("last_link_bytes_fall") or {}).get("collaborative")
+
+
 def _zones_line(f: Mapping) -> str:
-    fall = (f.get("last_link_bytes_fall") or {}).get("collaborative")
-    return (f"bytes per step across the slow inter-zone link, zone-blind / zone-aware grid: "
-            f"{fmt(fall, '.2f')} (the grid predicts {fmt(f.get('grid_cross_zone_fall'), '.2f')})")
+    what, fall = _zones_fall(f)
+    return (f"bytes per step crossing between the zones, zone-blind / zone-aware grid "
+            f"(`{what}`): {fmt(fall, '.2f')} (the grid predicts "
+            f"{fmt(f.get('grid_cross_zone_fall'), '.2f')})")
 
 
 def _zones_rows(f: Mapping) -> Rows:
     by = (f.get("systems") or {}).get("collaborative") or {}
     blind, aware = by.get("zone_blind") or {}, by.get("zones") or {}
+    what, fall = _zones_fall(f)
     return [
         ("nodes, seconds per run, links (Mbit/s)",
          f"{f.get('nodes')}, {fmt(f.get('seconds_per_run'), 'g')}, {_compare_layouts(f)}"),
-        ("bytes per step on the inter-zone link: zone-blind -> zone-aware",
-         f"{fmt(blind.get('last_link_bytes_per_step'), ',')} -> "
-         f"{fmt(aware.get('last_link_bytes_per_step'), ',')} "
+        (f"`{what}` per step: zone-blind -> zone-aware",
+         f"{fmt(blind.get(what + '_per_step'), ',')} -> "
+         f"{fmt(aware.get(what + '_per_step'), ',')} "
          f"({blind.get('steps')} / {aware.get('steps')} steps of "
          f"{blind.get('peers_per_step')} / {aware.get('peers_per_step')} nodes)"),
         ("fall (blind / aware); the grid's plans predict",
-         f"{fmt((f.get('last_link_bytes_fall') or {}).get('collaborative'), '.2f')}; "
-         f"{fmt(f.get('grid_cross_zone_fall'), '.2f')}"),
+         f"{fmt(fall, '.2f')}; {fmt(f.get('grid_cross_zone_fall'), '.2f')}"),
         ("median step: zone-blind -> zone-aware",
          f"{fmt(blind.get('median_step_s'), '.3f', ' s')} -> "
          f"{fmt(aware.get('median_step_s'), '.3f', ' s')}"),
@@ -388,8 +403,8 @@ HEADLINES: tuple[Headline, ...] = (
              _goodput_line, _goodput_rows, takes=lambda command: "--links" not in command),
     Headline("goodput", "goodput under a spot trace and slow links at once, against Ray Train",
              "moshray bench goodput --trace aws-g4dn-xlarge-us-east-1c-2020-11-20 "
-             "--time-scale 30 --links slow --max-nodes 3 --duration 150 --calib-nodes 3 "
-             "--calib-seconds 30 --json", _goodput_links_line, _goodput_links_rows, key="goodput-links",
+             "--time-scale 5 --links slow --max-nodes 3 --duration 240 --calib-seconds 30 "
+             "--json", _goodput_links_line, _goodput_links_rows, key="goodput-links",
              takes=lambda command: "--links" in command),
     Headline("recovery", "recovery of the training job: notice, hard kill, join, experts",
              "moshray bench recovery --trials 1 --json", _recovery_line, _recovery_rows),
@@ -416,7 +431,7 @@ HEADLINES: tuple[Headline, ...] = (
              _straggler_line, _straggler_rows, key="links-straggler",
              takes=lambda command: "--compare" in command and "straggler" in command),
     Headline("links", "two zones: bytes across the slow link, zone-aware vs zone-blind grid",
-             "moshray bench links --profile zones --compare --short --nodes 3 --json",
+             "moshray bench links --profile zones --compare --short --nodes 4 --zone-b 2 --json",
              _zones_line, _zones_rows, key="links-zones",
              takes=lambda command: "--compare" in command and "zones" in command),
     Headline("overlap", "overlapped averaging against synchronous steps",

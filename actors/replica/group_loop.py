@@ -276,14 +276,26 @@ class LoopHost:
         cmd.rows += int(batch[0].shape[0])
         return tuple(t.to(self.rank.device) for t in batch)
 
-    def step(self, loss: float | None) -> bool:
+    def step(self, loss: Any = None) -> bool:
         """``opt.step()``: see ``GroupOptimizer.step``."""
+        from moshray.actors.replica.session import _has_grad, check_loss
+
         cmd, rank = self.current, self.rank
         if cmd is None or cmd.stepped >= cmd.done:
             raise UserError("optimizer", "opt.step() outside a batch of session.batches() or "
                             "twice for one batch: call it once after each loss.backward()")
+        if isinstance(loss, torch.Tensor):  # the shorthand, as Session's: backward here
+            loss = check_loss(loss)
+            if _has_grad(rank.model):
+                raise UserError("optimizer", "loss.backward() was called and opt.step(loss) "
+                                "would backpropagate again: write loss.backward(); "
+                                "opt.step(); opt.zero_grad()")
+            loss.backward()
+        elif not _has_grad(rank.model):
+            raise UserError("optimizer", "opt.step() found no gradients: call "
+                            "loss.backward() before each opt.step()")
         if loss is not None:
-            self.last_loss = loss
+            self.last_loss = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         if rank.settings.parallel == "ddp":  # every rank holds the model: mean the gradients
             import torch.distributed as dist
 
@@ -332,11 +344,11 @@ class GroupOptimizer:
         """After ``loss.backward()``. Collaborative: hand the gradients to the swarm and wait
         for the averaged step; True if the group applied it, False if the swarm went on
         without this group (the gradients are dropped). Local SGD: one local optimizer step
-        (True). ``loss``: a value (not backpropagated here) for the swarm's loss figures;
-        else the last ``session.report({"loss": ...})``."""
-        value = None if loss is None else float(loss.detach() if isinstance(
-            loss, torch.Tensor) else loss)
-        return self._host.step(value)
+        (True). ``loss``: as ``ElasticOptimizer.step``'s shorthand, a loss tensor is
+        backpropagated here (``UserError`` after the loop's own backward); a number is only
+        recorded. The swarm's loss figures take it, else the last ``session.report``.
+        ``UserError`` when there are no gradients."""
+        return self._host.step(loss)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._host.rank.opt.zero_grad(set_to_none=set_to_none)
@@ -458,8 +470,7 @@ def _task_loop(task, shard: bool, session: GroupSession) -> None:
     for batch in session.batches():
         with session.autocast(task.amp):
             loss = task.loss(model, batch)
-        loss.backward()
-        opt.step(loss)
+        opt.step(loss)  # backward here, and the loss for the swarm's figures
         opt.zero_grad()
 
 

@@ -153,6 +153,9 @@ class RoundPlan:
     # Fewest values a part's owner gets: a group splits a tensor among at most
     # ``numel // min_part`` members (``partition.owner_shares``); 1: every member owns one.
     min_part: int = 1
+    # peer -> the zone it declared (``PeerInfo.zone``), for every participant that declared
+    # one, zone-aware grid or not: what each peer counts its cross-zone bytes by
+    zones: tuple[tuple[str, str], ...] = ()
 
     @property
     def participants(self) -> tuple[str, ...]:
@@ -221,6 +224,9 @@ class AllReduceReport:
     seconds: float
     total_weight: float
     phases: tuple[tuple[str, float], ...] = ()  # seconds per phase, summed over rounds
+    # of ``bytes_sent``, those sent to peers of another zone (``RoundPlan.zones``; 0 when
+    # this peer or none of its receivers declared a zone)
+    cross_zone_bytes: int = 0
 
     @property
     def complete(self) -> bool:

@@ -333,6 +333,29 @@ def write_outputs(run_dir: str, history: list, summary: dict, marks: dict) -> st
         return None
 
 
+def save_model(run_dir: str, state: dict | None) -> str | None:
+    """``state["model"]`` (a replica's final state) to ``<run_dir>/model.pt``; returns the
+    path, or None (logged) when there is no state (no staying replica held the last step)
+    or it could not be written."""
+    from pathlib import Path
+
+    import torch
+
+    if not state or state.get("model") is None:
+        log.warning("model not saved: no staying replica held the last step")
+        return None
+    path = Path(run_dir).expanduser() / "model.pt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".pt.tmp")
+        torch.save(state["model"], tmp)
+        tmp.replace(path)
+    except (OSError, RuntimeError) as exc:
+        log.warning("model not saved to %s: %s", path, exc)
+        return None
+    return str(path)
+
+
 def full_size_epoch(history: list) -> int:
     """The epoch of the first step the swarm took at its largest (most peers) in ``history``
     rows ``(epoch, at_s, samples, loss, peers)``; 0 for an empty history."""
@@ -349,7 +372,8 @@ def summarize(stats: dict, statuses: list[dict], leaving: set[str], wall_s: floa
     skipped or went through twice (0 expected); ``skipped_steps`` and ``repeated_steps``
     are the two apart (worst replica each). ``rolled_back_steps``: committed steps undone
     when every replica holding them died (the swarm fell back to an older state: a
-    checkpoint's, or the initial one)."""
+    checkpoint's, or the initial one). ``diverged_steps``: the steps some replica committed
+    with a digest that lost the Coordinator's vote (it resynced)."""
     history = stats.get("history", [])
     staying = [s for s in statuses if s["peer"] not in leaving]
     top_epoch = max((s["epoch"] for s in staying), default=0)
@@ -381,6 +405,12 @@ def summarize(stats: dict, statuses: list[dict], leaving: set[str], wall_s: floa
         "skipped_steps": max((s["lost_steps"] for s in statuses), default=0),
         "repeated_steps": max((s["repeated_steps"] for s in statuses), default=0),
         "rebalance_s_max": max(stats.get("rebalance_s") or [0.0]),
+        # steps some replica committed with a digest the others of that step did not hold
+        # (a part owner died after some got its result): each resynced from a donor
+        # what the replicas' averaging sent, all and to a peer of another zone
+        "allreduce_sent_bytes": stats.get("allreduce_sent_bytes", 0),
+        "cross_zone_bytes": stats.get("cross_zone_bytes", 0),
+        "diverged_steps": sorted({int(e) for _, e in stats.get("diverged", ())}),
     }
 
 

@@ -333,7 +333,8 @@ def _fresh_coordinator(config: TrainConfig):
     # The exporter listens on the head node's loopback: Prometheus runs there too.
     coordinator = coordinator_mod.get_or_create(
         MembershipConfig(compression=t.wire_codec, peer_ttl_s=max(3.0, t.round_timeout_s),
-                         max_group=t.max_group, min_part=t.min_part),
+                         max_group=t.max_group, min_part=t.min_part,
+                         zone_aware=t.zone_aware),
         target_batch_size=t.target_batch_size, name=placement.COORDINATOR_NAME,
         metrics_port=config.metrics.port, step_grace_s=t.step_grace_s,
         local_steps=t.averaging_local_steps,
@@ -512,8 +513,10 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
             run_report.full_size_epoch(stats["history"])), timeout=30)
     except (ray.exceptions.RayError, TimeoutError) as exc:
         log.warning("step profile not read (%s)", type(exc).__name__)
-    state = final_state(controller, summary["steps"]) if controller.spec.job.return_state \
-        else None
+    state = final_state(controller, summary["steps"]) \
+        if controller.spec.job.return_state or config.save_model else None
+    if config.save_model:
+        summary["model"] = run_report.save_model(config.run_dir, state)
     summary["replica_lifecycle"] = controller.states()
     summary["replica_timelines"] = controller.timelines()
     summary["nodes_joined"] = len(controller.joined_at)

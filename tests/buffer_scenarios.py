@@ -67,7 +67,7 @@ def run(mode: str, tmp: Path) -> dict:
     state = result.state["model"] if result.state else {}
     return {"summary": {k: result.summary.get(k) for k in
                         ("replicas", "replicas_consistent", "steps", "hard_losses",
-                         "lost_steps", "repeated_steps")},
+                         "lost_steps", "repeated_steps", "diverged_steps")},
             "statuses": [{k: s.get(k) for k in ("peer", "epoch", "checksum")}
                          for s in result.statuses],
             "running_var": state["1.running_var"].tolist() if state else None,

@@ -3,8 +3,10 @@
 (``tests/buffer_scenarios.py``, in its own process), in both step strategies.
 
 Every global step leaves the same buffers on every replica that took it (logged by the
-loop right after the step), the replicas end identical by the full checksum (parameters,
-buffers, the shared optimizer state), and the running statistics did train.
+loop right after the step), but for a step the Coordinator counted as diverged (a part
+owner died after some replicas got its result: the odd ones resync); the replicas end
+identical by the full checksum (parameters, buffers, the shared optimizer state), and the
+running statistics did train.
 """
 
 from __future__ import annotations
@@ -42,7 +44,12 @@ def test_batchnorm_buffers_stay_identical_through_a_loss_and_a_join(mode, tmp_pa
     shared = [e for e in by_epoch if sum(any(int(x) == e for x, _ in lines)
                                          for lines in out["logged"].values()) >= 2]
     assert len(shared) >= 5, by_epoch  # steps that two or more replicas took
-    assert all(len(by_epoch[e]) == 1 for e in shared), {e: by_epoch[e] for e in shared}
+    # A part owner killed after some but not all got its result leaves those replicas a
+    # step apart: the Coordinator's digest vote resyncs the odd ones and counts the step
+    # (diverged_steps). Every other shared step is bitwise the same everywhere.
+    split = {e for e in shared if len(by_epoch[e]) > 1}
+    assert split <= set(s["diverged_steps"]), ({e: by_epoch[e] for e in split},
+                                              s["diverged_steps"])
     # A joiner (the replica started on the node added after the kill) took steps too,
     # with the same buffers as the replicas that were there from the start.
     joiners = [lines for lines in out["logged"].values() if lines and int(lines[0][0]) > 1]

@@ -187,7 +187,9 @@ def test_the_step_profile_log_keeps_its_window_and_deletes_older_chunks():
     store = DurableState(kv, "job/p", profile_chunk=4)
     sink = MetricsSink(metrics.Prices(), lambda: metrics.TrainingState(), profile_keep=6)
     for e in range(1, 11):
-        sink.record((phases(e), metrics.NodeLostEvent(True)) if e == 3 else (phases(e),))
+        sink.record((phases(e), metrics.NodeLostEvent(True),
+                     metrics.RoundEvent(0.1, 500, cross_zone_bytes=200))
+                    if e == 3 else (phases(e),))
         store.sync_profile(sink.profile.steps, sink.profiled, 6, now=float(e))
     assert sorted(k for k in kv.data if "/profile/" in k) == ["job/p/profile/1",
                                                               "job/p/profile/2"]
@@ -197,6 +199,7 @@ def test_the_step_profile_log_keeps_its_window_and_deletes_older_chunks():
     assert list(restored.profile.steps) == list(sink.profile.steps)
     assert [p.epoch for p in restored.profile.steps] == [5, 6, 7, 8, 9, 10]
     assert restored.nodes_lost == 1 and restored.profiled == 10
+    assert (restored.sent_bytes, restored.cross_zone_bytes) == (500, 200)
     assert restored.step_profile() == sink.step_profile()
     store.sync_profile(sink.profile.steps, sink.profiled + 0, 6, now=10.5)  # nothing new
     sink.record((phases(11),))

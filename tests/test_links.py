@@ -102,7 +102,8 @@ def test_each_profile_is_compared_against_its_one_uneven_thing_removed() -> None
     straggler = links.lay_out(links.get_profile("straggler"), 3, 200_000, 0.05)
     assert links.baseline(straggler) == ("even", links.NodeLinks("straggler", (50.0,) * 3))
     zones = links.lay_out(links.get_profile("zones"), 3, 200_000, 0.05)
-    assert links.baseline(zones) == ("zone_blind", links.NodeLinks("zones", zones.mbit))
+    assert links.baseline(zones) == ("zone_blind", zones)  # same links and labels ...
+    assert links.BASELINE_SETS["zone_blind"] == ("training.zone_aware=false",)  # grid blind
     with pytest.raises(ValueError, match="nothing to compare"):
         links.baseline(links.lay_out(links.get_profile("slow"), 3, 200_000, 0.05))
 
@@ -128,7 +129,8 @@ def test_compare_figures_give_step_time_rise_and_the_last_links_bytes_fall() -> 
     assert out["systems"]["ddp"]["even"] == {"steps": 11, "peers_per_step": None,
                                              "median_step_s": 1.0,
                                              "last_link_bytes_per_step": 90,
-                                             "cross_zone_bytes_per_step": None}
+                                             "cross_zone_bytes_per_step": None,
+                                             "averaged_cross_zone_bytes_per_step": None}
     runs["straggler"]["ddp"] = replace(runs["straggler"]["ddp"], peers=(3, 2, 2, 3, 2))
     assert compare_figures("straggler", "even", runs)["systems"]["ddp"]["straggler"][
         "peers_per_step"] == 2
@@ -151,24 +153,28 @@ def test_zone_b_takes_the_last_nodes_behind_the_slow_link() -> None:
     assert two.mbit == (None, None, slow, slow)
     assert two.zones == ((0, "a"), (1, "a"), (2, "b"), (3, "b"))
     assert zone_layout(laid, 1) == laid
-    assert links.baseline(two) == ("zone_blind", links.NodeLinks("zones", two.mbit))
+    assert links.baseline(two) == ("zone_blind", two)
     for bad in (0, 4):
         with pytest.raises(ValueError, match="zone B needs 1 to 3 of 4 nodes"):
             zone_layout(laid, bad)
 
 
 def test_compare_figures_give_the_bytes_across_the_zones() -> None:
-    def curve(cross: float | None) -> Curve:
+    def curve(cross: float | None, averaged: float | None = None) -> Curve:
         return Curve("x", tuple((float(i), 3.0) for i in range(10)), bytes_by_node=(1.0, 9.0),
-                     cross_zone_bytes=cross)
+                     cross_zone_bytes=cross, averaged_cross_zone_bytes=averaged)
 
-    out = compare_figures("zones", "zone_blind", {"zone_blind": {"collaborative": curve(4000)},
-                                                  "zones": {"collaborative": curve(2000)}})
+    out = compare_figures("zones", "zone_blind",
+                          {"zone_blind": {"collaborative": curve(4000, 3000)},
+                           "zones": {"collaborative": curve(2000, 1500)}})
     assert out["cross_zone_bytes_fall"] == {"collaborative": 2.0}
+    assert out["averaged_cross_zone_bytes_fall"] == {"collaborative": 2.0}
+    assert out["systems"]["collaborative"]["zone_blind"][
+        "averaged_cross_zone_bytes_per_step"] == 300
     assert out["systems"]["collaborative"]["zones"]["cross_zone_bytes_per_step"] == 200
     out = compare_figures("zones", "zone_blind", {"zone_blind": {"collaborative": curve(None)},
                                                   "zones": {"collaborative": curve(None)}})
-    assert "cross_zone_bytes_fall" not in out
+    assert "cross_zone_bytes_fall" not in out and "averaged_cross_zone_bytes_fall" not in out
     assert out["systems"]["collaborative"]["zones"]["cross_zone_bytes_per_step"] is None
 
 

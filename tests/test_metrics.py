@@ -49,7 +49,7 @@ def test_events_are_counted_and_output_parses():
                            state=lambda: state)
     applied = ex.apply_all([
         m.RoundEvent(0.2, 1000, (("late", 2), ("non_finite", 1)), failed=True),
-        m.RoundEvent(0.7, 3000),
+        m.RoundEvent(0.7, 3000, cross_zone_bytes=1200),
         m.NoticeEvent("aws", "g4dn.xlarge/us-east-1a"),
         m.NoticeEvent("aws", "g4dn.xlarge/us-east-1a"),
         m.NoticeEvent("gcp", "n1-standard-8/us-central1-a"),
@@ -84,6 +84,8 @@ def test_events_are_counted_and_output_parses():
     assert value(f, rounds, rounds + "_bucket", le="0.25") == 1
     assert value(f, rounds, rounds + "_bucket", le="1.0") == 2
     assert value(f, "moshray_allreduce_sent_bytes", "moshray_allreduce_sent_bytes_total") == 4000
+    cross = "moshray_allreduce_cross_zone_sent_bytes"
+    assert value(f, cross, cross + "_total") == 1200
     assert value(f, "moshray_allreduce_failed_rounds",
                  "moshray_allreduce_failed_rounds_total") == 1
     rej = "moshray_allreduce_rejected_contributions"

@@ -101,6 +101,28 @@ def test_a_one_to_one_digest_split_resolves_to_the_smallest_peer():
     assert not core.report(ProgressReport("a", 0, 5, 1.0, "digest-a")).resync
 
 
+def test_a_replica_whose_digest_loses_the_vote_is_resynced_and_counted():
+    core, clock, pushed = swarm(("a", "b", "c"), target=1000)
+    for peer, digest in (("a", "same"), ("b", "same"), ("c", "odd")):
+        core.report(ProgressReport(peer, 0, 4, 1.0, digest))
+    assert core.report(ProgressReport("c", 0, 5, 1.0, "odd")).resync
+    counters = core.steps.counters(clock())
+    assert counters["diverged"] == [["c", 0]]
+    # A split seen only when the plan is made: the odd one takes no further step.
+    core2, clock2, pushed2 = swarm(("a", "b", "c"), target=12)
+    core2.report(ProgressReport("c", 0, 4, 1.0, "odd"))
+    core2.report(ProgressReport("a", 0, 4, 1.0, "same"))
+    core2.report(ProgressReport("b", 0, 4, 1.0, "same"))
+    clock2.t += 5
+    core2.report(ProgressReport("a", 0, 8, 1.0, "same"))
+    assert pushed2 and "c" not in pushed2[-1].participants
+    assert core2.steps.counters(clock2())["diverged"] == [["c", 0]]
+    # ... and the count survives a Coordinator restart
+    fresh, _, _ = swarm(("a", "b", "c"), target=1000)
+    fresh.steps.restore(core.steps.snapshot())
+    assert fresh.steps.counters(clock())["diverged"] == [["c", 0]]
+
+
 def test_a_peer_others_keep_rejecting_is_quarantined_and_must_resync():
     core, clock, pushed = swarm(("a", "b", "c"), target=1000)
     core.progress.quarantine.threshold = 3

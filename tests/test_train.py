@@ -92,7 +92,7 @@ def test_trace_preempts_and_adds_nodes_while_training(tmp_path: Path):
             [sys.executable, "-m", "moshray.jobs.train", *SMALL, "--json", "--local-nodes", "3",
              "--max-nodes", "3", "--trace", str(trace), "--time-scale", "1",
              "--max-seconds", "55", "--metrics-port", str(port), "--set", "cluster.notice_s=3",
-             "--set", f"run_dir={run_dir}"],
+             "--set", f"run_dir={run_dir}", "--set", "save_model=true"],
             stdout=stdout, stderr=stderr, text=True, env=env)
         last = None
         try:
@@ -137,6 +137,13 @@ def test_trace_preempts_and_adds_nodes_while_training(tmp_path: Path):
     assert (run_dir / "training.png").stat().st_size > 0
     saved = json.loads((run_dir / "summary.json").read_text())
     assert saved["steps"] == summary["steps"] and len(saved["history"]) == summary["steps"]
+    # the averaging's bytes (no zones here: none crossed one), and the trained model saved
+    assert summary["allreduce_sent_bytes"] > 0 and summary["cross_zone_bytes"] == 0
+    import torch
+
+    model = torch.load(summary["model"], weights_only=True)
+    assert summary["model"] == str(run_dir / "model.pt")
+    assert model and all(torch.isfinite(t).all() for t in model.values() if t.is_floating_point())
 
 
 def test_resume_from_checkpoint_skips_corrupt_file(tmp_path: Path):

@@ -174,6 +174,38 @@ def test_averagers_run_a_zoned_plan_to_the_exact_bitwise_equal_average() -> None
         assert report.total_weight == pytest.approx(total)
 
 
+def test_averagers_count_the_bytes_they_send_across_zones_as_the_plan_predicts() -> None:
+    """Each peer counts the bytes it sent to a peer of another zone
+    (``AllReduceReport.cross_zone_bytes``, from the plan's declared zones, zone-aware grid
+    or not); summed over the swarm they are what ``cross_zone_bytes`` predicts, and the
+    zone-aware plan sends the zone size's factor fewer (2 + 2 peers: 2)."""
+    zones = _zones((2, 2))
+    numel = 6000
+    totals = {}
+    for aware in (True, False):
+        network = LocalNetwork()
+        membership = Membership(MembershipConfig(max_group=8, zone_aware=aware))
+        averagers = {}
+        for pid, zone in zones.items():
+            averagers[pid] = Averager(pid, transport=network.transport(pid))
+            network.add(pid, averagers[pid])
+            membership.register(PeerInfo(pid, pid, zone=zone), now=0.0)
+        plan = membership.plan(now=0.0)
+        assert dict(plan.zones) == zones  # declared zones travel with every plan
+
+        async def run():
+            return await asyncio.gather(*(
+                averagers[p].all_reduce([np.ones(numel, np.float32)], 1.0, plan, 10.0)
+                for p in zones))
+
+        reports = [r for _, r in asyncio.run(run())]
+        counted = sum(r.cross_zone_bytes for r in reports)
+        assert counted == cross_zone_bytes(plan.grid, zones, numel)
+        assert all(r.cross_zone_bytes <= r.bytes_sent for r in reports)
+        totals[aware] = counted
+    assert totals[False] == 2 * totals[True] > 0
+
+
 def test_the_coordinator_takes_each_peers_zone_from_its_node() -> None:
     from moshray.cluster.coordinator.core import CoordinatorCore
     from moshray.jobs.local.cluster import LocalClusterConfig

@@ -258,7 +258,9 @@ class Averager:
         contributors: set[str] = set()
         partial: set[str] = set()
         failed: list[str] = []
-        sent = received = 0
+        sent = received = cross_zone = 0
+        zone_of = dict(plan.zones)
+        my_zone = zone_of.get(self.peer_id, "")
         phases: collections.Counter[str] = collections.Counter()
         for r, schedule in enumerate(plan.grid.rounds):
             found = schedule.group_of(self.peer_id)
@@ -287,6 +289,9 @@ class Averager:
             partial |= set(outcome.partial_contributors)
             failed += outcome.failed_owners
             sent += outcome.bytes_sent
+            if my_zone:
+                cross_zone += sum(n for peer, n in outcome.bytes_to.items()
+                                  if zone_of.get(peer, my_zone) != my_zone)
             received += outcome.bytes_received
             phases.update(outcome.phases)
             self.meter.update(outcome.throughput)
@@ -304,6 +309,7 @@ class Averager:
             seconds=self.clock() - started,
             total_weight=float(weight),
             phases=tuple(sorted(phases.items())),
+            cross_zone_bytes=cross_zone,
         )
         return unflatten(flat, tensors, owned=flat is not given), report
 

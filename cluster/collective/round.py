@@ -69,11 +69,12 @@ The round never raises for another peer's failure.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -128,6 +129,7 @@ class RoundOutcome:
     phases: dict[str, float]  # seconds spent in put / reduce / publish / gather
     throughput: float | None = None  # bytes/s through fetch + reduction (shares.py)
     errored: str = ""
+    bytes_to: dict[str, int] = field(default_factory=dict)  # of bytes_sent, by receiver
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,7 @@ class GroupRound:
         self.limits = limits
         self.rejections: list[Rejection] = []
         self.bytes_sent = 0
+        self.bytes_to: collections.Counter[str] = collections.Counter()  # by receiver
         self.bytes_received = 0
         self.numel = 0
         self.cpu_seconds = 0.0  # validating, scaling, adding (see ``_reduce_part``): wall time
@@ -346,6 +349,7 @@ class GroupRound:
             rejections=self.rejections,
             failed_owners=tuple(failed),
             bytes_sent=self.bytes_sent,
+            bytes_to=dict(self.bytes_to),
             bytes_received=self.bytes_received,
             phases=phases,
             throughput=throughput,
@@ -369,6 +373,7 @@ class GroupRound:
                     continue
                 enc = comp.encode(flat[s], self.codec)  # none: a view, put copies it once
                 self.bytes_sent += enc.nbytes
+                self.bytes_to[members[j]] += enc.nbytes
                 encs.append(enc)
             # signed below: each receiver hashes only the part it reduces (auth.py)
             digests = tuple(payload_digest(e) for e in encs) if self.auth else ()
@@ -452,6 +457,7 @@ class GroupRound:
         )
         for peer in others:
             self.bytes_sent += enc.nbytes
+            self.bytes_to[peer] += enc.nbytes
             self.watch_call(peer, self.send(peer, "receive_result", result))
 
     # -- reducing a part ------------------------------------------------------------------

@@ -155,10 +155,14 @@ class Coordinator(CoordinatorCore):
 
     def stats(self, since: int = 0) -> dict:
         """``CoordinatorCore.stats`` plus ``preemptions``: the node losses the driver
-        reported (``NodeLostEvent``), kept over restarts. The driver's own count is the
+        reported (``NodeLostEvent``), kept over restarts; ``allreduce_sent_bytes`` and
+        ``cross_zone_bytes``: what the replicas' averaging sent, all and to another zone
+        (their ``RoundEvent``s). The driver's own count is the
         summary's. ``data_position``: every data shard below it was handed out (what
         ``training.max_epochs`` counts)."""
         return {**super().stats(since), "preemptions": self.sink.nodes_lost,
+                "allreduce_sent_bytes": self.sink.sent_bytes,
+                "cross_zone_bytes": self.sink.cross_zone_bytes,
                 "data_position": self.shards.position()}
 
     # -- the metrics sink (cluster/coordinator/metrics_sink.py) -------------------------------

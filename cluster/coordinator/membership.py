@@ -133,9 +133,9 @@ class Membership:
         self.epoch += 1
         ids = [p.peer_id for p in chosen]
         # peers that declared a zone (PeerInfo.zone) average inside it first (grid.py)
-        zones = {p.peer_id: p.zone for p in chosen if p.zone} if self.config.zone_aware else {}
+        declared = {p.peer_id: p.zone for p in chosen if p.zone}
         grid = plan_grid(ids, self.config.max_group, epoch=self.epoch, seed=self.config.seed,
-                         zones=zones)
+                         zones=declared if self.config.zone_aware else {})
         measured = relative_shares({p: self._members[p].throughput for p in ids})
         return RoundPlan(
             epoch=self.epoch,
@@ -144,4 +144,5 @@ class Membership:
             handles=tuple((p.peer_id, p.handle) for p in chosen),
             compression=self.config.compression,
             min_part=self.config.min_part,
+            zones=tuple(sorted(declared.items())),
         )

@@ -4,7 +4,8 @@ send (``record``), the Prometheus exporter they feed, and the replicas' step pro
 No Ray here: the exporter's HTTP server is the only I/O (``serve``). A ``StepPhases`` goes to
 the ``StepProfile``; every other event to the exporter (a bad one is logged and skipped).
 The sink also counts the ``NodeLostEvent``s it was sent (the driver's node losses, for the
-``moshray_preemptions`` metric and ``stats()``), and observes each notice's rebalance delay
+``moshray_preemptions`` metric and ``stats()``) and the all-reduce bytes the ``RoundEvent``s
+name (all, and those sent to another zone: ``stats()``), and observes each notice's rebalance delay
 once. The rows training loops reported (``ReportedEvent``) are kept in order, the newest
 ``reported_keep``, for the driver to read (``reported``: TensorBoard, the summary, the
 user's callback); a restart forgets them. ``snapshot`` / ``restore`` carry the step profile
@@ -31,6 +32,9 @@ class MetricsSink:
         self.profile = StepProfile(profile_keep)
         self.profiled = 0  # StepPhases ever added (the profile keeps the last ``keep``)
         self.nodes_lost = 0  # NodeLostEvents received
+        # all-reduce bytes sent, all and to another zone (RoundEvents), for ``stats``
+        self.sent_bytes = 0
+        self.cross_zone_bytes = 0
         self._rebalances_seen: set[str] = set()  # noticed nodes already in the histogram
         self._quarantines_seen = 0
         # (peer, name, step, value) rows reported, oldest first; ``reported_total`` ever
@@ -53,6 +57,11 @@ class MetricsSink:
             self.profile.add(p)
         self.profiled += len(phases)
         self.nodes_lost += sum(isinstance(e, metrics.NodeLostEvent) for e in others)
+        for e in others:
+            if isinstance(e, metrics.RoundEvent) and isinstance(e.bytes_moved, int) and \
+                    isinstance(e.cross_zone_bytes, int):
+                self.sent_bytes += max(0, e.bytes_moved)
+                self.cross_zone_bytes += max(0, min(e.cross_zone_bytes, e.bytes_moved))
         for e in others:
             if isinstance(e, metrics.ReportedEvent):
                 try:
@@ -90,12 +99,15 @@ class MetricsSink:
     def snapshot(self) -> dict:
         """The counts (the profile rows and ``profiled``, their count, travel apart, as an
         append log: ``restore``'s ``profile_rows``)."""
-        return {"nodes_lost": self.nodes_lost,
+        return {"nodes_lost": self.nodes_lost, "sent_bytes": self.sent_bytes,
+                "cross_zone_bytes": self.cross_zone_bytes,
                 "rebalances_seen": sorted(self._rebalances_seen),
                 "quarantines_seen": self._quarantines_seen}
 
     def restore(self, snap: dict, profile_rows: Iterable[StepPhases] = ()) -> None:
         self.nodes_lost = int(snap.get("nodes_lost", 0))
+        self.sent_bytes = int(snap.get("sent_bytes", 0))
+        self.cross_zone_bytes = int(snap.get("cross_zone_bytes", 0))
         self.profiled = int(snap.get("profiled", 0))
         self._rebalances_seen = set(snap.get("rebalances_seen", ()))
         self._quarantines_seen = int(snap.get("quarantines_seen", 0))

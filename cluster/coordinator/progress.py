@@ -141,6 +141,9 @@ class ProgressTracker:
     timings: dict[int, StepTiming] = field(default_factory=dict)  # epoch -> its timing
     # (newest committed, fallen back to) epochs: every holder of the steps between died
     rollbacks: list[tuple[int, int]] = field(default_factory=list)
+    # (peer, epoch): a step a replica committed with a digest that lost the vote
+    # (``_disagrees``: a part owner died after some but not all got its result); it resynced
+    diverged: list[tuple[str, int]] = field(default_factory=list)
     grace_s: float = 2.0  # how long a full batch waits for ready peers finishing a step
     join_grace_s: float = 2.0  # ... and for a joiner copying a donor's state (from its ask)
     join_cap_s: float = 30.0  # the longest full batches wait for one joiner (join_wait)
@@ -344,7 +347,7 @@ class ProgressTracker:
             self.ready.discard(r.peer_id)  # it missed a step: must reload
             return ProgressReply(None, resync=True, global_epoch=self.epoch)
         if self._disagrees(r):
-            self.ready.discard(r.peer_id)
+            self._diverged(r)
             return ProgressReply(None, resync=True, global_epoch=self.epoch)
         if r.epoch == self.epoch:
             self._record_loss(r)
@@ -379,6 +382,14 @@ class ProgressTracker:
             return False
         winner = min(holders, key=lambda c: (-len(holders[c]), min(holders[c])))
         return winner != r.checksum
+
+    def _diverged(self, r: ProgressReport) -> None:
+        """``r``'s peer lost the digest vote: out of the ready set (it resyncs from a donor
+        at its next report), counted in ``diverged``."""
+        self.ready.discard(r.peer_id)
+        self.diverged.append((r.peer_id, r.epoch))
+        log.warning("%s committed step %d with a digest the other replicas of that step do "
+                    "not hold: it resyncs from a donor", r.peer_id, r.epoch)
 
     def _record_loss(self, r: ProgressReport) -> None:
         if r.loss is not None and r.samples > 0:
@@ -422,6 +433,11 @@ class ProgressTracker:
             live = {p.peer_id for p in self.membership.live(now)}
             current = [self.reports[p] for p in sorted(self.ready)
                        if p in live and p in self.reports and self.reports[p].epoch == self.epoch]
+        # A peer whose digest lost the vote since its report was read takes no further
+        # step on that state (it would carry the split into the next average).
+        for r in [r for r in current if self._disagrees(r)]:
+            self._diverged(r)
+        current = [r for r in current if r.peer_id in self.ready]
         samples = sum(r.samples for r in current)
         if not current or (samples <= 0 and not empty_ok):
             return False

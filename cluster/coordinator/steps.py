@@ -218,6 +218,8 @@ class StepService:
             "rollbacks": len(p.rollbacks),  # falls back below a committed step
             "rolled_back_steps": sum(f - t for f, t in p.rollbacks),  # committed, then lost
             "abandoned": len(p.abandoned),  # plans nobody lived to apply
+            # steps a replica committed with a digest that lost the vote (then resynced)
+            "diverged": [list(x) for x in p.diverged],
             "committed": p.top_held,  # newest step seen applied
             "stopping": p.stop,
             "quarantines": [(q.peer_id, q.reason) for q in p.quarantine.records],
@@ -235,6 +237,7 @@ class StepService:
             "stop": p.stop,
             "rollbacks": [list(x) for x in p.rollbacks],
             "abandoned": [list(x) for x in p.abandoned],
+            "diverged": [list(x) for x in p.diverged],
             "quarantines": [[q.peer_id, q.at, q.reason] for q in p.quarantine.records],
             "draining_nodes": sorted([n, d] for n, d in
                                      self.membership._draining_nodes.items()),
@@ -253,6 +256,7 @@ class StepService:
         p.stop = bool(snap.get("stop", False))
         p.rollbacks[:] = [tuple(x) for x in snap.get("rollbacks", ())]
         p.abandoned[:] = [tuple(x) for x in snap.get("abandoned", ())]
+        p.diverged[:] = [(str(peer), int(e)) for peer, e in snap.get("diverged", ())]
         p.quarantine.records[:] = [QuarantineRecord(peer, float(at), reason)
                                    for peer, at, reason in snap.get("quarantines", ())]
         for node, deadline in snap.get("draining_nodes", ()):

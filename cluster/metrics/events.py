@@ -55,17 +55,23 @@ class RoundEvent:
 
     ``rejected`` holds (reason, count) pairs, reason being a ``RejectReason`` value;
     ``failed`` is true when the round did not average everyone (a rejection, an owner that
-    died, or a contributor present in only some parts).
+    died, or a contributor present in only some parts). ``cross_zone_bytes``: of
+    ``bytes_moved``, those sent to peers of another zone (``AllReduceReport``).
     """
 
     duration_s: float
     bytes_moved: int
     rejected: tuple[tuple[str, int], ...] = ()
     failed: bool = False
+    cross_zone_bytes: int = 0
 
     def __post_init__(self) -> None:
         _seconds("duration_s", self.duration_s)
         _count("bytes_moved", self.bytes_moved)
+        _count("cross_zone_bytes", self.cross_zone_bytes)
+        if self.cross_zone_bytes > self.bytes_moved:
+            raise ValueError(f"cross_zone_bytes ({self.cross_zone_bytes}) exceeds bytes_moved "
+                             f"({self.bytes_moved})")
         for pair in self.rejected:
             if not (isinstance(pair, tuple) and len(pair) == 2):
                 raise ValueError(f"rejected must hold (reason, count) pairs, got {pair!r}")
@@ -84,6 +90,7 @@ class RoundEvent:
             bytes_moved=int(report.bytes_sent),
             rejected=tuple(sorted(counts.items())),
             failed=not report.complete,
+            cross_zone_bytes=int(report.cross_zone_bytes),
         )
 
 

@@ -162,6 +162,10 @@ class MetricsExporter:
         self.round_bytes = Counter(
             PREFIX + "allreduce_sent_bytes", "Bytes peers put into the object store for "
             "all-reduce (contributions and reduced parts).", registry=r)
+        self.cross_zone_bytes = Counter(
+            PREFIX + "allreduce_cross_zone_sent_bytes", "Of the all-reduce bytes sent, those "
+            "sent to a peer in another zone (the slow link between zones, billed per GB).",
+            registry=r)
         self.failed_rounds = Counter(
             PREFIX + "allreduce_failed_rounds",
             "All-reduce calls that did not average every participant.", registry=r)
@@ -262,6 +266,7 @@ class MetricsExporter:
     def _round(self, e: RoundEvent) -> None:
         self.round_seconds.observe(e.duration_s)
         self.round_bytes.inc(e.bytes_moved)
+        self.cross_zone_bytes.inc(e.cross_zone_bytes)
         if e.failed:
             self.failed_rounds.inc()
         for reason, count in e.rejected:

@@ -63,10 +63,15 @@ Prints one JSON line (``--json``; else a short table and the JSON) and writes
   ``step_time_rise`` per system is its median step time with the straggler over its median
   on even links, minus 1 (the issue's target: <= 0.25 for moshray, DDP's near the link's
   ratio);
-- ``zones`` against ``zone_blind`` (the same links, no zone labels, so the Coordinator's
-  grid ignores zones): ``collaborative``; ``cross_zone_bytes_fall`` is the bytes per step
-  crossing between the zones (``ZoneBytes``: frames between zone B's nodes and zone A's or
-  the head, counted on zone B's links), zone-blind over zone-aware, beside
+- ``zones`` against ``zone_blind`` (the same links and zone labels, the job run with
+  ``training.zone_aware = false``, so the Coordinator's grid ignores zones):
+  ``collaborative``; ``averaged_cross_zone_bytes_fall`` is the averaging's own bytes per
+  step sent between the zones (the replicas count each byte they send by the receiver's
+  zone: the job's ``cross_zone_bytes``), zone-blind over zone-aware;
+  ``cross_zone_bytes_fall`` is the same for every frame on the wire (``ZoneBytes``: frames
+  between zone B's nodes and zone A's or the head, counted on zone B's links, Ray's
+  control traffic included, which crosses the zones too and does not shrink with the
+  grid); both beside
   ``grid_cross_zone_fall``, what the grid's plans predict for these zone sizes (2 + 1
   nodes: 4/3; 2 + 2: 2, the zone size; in general the harmonic mean of the two zones'
   sizes); ``--zone-b N`` puts the last N nodes in zone B, each behind the slow link
@@ -138,7 +143,10 @@ class Curve:
     empty where none was made); ``bytes_by_node``: what ``LinkBytes`` counted on each
     node's link over the run, in slot order; ``peers``: how many took part in each step
     (DDP's worker group, moshray's contributors); ``cross_zone_bytes``: the bytes that
-    crossed between zone B and the rest during the run (``ZoneBytes``; None: not counted)."""
+    crossed between zone B and the rest during the run (``ZoneBytes``; None: not counted),
+    all traffic, Ray's own too; ``averaged_cross_zone_bytes``: of those, what moshray's
+    averaging sent to a peer of another zone, as the replicas counted it (the job's
+    ``cross_zone_bytes``; None: not a moshray run)."""
 
     name: str
     points: tuple[tuple[float, float], ...]
@@ -147,6 +155,7 @@ class Curve:
     bytes_by_node: tuple[float, ...] = ()  # each node's link over the run (LinkBytes)
     peers: tuple[int, ...] = ()  # nodes that took part in each step (as ``points``)
     cross_zone_bytes: float | None = None  # between zone B and the rest (ZoneBytes)
+    averaged_cross_zone_bytes: float | None = None  # the averaging's own (the job's count)
 
 
 def smoothed(points: Sequence[tuple[float, float]], window: int = SMOOTH
@@ -291,9 +300,13 @@ def compare_figures(profile: str, baseline_name: str, runs: dict[str, dict[str, 
     ``Curve.cross_zone_bytes``, ``cross_zone_bytes_per_step`` per layout and
     ``cross_zone_bytes_fall`` per system (the baseline's over the profile's: with several
     nodes in zone B, the last link also carries zone B's own traffic, so this is the
-    figure). A figure is None where a run has too few steps. Pure."""
+    wire's figure); likewise ``averaged_cross_zone_bytes_per_step`` and
+    ``averaged_cross_zone_bytes_fall`` from ``Curve.averaged_cross_zone_bytes`` (the
+    averaging's own bytes between zones: the grid's figure, without Ray's control traffic,
+    which crosses the zones too and does not shrink with the grid). A figure is None where
+    a run has too few steps. Pure."""
     systems: dict[str, dict] = {}
-    rise, fall, cross = {}, {}, {}
+    rise, fall, cross, averaged = {}, {}, {}, {}
     names = sorted({s for by in runs.values() for s in by})
     for sys_name in names:
         per = {}
@@ -311,6 +324,9 @@ def compare_figures(profile: str, baseline_name: str, runs: dict[str, dict[str, 
                                              if c and c.bytes_by_node and steps else None),
                 "cross_zone_bytes_per_step": (int(c.cross_zone_bytes / steps) if c and steps
                                               and c.cross_zone_bytes is not None else None),
+                "averaged_cross_zone_bytes_per_step": (
+                    int(c.averaged_cross_zone_bytes / steps) if c and steps and
+                    c.averaged_cross_zone_bytes is not None else None),
             }
         systems[sys_name] = per
         base, shaped = per[baseline_name], per[profile]
@@ -320,13 +336,16 @@ def compare_figures(profile: str, baseline_name: str, runs: dict[str, dict[str, 
                                        and shaped["last_link_bytes_per_step"]) else
                           round(base["last_link_bytes_per_step"]
                                 / shaped["last_link_bytes_per_step"], 3))
-        if base["cross_zone_bytes_per_step"] and shaped["cross_zone_bytes_per_step"]:
-            cross[sys_name] = round(base["cross_zone_bytes_per_step"]
-                                    / shaped["cross_zone_bytes_per_step"], 3)
+        for key, into in (("cross_zone_bytes_per_step", cross),
+                          ("averaged_cross_zone_bytes_per_step", averaged)):
+            if base[key] and shaped[key]:
+                into[sys_name] = round(base[key] / shaped[key], 3)
     out = {"profile": profile, "baseline": baseline_name, "systems": systems,
            "step_time_rise": rise, "last_link_bytes_fall": fall}
     if cross:
         out["cross_zone_bytes_fall"] = cross
+    if averaged:
+        out["averaged_cross_zone_bytes_fall"] = averaged
     return out
 
 
@@ -611,14 +630,17 @@ def run_moshray(name: str, cluster, sets: Sequence[str], extra: Sequence[str], n
     sent = [a - b for a, b in zip(counter.read(), before)]
     saved = run_dir / "run" / "summary.json"
     try:
-        history = json.loads(saved.read_text())["history"]  # [epoch, at_s, samples, loss, peers]
+        summary = json.loads(saved.read_text())
+        history = summary["history"]  # [epoch, at_s, samples, loss, peers]
     except (OSError, ValueError, KeyError):
         raise LinksBenchError(f"{name}: the job exited {status} without {saved}; see "
                               f"{run_dir / 'driver.log'}") from None
     history = [h for h in history if h[3] is not None]
     points = [(float(h[1]), float(h[3])) for h in history]
+    crossed = summary.get("cross_zone_bytes")
     return Curve(name, _relative(points), sum(sent) / len(sent), bytes_by_node=tuple(sent),
-                 peers=tuple(int(h[4]) for h in history)), None
+                 peers=tuple(int(h[4]) for h in history),
+                 averaged_cross_zone_bytes=None if crossed is None else float(crossed)), None
 
 
 def final_moshray_model(checkpoints: Path, names: Sequence[str]) -> dict | None:
@@ -767,7 +789,9 @@ def run_compare(profile_name: str, nodes: int, seconds: float, short: bool, out_
                     curve = (
                         run_ddp(cluster, sets, nodes, seconds, run_dir, counter)[0]
                         if name == "ddp" else
-                        run_moshray(name, cluster, sets, settings[name], nodes, seconds,
+                        run_moshray(name, cluster, sets,
+                                    (*settings[name], *links.BASELINE_SETS.get(layout, ())),
+                                    nodes, seconds,
                                     run_dir, counter)[0])
                     if crossing is not None:
                         curve = replace(curve, cross_zone_bytes=sum(crossing.read()) - crossed)

@@ -261,36 +261,46 @@ def _straggler_rows(f: Mapping) -> Rows:
     return rows
 
 
-def _zones_fall(f: Mapping) -> tuple[str, float | None]:
-    """Which bytes a zones result counted and their fall: the frames crossing between the
-    zones where it counted them (``--zone-b``), else the last node's link."""
-    cross = (f.get("cross_zone_bytes_fall") or {}).get("collaborative")
-    if cross is not None:
-        return "cross_zone_bytes", cross
+def _zones_fall(f: Mapping, wire: bool = False) -> tuple[str, float | None]:
+    """Which bytes a zones result counted and their fall: the averaging's own bytes sent
+    between the zones where the replicas counted them (unless ``wire``), else the frames
+    crossing between the zones where it counted them (``--zone-b``), else the last node's
+    link."""
+    for key in (() if wire else ("averaged_cross_zone_bytes",)) + ("cross_zone_bytes",):
+        fall = (f.get(key + "_fall") or {}).get("collaborative")
+        if fall is not None:
+            return key, fall
     return "last_link_bytes", (f.get("last_link_bytes_fall") or {}).get("collaborative")
 
 
 def _zones_line(f: Mapping) -> str:
     what, fall = _zones_fall(f)
-    return (f"bytes per step crossing between the zones, zone-blind / zone-aware grid "
+    line = (f"bytes per step crossing between the zones, zone-blind / zone-aware grid "
             f"(`{what}`): {fmt(fall, '.2f')} (the grid predicts "
             f"{fmt(f.get('grid_cross_zone_fall'), '.2f')})")
+    wire, wire_fall = _zones_fall(f, wire=True)
+    if wire != what:
+        line += f"; every frame on the wire (`{wire}`, Ray's own too): {fmt(wire_fall, '.2f')}"
+    return line
 
 
 def _zones_rows(f: Mapping) -> Rows:
     by = (f.get("systems") or {}).get("collaborative") or {}
     blind, aware = by.get("zone_blind") or {}, by.get("zones") or {}
     what, fall = _zones_fall(f)
+    wire, wire_fall = _zones_fall(f, wire=True)
+    counted = [(what, fall)] + ([(wire, wire_fall)] if wire != what else [])
     return [
         ("nodes, seconds per run, links (Mbit/s)",
          f"{f.get('nodes')}, {fmt(f.get('seconds_per_run'), 'g')}, {_compare_layouts(f)}"),
-        (f"`{what}` per step: zone-blind -> zone-aware",
-         f"{fmt(blind.get(what + '_per_step'), ',')} -> "
-         f"{fmt(aware.get(what + '_per_step'), ',')} "
-         f"({blind.get('steps')} / {aware.get('steps')} steps of "
-         f"{blind.get('peers_per_step')} / {aware.get('peers_per_step')} nodes)"),
-        ("fall (blind / aware); the grid's plans predict",
-         f"{fmt(fall, '.2f')}; {fmt(f.get('grid_cross_zone_fall'), '.2f')}"),
+        *[(f"`{key}` per step: zone-blind -> zone-aware (fall)",
+           f"{fmt(blind.get(key + '_per_step'), ',')} -> "
+           f"{fmt(aware.get(key + '_per_step'), ',')} ({fmt(value, '.2f')})")
+          for key, value in counted],
+        ("steps (nodes per step): zone-blind / zone-aware",
+         f"{blind.get('steps')} / {aware.get('steps')} ({blind.get('peers_per_step')} / "
+         f"{aware.get('peers_per_step')})"),
+        ("fall the grid's plans predict", fmt(f.get('grid_cross_zone_fall'), '.2f')),
         ("median step: zone-blind -> zone-aware",
          f"{fmt(blind.get('median_step_s'), '.3f', ' s')} -> "
          f"{fmt(aware.get('median_step_s'), '.3f', ' s')}"),

@@ -236,6 +236,10 @@ class TrainingSection(_Section):
     """Collaborative mode: average step k while accumulating step k+1 (one step of delay);
     ``auto``: on for replicas on a GPU, off on CPUs. ``local_sgd`` with the outer step:
     ``on`` overlaps each outer average with the next inner steps (streaming DiLoCo)."""
+    zone_aware: bool = True
+    """Peers in one zone (their node's ``ray.io/availability-zone`` label) average inside
+    it first, so only one reduced tensor per zone crosses the slow, billed link between
+    zones (``cluster/collective/grid.py``); false: the plain Moshpit grid."""
     min_part: int = 262144  # partition.MIN_PART
     """Fewest values a part owner of an averaging group gets; 1: every member owns a
     part."""
@@ -282,6 +286,8 @@ class TrainingSection(_Section):
                "must be an integer >= 2", self.max_group)
         _non_negative(self._path("step_grace_s"), self.step_grace_s)
         _positive_int(self._path("min_part"), self.min_part)
+        _check(isinstance(self.zone_aware, bool), self._path("zone_aware"),
+               "must be true or false", self.zone_aware)
         codecs = codec_names()
         _check(self.compression == "auto" or self.compression in codecs,
                self._path("compression"),
@@ -518,7 +524,7 @@ _SECTIONS: dict[str, type[_Section]] = {
     "checkpoint": CheckpointSection,
     "metrics": MetricsSection,
 }
-_TOP_LEVEL: dict[str, Any] = {"run_dir": str, "json": bool}  # scalar keys outside any section
+_TOP_LEVEL: dict[str, Any] = {"run_dir": str, "json": bool, "save_model": bool}  # outside sections
 
 
 @dataclass(frozen=True)
@@ -540,6 +546,9 @@ class TrainConfig:
     """Where the run writes ``summary.json`` and ``training.png``."""
     json: bool = False  # machine-readable (JSON lines) output instead of text
     """Machine-readable output (JSON lines) instead of text."""
+    save_model: bool = False
+    """At the end, write the trained model's ``state_dict`` (a staying replica's, at the
+    last step) to ``<run_dir>/model.pt`` (``torch.load`` it into your model)."""
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():

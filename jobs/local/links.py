@@ -154,13 +154,18 @@ class NodeLinks:
             raise ValueError(f"not a NodeLinks JSON object: {exc}") from None
 
 
+# What a baseline layout's job runs with, beside the layout (``baseline``).
+BASELINE_SETS: dict[str, tuple[str, ...]] = {"zone_blind": ("training.zone_aware=false",)}
+
+
 def baseline(laid: NodeLinks) -> tuple[str, NodeLinks]:
     """What a profile's one uneven thing is measured against, and its name: ``zone_blind``
-    (the same links, no zone labels: the grid ignores zones) for a zoned profile; ``even``
+    (the same links and zone labels; the job runs with ``training.zone_aware = false``, so
+    the grid ignores the zones: ``BASELINE_SETS``) for a zoned profile; ``even``
     (every node at the first node's rate) for one whose links differ (``straggler``).
     ``ValueError`` for a profile with neither (``fast``, ``slow``)."""
     if laid.zones:
-        return "zone_blind", NodeLinks(laid.profile, laid.mbit)
+        return "zone_blind", laid
     if len(set(laid.mbit)) > 1:
         return "even", NodeLinks(laid.profile, (laid.mbit[0],) * len(laid.mbit))
     raise ValueError(f"link profile {laid.profile!r} has every link alike and no zones: "

@@ -36,7 +36,6 @@ from moshray.jobs.bench.links import (
     median_step_s,
     smoothed,
     steps_to_target,
-    swarm_model,
     time_to_target,
     zone_layout,
 )
@@ -290,50 +289,32 @@ def test_final_models_held_out_losses_are_reported_beside_the_training_curves_ti
     json.dumps(out)
 
 
-def test_the_swarm_model_of_a_diloco_checkpoint_is_its_anchor() -> None:
-    import torch
-
-    names = ["w", "b"]
-    state = {"model": {"w": torch.ones(2), "b": torch.zeros(1), "mask": torch.ones(3)},
-             "strategy": {"anchor": [torch.full((2,), 5.0), torch.full((1,), 6.0)]}}
-    model = swarm_model(state, names)
-    assert torch.equal(model["w"], torch.full((2,), 5.0)) and model["b"].item() == 6.0
-    assert torch.equal(model["mask"], torch.ones(3))  # (buffers as the checkpoint has them)
-    assert torch.equal(state["model"]["w"], torch.ones(2))  # (the state is left alone)
-    plain = {"model": {"w": torch.ones(2)}, "strategy": None}  # collaborative, plain local SGD
-    assert swarm_model(plain, ["w"]) == plain["model"]
-    with pytest.raises(ValueError, match="anchor has 2 tensors"):
-        swarm_model(state, ["w"])
-
-
 def test_each_run_gets_its_final_models_held_out_loss(tmp_path: Path) -> None:
-    """``with_held_out`` on real files: a DDP state file and a moshray checkpoint of the
-    short model, evaluated on a small corpus; a run whose final state is missing is named."""
+    """``with_held_out`` on real files: a DDP state file and a moshray run's saved model
+    (``save_model``) of the short model, evaluated on a small corpus; a run whose final
+    model is missing is named."""
     import torch
 
-    from moshray.actors.replica.checkpoint import CheckpointStore
     from moshray.jobs.bench.goodput_runs import held_out_loss
-    from moshray.jobs.bench.links import CHECKPOINT_RUN_ID, SHORT_MODEL, _config, with_held_out
+    from moshray.jobs.bench.links import SHORT_MODEL, _config, with_held_out
     from moshray.jobs.examples.lm.model import build_model
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(np.random.default_rng(0).integers(32, 127, 60_000, dtype=np.uint8)))
     config = _config((*SHORT_MODEL, "cluster.max_nodes=2"))
     model = build_model(config.model.to_model_config(), seed=0)
-    names = [n for n, _ in model.named_parameters()]
     torch.save({"model": model.state_dict()}, tmp_path / "state.pt")
-    anchor = [p.detach() + 0.01 for p in model.parameters()]
-    CheckpointStore(str(tmp_path / "ckpt"), run_id=CHECKPOINT_RUN_ID).save(
-        {"model": model.state_dict(), "strategy": {"anchor": anchor}}, 3)
+    moved = {k: v + 0.01 if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    torch.save(moved, tmp_path / "model.pt")
     curves = {"ddp": Curve("ddp", _curve([4, 3])), "diloco8": Curve("diloco8", _curve([4, 2])),
               "diloco4": Curve("diloco4", _curve([4, 2]))}
-    finals = {"ddp": str(tmp_path / "state.pt"), "diloco8": tmp_path / "ckpt",
-              "diloco4": tmp_path / "nothing-here"}
-    out, missing = with_held_out(curves, finals, config, [str(corpus)], names)
+    finals = {"ddp": str(tmp_path / "state.pt"), "diloco8": tmp_path / "model.pt",
+              "diloco4": tmp_path / "nothing-here.pt"}
+    out, missing = with_held_out(curves, finals, config, [str(corpus)])
     ddp_loss = held_out_loss(config, [str(corpus)], model.state_dict())
     assert out["ddp"].held_out == ((1.0, ddp_loss),)
     assert out["diloco8"].held_out[0][0] == 1.0
-    assert out["diloco8"].held_out[0][1] != ddp_loss  # (the anchor's, not the model's)
+    assert out["diloco8"].held_out[0][1] == held_out_loss(config, [str(corpus)], moved)
     assert out["diloco4"].held_out == () and list(missing) == ["diloco4"]
 
 
@@ -402,6 +383,23 @@ def test_blockwise4_is_registered_and_keeps_non_finite() -> None:
 # ----------------------------------------------------------------------- smoke run
 
 
+def test_the_held_out_check_sets_a_third_of_ddps_time_against_its_held_out_loss() -> None:
+    from moshray.jobs.bench.links import held_out_check, steps_within
+
+    ddp = Curve("ddp", _curve([4, 3, 3, 3, 3, 3, 3, 3, 3, 3]), held_out=((9.0, 2.5),))
+    assert steps_within(ddp.points, 3.0) == 4  # t = 0, 1, 2, 3
+    rerun = Curve("diloco8_held_out", _curve([4, 3, 2]), held_out=((2.0, 2.4),))
+    out = held_out_check("diloco8", ddp, rerun, 1 / 3)
+    assert out == {"mode": "diloco8", "fraction": 1 / 3, "steps": 3, "wall_s": 2.0,
+                   "ddp_wall_s": 9.0, "time_vs_ddp": 0.222, "held_out_loss": 2.4,
+                   "ddp_held_out_loss": 2.5, "met": True}
+    worse = Curve("x", _curve([4, 3, 2]), held_out=((2.0, 2.6),))
+    assert held_out_check("diloco8", ddp, worse, 1 / 3)["met"] is False
+    slower = Curve("x", _curve([4] * 6), held_out=((5.0, 2.0),))  # 5 s > 9 s / 3
+    assert held_out_check("diloco8", ddp, slower, 1 / 3)["met"] is False
+    assert held_out_check("diloco8", ddp, Curve("x", _curve([4, 3])), 1 / 3)["met"] is None
+
+
 def test_bench_links_short_smoke(tmp_path: Path) -> None:
     """``moshray bench links --short`` on separate hosts, DDP against ``training.mode =
     "auto"``: one JSON line with both runs, and the auto job's one line with its choice."""
@@ -417,13 +415,19 @@ def test_bench_links_short_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "moshray.jobs.cli", "bench", "links", "--profile", "slow",
          "--short", "--seconds", "15", "--systems", "ddp,auto", "--out", str(tmp_path),
-         "--json"], capture_output=True, text=True, timeout=600, env=env)
+         "--held-out-fraction", "0", "--json"], capture_output=True, text=True, timeout=600,
+        env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["profile"] == "slow" and result["nodes"] == 2
     assert all(r is not None and r > 0 for r in result["link_mbit"])
     assert result["modes"]["ddp"]["steps"] > 0 and result["modes"]["auto"]["steps"] > 0
     assert result["modes"]["auto"]["bytes_per_node"] > 0
+    # both final models evaluated on the held-out data: moshray's saved by its job
+    # (save_model) on the driver's machine, though its replicas ran on other hosts
+    assert result["held_out_missing"] == {}, result["held_out_missing"]
+    assert all(0 < result["modes"][m]["held_out_loss"] < 10 for m in ("ddp", "auto"))
+    assert "held_out_check" not in result  # (--held-out-fraction 0)
     assert Path(result["plot"]).exists()
     chosen = [line for line in (tmp_path / "auto" / "driver.log").read_text().splitlines()
               if line.startswith("training.mode auto: ")]

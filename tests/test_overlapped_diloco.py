@@ -121,12 +121,12 @@ def test_overlap_needs_the_outer_step():
     model = _bn_model()
     with pytest.raises(ValueError, match="needs the outer optimizer"):
         LocalSGD(0.0, None, overlap=True)
-    settle_free = LocalSGD(0.0, OuterNesterov(model, OUTER_LR, OUTER_MOMENTUM))
+    non_overlapped = LocalSGD(0.0, OuterNesterov(model, OUTER_LR, OUTER_MOMENTUM))
     before = _params(model)
     with torch.no_grad():
         next(model.parameters()).add_(1.0)
-    settle_free.settle(model)  # (without overlap the loop's end leaves the model alone)
-    assert not _equal(_params(model), before)
+    non_overlapped.settle(model)  # (without overlap too the loop's end goes to the anchor)
+    assert _equal(_params(model), before)
 
 
 DILOCO = ["training.mode=local_sgd", "training.outer_optimizer=nesterov"]
@@ -153,3 +153,30 @@ def test_the_config_turns_it_on_only_with_the_outer_step():
     with pytest.raises(ConfigError, match='training.overlap: overlaps collaborative or '
                                           'local_sgd steps only'):
         load_config(None, parse_set(["training.mode=auto", "training.overlap=on"]))
+
+
+def test_the_loops_end_leaves_a_non_overlapped_diloco_replica_at_the_anchor():
+    """Without overlap too, the loop's end drops the local steps no round averaged: the
+    model a run returns or saves (``save_model``) is the one every replica of the last
+    step holds. Plain local SGD (no outer step, no anchor) keeps its own parameters."""
+    replicas = [_replica(overlap=False) for _ in range(2)]
+    for i, (m, o, s, _) in enumerate(replicas):
+        _micro_batches(m, o, s, shift=float(3 * i), n=2)
+    averaged = _mean([s.contribution(m, 2) for m, _, s, _ in replicas], [8.0, 8.0])
+    for m, o, s, state in replicas:
+        s.apply(m, o, [x.clone() for x in averaged], 16.0)
+        state.commit(1)
+    for i, (m, o, s, _) in enumerate(replicas):  # local steps after the last round
+        _micro_batches(m, o, s, shift=float(50 + i), n=1)
+    (a, _, sa, ta), (b, _, sb, tb) = replicas
+    assert not _equal(_params(a), _params(b))
+    for m, _, s, _ in replicas:
+        s.settle(m)
+    assert _equal(_params(a), _params(b)) and _equal(_params(a), sa.outer_state.anchor)
+    model = _bn_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    plain = LocalSGD(0.0)
+    _micro_batches(model, opt, plain, shift=1.0, n=1)
+    before = _params(model)
+    plain.settle(model)
+    assert _equal(_params(model), before)

@@ -11,7 +11,10 @@ applies. A new strategy is one ``Strategy`` subclass with ``@register``; the con
   Nesterov step on the averaged delta (``OuterNesterov``; with it the wire carries each
   replica's outer gradient ``anchor - params``, so an 8- or 4-bit codec quantises the small
   delta rather than the weights). The inner optimizers' state stays each replica's own
-  (as in DiLoCo); the outer optimizer's is shared. With the outer step it can overlap
+  (as in DiLoCo); the outer optimizer's is shared. With the outer step the loop's end
+  leaves every replica at the last anchor (``settle``: the local steps no round averaged
+  are dropped), so a run returns and saves the model the swarm agreed on; without it each
+  replica keeps its own local steps since the last average. With the outer step it can overlap
   (``training.overlap = "on"``; ``auto`` leaves it off): Streaming DiLoCo's overlapped
   outer step (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication"),
   with the whole model as one fragment: round k's outer gradient travels while round
@@ -496,11 +499,13 @@ class LocalSGD(Strategy):
                 p.add_(d)
 
     def settle(self, model) -> None:
-        """With ``overlap``: the parameters and buffers as of the last step (the anchor, the
-        step's averaged buffers); the local steps since, never averaged, are dropped."""
+        """With the outer step: the parameters as of the last step (the anchor, the model
+        every replica of that step holds; with ``overlap`` also that step's averaged
+        buffers); the local steps since, never averaged, are dropped. Without it the
+        parameters stay this replica's own (its local steps since the last average)."""
         import torch
 
-        if not self.overlap:
+        if self.outer_state is None:
             return
         self.sent = self.progress = None
         with torch.no_grad():

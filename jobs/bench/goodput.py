@@ -77,9 +77,10 @@ follow from the model's fp16 gradient bytes and its measured step compute on
 ``--max-nodes`` nodes, ``bench links``' ``profile_links``): each slot's node gets its link
 as it starts, a node the trace adds again included. Ray Train's gloo runs on each node's
 shaped ``eth0``. The separate hosts have no durable store, so the moshray runs keep no
-checkpoints (``checkpoint.optional``; a swarm that loses every replica starts over, and its
-held-out loss is not measured), while Ray Train keeps checkpointing to this machine's disk,
-which its workers share: an advantage to Ray Train. The JSON's ``links`` says the profile,
+checkpoints (``checkpoint.optional``; a swarm that loses every replica starts over; its
+held-out loss is its final model's, which the job saves on the driver's machine:
+``save_model``), while Ray Train keeps checkpointing to this machine's disk, which its
+workers share: an advantage to Ray Train. The JSON's ``links`` says the profile,
 its rates and the model figures they follow from.
 
 Bad arguments (missing or malformed trace, non-positive sizes, bad ``--set``, an unknown
@@ -320,10 +321,10 @@ def run(args: argparse.Namespace) -> dict:
           f"{m_dir / 'moshray-driver.log'})", flush=True)
     with CpuSampler() as m_cpu:  # where the machine's CPU went, by role
         m_summary, m_records, m_peers = run_moshray_driver(
-            config, m_dir, startup_timeout_s=args.startup_timeout,
+            replace(config, save_model=True), m_dir, startup_timeout_s=args.startup_timeout,
             finish_timeout_s=args.finish_timeout, links=links)
     moshray = summarize("moshray", m_records, duration, args.stall_gap)
-    # (the driver ran with run_dir=m_dir: its checkpoints are that run's)
+    # (the driver ran with run_dir=m_dir: its saved model and checkpoints are that run's)
     m_state = moshray_final_state(replace(config, run_dir=str(m_dir)))
     moshray_eval = held_out_loss(config, files, m_state)
     probe("after_moshray")

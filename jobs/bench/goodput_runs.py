@@ -287,7 +287,13 @@ def held_out_loss(config, files: Sequence[str], model_state: dict | None) -> flo
 
 
 def moshray_final_state(config) -> dict | None:
-    """The model state of the latest checkpoint of ``config``'s run (None if none)."""
+    """The model the run saved at its end (``save_model``: ``<run_dir>/model.pt``), else
+    the model state of its latest checkpoint, else None."""
+    import torch
+
+    saved = Path(config.run_dir).expanduser() / "model.pt"
+    if saved.is_file():
+        return torch.load(saved, weights_only=True)
     if not config.checkpoint.uri:
         return None
     from moshray.actors.replica.checkpoint import CheckpointStore, job_run_id

@@ -33,10 +33,13 @@ points are ``(t_s, loss)`` evaluations of one fixed set of held-out batches
 the end of each of the corpus's ``--nodes`` regions, which no training batch of either
 system draws from). This bench evaluates each run's final model only, once the runs are
 over, so a run has at most one held-out point, at its last step's time: DDP's model from
-the checkpoint Ray Train reports at its stop. A moshray run keeps no checkpoint on these
-separate hosts (no durable store; see ``run_moshray``), so its held-out loss is missing;
-``final_moshray_model`` reads one where it exists (the parameters every replica of the
-last global step holds: for DiLoCo the outer anchor the checkpoint carries).
+the checkpoint Ray Train reports at its stop, moshray's from the model its job saved at its
+end (``save_model``: the model every replica of the last global step holds, for DiLoCo the
+outer anchor; ``final_moshray_model``). The held-out check (``held_out_check``; skipped
+with ``--held-out-fraction 0``): the best mode runs once more, stopped after the steps it
+took in a third of DDP's wall time, and its final model's held-out loss is set against
+DDP's final model's: the issue's "reaches DDP's final held-out loss in <= 1/3 of its
+time", on held-out data rather than on the training curve.
 
 The target is DDP's final smoothed training loss. In a run this short no batch is seen
 twice, so each step's training loss is measured on data the model has not yet trained on:
@@ -104,7 +107,7 @@ from typing import Sequence
 from moshray.jobs.bench.results import add_results_argument, save_result
 
 SMOOTH = 5  # steps in the moving mean of a loss curve
-CHECKPOINT_RUN_ID = "links"  # a moshray run's checkpoints: <run>/checkpoints/links/
+HELD_OUT_FRACTION = 1 / 3  # the held-out check: the best mode's run of this much of DDP's time
 STARTUP_S = 240.0  # a driver's start-up bound (Ray Train's worker group takes 25-50 s here)
 FINISH_S = 120.0
 MOSHRAY_STARTUP_S = 20.0  # added to a moshray run's max_seconds for its replicas' start-up
@@ -260,21 +263,26 @@ def figures(profile: str, curves: dict[str, Curve], rates: Sequence[float | None
     }
 
 
-def swarm_model(state: dict, names: Sequence[str]) -> dict:
-    """The model state every replica of a moshray checkpoint's last step holds: its
-    ``model``, with the parameters (``names``: the model's ``named_parameters`` order, the
-    order the outer anchor is kept in) replaced by the DiLoCo anchor where the checkpoint
-    carries one (``state["strategy"]["anchor"]``; a replica's own parameters may have
-    moved on by local steps since). Pure; ``ValueError`` for an anchor of another length."""
-    model = dict(state["model"])
-    anchor = (state.get("strategy") or {}).get("anchor")
-    if anchor is None:
-        return model
-    if len(anchor) != len(names):
-        raise ValueError(f"the checkpoint's anchor has {len(anchor)} tensors, the model "
-                         f"{len(names)} parameters")
-    model.update(zip(names, anchor))
-    return model
+def steps_within(points: Sequence[tuple[float, float]], t_s: float) -> int:
+    """How many of a curve's steps came at or before ``t_s`` seconds. Pure."""
+    return sum(1 for t, _ in points if t <= t_s)
+
+
+def held_out_check(mode: str, ddp: Curve, rerun: Curve, fraction: float) -> dict:
+    """The held-out form of the issue's target: ``mode`` run again for the steps it took in
+    ``fraction`` of DDP's wall time (``rerun``), its final model's held-out loss against
+    DDP's final model's. ``met`` when the rerun's held-out loss is at most DDP's and its
+    wall time at most ``fraction`` of DDP's (None where a held-out loss is missing). Pure."""
+    ddp_s = ddp.points[-1][0] if ddp.points else None
+    wall = rerun.points[-1][0] if rerun.points else None
+    loss = rerun.held_out[-1][1] if rerun.held_out else None
+    ddp_loss = ddp.held_out[-1][1] if ddp.held_out else None
+    ratio = None if wall is None or not ddp_s else round(wall / ddp_s, 3)
+    return {"mode": mode, "fraction": fraction, "steps": len(rerun.points),
+            "wall_s": _round(wall), "ddp_wall_s": _round(ddp_s), "time_vs_ddp": ratio,
+            "held_out_loss": _round(loss), "ddp_held_out_loss": _round(ddp_loss),
+            "met": (None if loss is None or ddp_loss is None or ratio is None else
+                    bool(loss <= ddp_loss and ratio <= fraction + 1e-9))}
 
 
 def median_step_s(points: Sequence[tuple[float, float]]) -> float | None:
@@ -609,20 +617,21 @@ def run_ddp(cluster, sets: Sequence[str], nodes: int, seconds: float, run_dir: P
 
 
 def run_moshray(name: str, cluster, sets: Sequence[str], extra: Sequence[str], nodes: int,
-                seconds: float, run_dir: Path, counter: LinkBytes) -> tuple[Curve, None]:
+                seconds: float, run_dir: Path, counter: LinkBytes) -> tuple[Curve, Path]:
     """moshray's job (``moshray.jobs.train``) on the cluster for ``seconds`` plus
     ``MOSHRAY_STARTUP_S`` (its replicas' start-up, 10-25 s here, is inside its
-    ``max_seconds``); returns its curve and None for its final model: the job keeps no
-    checkpoint here (on several machines it refuses a checkpoint path on one machine's
-    disk, and the embedded cluster has no durable store), so a moshray run's held-out loss
-    is not measured (``held_out_missing`` says so)."""
+    ``max_seconds``); returns its curve and where its final model is: the job saves it
+    (``save_model``: the model every replica of the last step holds, for DiLoCo the outer
+    anchor) to ``<run_dir>/run/model.pt`` on the driver's machine. It keeps no checkpoint
+    here (on several machines it refuses a checkpoint path on one machine's disk, and the
+    embedded cluster has no durable store)."""
     from moshray.jobs.local.cluster import free_ports
 
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "moshray.jobs.train", "--json", "--trace", "off",
             "--max-seconds", str(seconds + MOSHRAY_STARTUP_S), "--metrics-port", str(free_ports(1)[0]),
             "--max-nodes", str(nodes), "--set", f"run_dir={run_dir / 'run'}",
-            "--set", "checkpoint.optional=true",
+            "--set", "checkpoint.optional=true", "--set", "save_model=true",
             *[a for s in (*sets, *extra) for a in ("--set", s)]]
     before = counter.read()
     status = _run_bounded(argv, _driver_env(cluster, run_dir / "home"), run_dir / "driver.log",
@@ -640,23 +649,23 @@ def run_moshray(name: str, cluster, sets: Sequence[str], extra: Sequence[str], n
     crossed = summary.get("cross_zone_bytes")
     return Curve(name, _relative(points), sum(sent) / len(sent), bytes_by_node=tuple(sent),
                  peers=tuple(int(h[4]) for h in history),
-                 averaged_cross_zone_bytes=None if crossed is None else float(crossed)), None
+                 averaged_cross_zone_bytes=None if crossed is None else float(crossed)), \
+        run_dir / "run" / "model.pt"
 
 
-def final_moshray_model(checkpoints: Path, names: Sequence[str]) -> dict | None:
-    """The model state of the newest checkpoint under ``checkpoints`` as every replica of
-    its last step holds it (``swarm_model``), or None if there is none."""
-    from moshray.actors.replica.checkpoint import CheckpointStore
+def final_moshray_model(path: Path) -> dict | None:
+    """The model a moshray run saved (``save_model``: ``<run_dir>/model.pt``), or None if
+    it saved none (the job logs why)."""
+    import torch
 
-    found = CheckpointStore(str(checkpoints), run_id=CHECKPOINT_RUN_ID).load_latest()
-    return None if found is None else swarm_model(found[1], names)
+    return torch.load(path, weights_only=True) if Path(path).is_file() else None
 
 
-def with_held_out(curves: dict[str, Curve], finals: dict, config, files: Sequence[str],
-                  names: Sequence[str]) -> tuple[dict[str, Curve], dict[str, str]]:
+def with_held_out(curves: dict[str, Curve], finals: dict, config, files: Sequence[str]
+                  ) -> tuple[dict[str, Curve], dict[str, str]]:
     """Each curve with its final model's held-out loss as its one held-out point, at its
-    last step's time (``finals``: name -> DDP's state file or a moshray checkpoint
-    location); and, per run whose final model could not be evaluated, why (one line: the
+    last step's time (``finals``: name -> DDP's state file or a moshray run's saved
+    model); and, per run whose final model could not be evaluated, why (one line: the
     run's figures then go without it)."""
     from dataclasses import replace
 
@@ -669,7 +678,7 @@ def with_held_out(curves: dict[str, Curve], finals: dict, config, files: Sequenc
         where = finals.get(name)
         try:
             state = (raytrain_final_state(where) if name == "ddp" else
-                     final_moshray_model(where, names) if where is not None else None)
+                     final_moshray_model(where) if where is not None else None)
             loss = held_out_loss(config, files, state)
         except (OSError, RuntimeError, ValueError, KeyError) as exc:
             missing[name] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
@@ -823,8 +832,12 @@ def run_compare(profile_name: str, nodes: int, seconds: float, short: bool, out_
 
 
 def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps: int,
-        out_dir: Path, systems: Sequence[str] = SYSTEMS) -> dict:
-    """The whole bench (see the module docstring); returns the JSON object."""
+        out_dir: Path, systems: Sequence[str] = SYSTEMS,
+        held_out_fraction: float = HELD_OUT_FRACTION) -> dict:
+    """The whole bench (see the module docstring); returns the JSON object. With
+    ``held_out_fraction`` (0: not run) the best mode runs once more, for the steps it took
+    in that fraction of DDP's wall time, and its final model's held-out loss is compared
+    with DDP's (``held_out_check``, the JSON's ``held_out_check``)."""
     from moshray.actors.replica.mode_choice import choose_mode
     from moshray.jobs.local import links
 
@@ -841,6 +854,7 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
     failed: dict[str, str] = {}  # a moshray mode that failed: its one line (DDP's is fatal)
     settings = mode_settings(local_steps)
     cluster = _cluster(nodes, laid)
+    rerun = None
     try:
         counter = LinkBytes(cluster, range(nodes))
         for name in systems:
@@ -859,13 +873,21 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
                     continue
             print(f"bench links: {name}: {len(curves[name].points)} steps in "
                   f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        rerun = _held_out_rerun(curves, settings, held_out_fraction, profile.name, rates,
+                                cluster, sets, nodes, seconds, out_dir, counter, failed)
     finally:
         cluster.shutdown()
-    curves, held_out_missing = with_held_out(curves, finals, *_held_out_inputs(
-        sets, nodes, out_dir / "ddp" / "home"))
+    inputs = _held_out_inputs(sets, nodes, out_dir / "ddp" / "home")
+    curves, held_out_missing = with_held_out(curves, finals, *inputs)
     for name, why in held_out_missing.items():
         print(f"bench links: {name}: no held-out loss ({why})", file=sys.stderr, flush=True)
     result = figures(profile.name, curves, rates)
+    if rerun is not None:
+        mode, curve, where = rerun
+        held, missing = with_held_out({curve.name: curve}, {curve.name: where}, *inputs)
+        held_out_missing.update(missing)
+        result["held_out_check"] = held_out_check(mode, curves["ddp"], held[curve.name],
+                                                  held_out_fraction)
     result.update(failed=failed, held_out_missing=held_out_missing,
                   not_run={n: "not named by --systems" for n in SYSTEMS + OPTIONAL
                            if n not in systems},
@@ -880,20 +902,48 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
     return result
 
 
+def _held_out_rerun(curves: dict[str, Curve], settings: dict, fraction: float, profile: str,
+                    rates, cluster, sets: Sequence[str], nodes: int, seconds: float,
+                    out_dir: Path, counter: LinkBytes, failed: dict):
+    """``run``'s held-out check: the best moshray mode of ``curves`` (``figures``) run again
+    for ``training.max_steps`` = the steps it took in ``fraction`` of DDP's wall time;
+    ``(mode, curve, its saved model)``, or None where there is nothing to run (no fraction,
+    no DDP steps, no mode, or no step in that time) or the run failed (named in
+    ``failed``)."""
+    ddp = curves.get("ddp")
+    if not fraction or ddp is None or not ddp.points:
+        return None
+    best = figures(profile, curves, rates)["moshray_mode"]
+    if best not in settings or best not in curves:
+        return None
+    steps = steps_within(curves[best].points, fraction * ddp.points[-1][0])
+    if steps < 1:
+        return None
+    name = f"{best}_held_out"
+    started = time.monotonic()
+    try:
+        curve, where = run_moshray(name, cluster, sets,
+                                   (*settings[best], f"training.max_steps={steps}"), nodes,
+                                   seconds, out_dir / name, counter)
+    except LinksBenchError as exc:
+        failed[name] = str(exc)
+        print(f"bench links: {exc}", file=sys.stderr, flush=True)
+        return None
+    print(f"bench links: {name}: {len(curve.points)} steps (of {steps}) in "
+          f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    return best, curve, where
+
+
 def _held_out_inputs(sets: Sequence[str], nodes: int, home: Path) -> tuple:
-    """(config, files, parameter names) for ``with_held_out``: the runs' model and
+    """(config, files) for ``with_held_out``: the runs' model and
     ``cluster.max_nodes`` (the corpus's regions, whose held-out ends are evaluated), and
     the corpus the DDP driver trained on (built under its ``HOME``)."""
     from moshray.jobs.examples.lm.corpus import resolve_data
-    from moshray.jobs.examples.lm.model import build_model
 
     config = _config((*sets, f"cluster.max_nodes={nodes}"))
     cache = config.data.cache_dir
     cache = str(home / cache[2:]) if cache.startswith("~/") else os.path.expanduser(cache)
-    files = resolve_data(list(config.data.paths) or None, cache)
-    names = [n for n, _ in build_model(config.model.to_model_config(), seed=0)
-             .named_parameters()]
-    return config, files, names
+    return config, resolve_data(list(config.data.paths) or None, cache)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -923,6 +973,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--compare --profile zones: the last N nodes form zone B, each "
                              "behind the slow link (default 1); the bytes crossing between "
                              "the zones are counted on zone B's links")
+    parser.add_argument("--held-out-fraction", type=float, default=HELD_OUT_FRACTION,
+                        help="run the best mode again for the steps it took in this fraction "
+                             "of DDP's time and compare its final model's held-out loss "
+                             "with DDP's (default 1/3; 0: skip)")
     parser.add_argument("--out", default="bench-links", help="directory for the PNG and JSON")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     add_results_argument(parser)
@@ -942,7 +996,7 @@ def main(args: argparse.Namespace) -> int:
                                  systems, args.local_steps, args.zone_b)
         else:
             result = run(args.profile, nodes, seconds, args.short, args.local_steps,
-                         Path(args.out), systems)
+                         Path(args.out), systems, args.held_out_fraction)
     except LinksBenchError as exc:
         print(f"bench links: {exc}", file=sys.stderr)
         return 1
@@ -977,6 +1031,8 @@ def _refusal(args: argparse.Namespace, nodes: int, systems: Sequence[str]) -> st
         return f"--nodes must be 2..8, got {nodes}"
     if args.local_steps < 1:
         return f"--local-steps must be >= 1, got {args.local_steps}"
+    if not 0 <= args.held_out_fraction <= 1:
+        return f"--held-out-fraction must be 0..1, got {args.held_out_fraction}"
     if args.zone_b != 1 and not (args.compare and args.profile == "zones"):
         return "--zone-b goes with --compare --profile zones"
     if not 1 <= args.zone_b <= nodes - 1:
@@ -992,6 +1048,12 @@ def _table(result: dict) -> list[str]:
                      f"{m['bytes_per_node_to_target']} B/node to target, held-out "
                      f"{m['held_out_loss']}, training loss at {result['equal_time_s']} s "
                      f"{m['loss_at_equal_time']}")
+    check = result.get("held_out_check")
+    if check:
+        lines.append(f"held-out check: {check['mode']} for {check['steps']} steps, "
+                     f"{check['wall_s']} s ({check['time_vs_ddp']} of DDP's), held-out "
+                     f"{check['held_out_loss']} against DDP's {check['ddp_held_out_loss']}: "
+                     f"met {check['met']}")
     return lines
 
 
@@ -1003,4 +1065,6 @@ def _compare_table(result: dict) -> list[str]:
         f"{result['last_link_bytes_fall'][name]}"
         + (f", bytes across the zones fall {result['cross_zone_bytes_fall'].get(name)}"
            if "cross_zone_bytes_fall" in result else "")
+        + (f" (the averaging's own: {result['averaged_cross_zone_bytes_fall'].get(name)})"
+           if "averaged_cross_zone_bytes_fall" in result else "")
         for name, by in result["systems"].items()]

@@ -231,7 +231,17 @@ def _time_to_loss_rows(f: Mapping) -> Rows:
         rows.append((name, f"to target {fmt(m.get('time_to_target_s'), '.1f', ' s')} "
                            f"({'-' if mb is None else f'{mb / 1e6:.1f} MB'} sent per node); "
                            f"loss at equal time {fmt(m.get('loss_at_equal_time'), '.3f')}; "
+                           f"final model's held-out loss {fmt(m.get('held_out_loss'), '.3f')}; "
                            f"{m.get('steps')} global steps"))
+    check = f.get("held_out_check")
+    if check:
+        verdict = {True: " (met)", False: " (missed)"}.get(check.get("met"), "")
+        rows.append(("held-out check: the best mode stopped at a third of DDP's time",
+                     f"{check.get('mode')}, {check.get('steps')} steps in "
+                     f"{fmt(check.get('wall_s'), '.1f', ' s')} "
+                     f"({fmt(check.get('time_vs_ddp'), '.3f')} of DDP's): held-out loss "
+                     f"{fmt(check.get('held_out_loss'), '.3f')} against DDP's "
+                     f"{fmt(check.get('ddp_held_out_loss'), '.3f')}{verdict}"))
     return rows
 
 

@@ -1,5 +1,6 @@
-"""Shared fixtures: one multi-node Ray cluster on 127.0.0.1 for the whole session, and moto's
-EC2 server (tests/fake_ec2.py), one per test that asks for it.
+"""Shared fixtures: one multi-node Ray cluster on 127.0.0.1 for the whole session, moto's
+EC2 server (tests/fake_ec2.py), one per test that asks for it, and moto's S3 server
+(tests/moto_s3.py), one per module that asks for it.
 
 Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER and RAY_ENABLE_AUTO_CONNECT when imported, so they
 are set here, before any test module imports Ray. Auto-connect is off: a Ray call from a test
@@ -31,6 +32,15 @@ def local_cluster():
         yield cluster
     finally:
         cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """moto's S3 on 127.0.0.1 with a bucket ``ckpt`` (tests/moto_s3.py), for a module."""
+    from moto_s3 import running_s3  # moto, imported only where it is used
+
+    with running_s3() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
 """A user's script training its own loop as replica groups (``cluster.replica = "node"``)
 through ``moshray.fit`` on the embedded cluster, for tests/test_group_fit.py: ``python
-tests/group_fit_scenario.py MODE RUN_DIR [CHECKPOINT_URI STEPS NODES]`` prints the summary as one JSON line (MODE
-``bad``: a loop with bad input, ``raise``: a loop that raises; the error as JSON)."""
+tests/group_fit_scenario.py MODE RUN_DIR [CHECKPOINT_URI STEPS NODES]`` prints the summary
+as one JSON line (MODE ``bad``: a loop with bad input, ``raise``: a loop that raises,
+``machines``: node-local checkpoints on a cluster shown as two machines; the error as
+JSON)."""
 
 from __future__ import annotations
 
@@ -51,10 +53,16 @@ def raising_loop(session):
 
 if __name__ == "__main__":
     mode, run_dir = sys.argv[1], sys.argv[2]
-    if mode in ("bad", "raise"):  # the job ends at once, with one line
+    if mode in ("bad", "raise", "machines"):  # the job ends at once, with one line
+        config: dict = {"cluster": {"replica": "node"}}
+        if mode == "machines":  # the cluster shows two machines; checkpoints on one's disk
+            import moshray.jobs.controller.groups as groups
+
+            groups._addresses = lambda: ["10.0.0.1", "10.0.0.2"]
+            config["checkpoint"] = {"uri": run_dir + "/ckpt"}
         try:
-            moshray.fit(bad_loop if mode == "bad" else raising_loop,
-                        moshray.data.by_step(batch), config={"cluster": {"replica": "node"}},
+            moshray.fit(bad_loop if mode == "bad" else loop if mode == "machines" else
+                        raising_loop, moshray.data.by_step(batch), config=config,
                         max_steps=4, local_nodes=2, max_nodes=2, run_dir=run_dir)
         except Exception as exc:  # noqa: BLE001 - what the user sees
             print(json.dumps({"error": str(exc), "type": type(exc).__name__}))

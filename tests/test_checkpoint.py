@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow.fs as pafs
 import pytest
 import torch
+from moto_s3 import s3_uri
 
 from moshray.actors.replica.checkpoint import (CheckpointStore, SaveResult, config_mismatch,
                                                decode_state, encode_state, run_location)
@@ -313,69 +314,10 @@ def test_bad_arguments_are_rejected(tmp_path):
 # --------------------------------------------------------------------------- S3 (moto)
 
 
-class _ArrowCompatible:
-    """WSGI middleware in front of moto's S3: moto names CompleteMultipartUpload's reply
-    ``CompleteMultipartUploadResponse`` where S3 (and the AWS SDK inside pyarrow) expect
-    ``CompleteMultipartUploadResult``; pyarrow then reports the upload as failed."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    def __call__(self, environ, start_response):
-        captured = {}
-
-        def capture(status, headers, exc_info=None):
-            captured["status"], captured["headers"] = status, headers
-            return lambda data: None
-
-        body = b"".join(self.app(environ, capture))
-        headers = captured["headers"]
-        if b"CompleteMultipartUploadResponse" in body:  # (a HEAD's length stays as it is)
-            body = body.replace(b"CompleteMultipartUploadResponse",
-                                b"CompleteMultipartUploadResult")
-            headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
-            headers.append(("Content-Length", str(len(body))))
-        start_response(captured["status"], headers)
-        return [body]
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """moto's S3 on a free port of 127.0.0.1 (stopped at the end), with a bucket ``ckpt``."""
-    import threading
-
-    import boto3
-    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
-    from werkzeug.serving import make_server
-
-    mp = pytest.MonkeyPatch()
-    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                       ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_EC2_METADATA_DISABLED", "true")):
-        mp.setenv(key, value)
-    app = _ArrowCompatible(DomainDispatcherApplication(create_backend_app))
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    endpoint = f"127.0.0.1:{server.server_port}"
-    try:
-        boto3.client("s3", endpoint_url=f"http://{endpoint}",
-                     region_name="us-east-1").create_bucket(Bucket="ckpt")
-        yield endpoint
-    finally:
-        server.shutdown()
-        thread.join(timeout=10)
-        mp.undo()
-
-
-def _s3_uri(endpoint: str, prefix: str) -> str:
-    return (f"s3://ckpt/{prefix}?endpoint_override={endpoint}&scheme=http"
-            f"&region=us-east-1&allow_bucket_creation=true")
-
-
 def test_s3_store_writes_parts_then_the_manifest_and_never_moves(s3_endpoint):
     import boto3
 
-    uri = _s3_uri(s3_endpoint, "jobs")
+    uri = s3_uri(s3_endpoint, "jobs")
     store = CheckpointStore(uri, run_id="run-1", keep=2, part_bytes=4096)
     state = _state(3)
     for step in (1, 2, 3):

@@ -232,3 +232,58 @@ def test_a_group_no_node_can_hold_fails_within_its_timeout_naming_the_resources(
     left = [pg for pg in placement_group_table().values()
             if pg["name"].startswith("moshray-group-toobig-") and pg["state"] != "REMOVED"]
     assert left == []
+
+
+@pytest.mark.cluster
+def test_a_checkpoint_on_object_storage_is_committed_by_its_manifest_and_resumes(
+        local_cluster, s3_endpoint):
+    """``path`` on S3 (moto's server): the ranks stage on their node, rank 0 uploads the
+    shards and writes the manifest last; a second group on another layout loads it back
+    (fetched to its node first), bitwise; a save to a taken location and a torn copy are
+    refused in one line. The raylet is started after the server, so it and its workers
+    hold the server's credentials, as a cloud node holds its instance role."""
+    from cluster_slots import extra_slots
+    from moto_s3 import s3_client, s3_uri
+
+    from moshray.actors.replica.group_checkpoint import exists, newest, read_manifest
+    from moshray.cluster.placement import SLOT_LABEL
+
+    slot = 9
+    base = s3_uri(s3_endpoint, "groups-run")
+    path = s3_uri(s3_endpoint, "groups-run/step-00000003")
+    with extra_slots(local_cluster, (slot,)):
+        on_slot = {SLOT_LABEL: str(slot)}
+        writer = ReplicaGroup(GroupConfig(world_size=2, parallel="fsdp", timeout_s=120.0,
+                                          name="s3writer", node_labels=on_slot))
+        try:
+            writer.start()
+            writer.train(task(SAVED_AT))
+            saved = writer.full_state()
+            assert writer.save_sharded(path) == SAVED_AT
+            with pytest.raises(GroupError, match=r"step-00000003\?.*: exists; not replaced$"):
+                writer.save_sharded(path)
+        finally:
+            writer.close()
+        s3 = s3_client(s3_endpoint)
+        keys = {o["Key"] for o in s3.list_objects_v2(Bucket="ckpt", Prefix="groups-run/")[
+            "Contents"] if not o["Key"].endswith("/")}  # (pyarrow's directory markers aside)
+        assert keys == {f"groups-run/step-00000003/{name}" for name in
+                        (".metadata", MANIFEST, "__0_0.distcp", "__1_0.distcp")}
+        assert exists(path) and newest(base) == path
+        assert read_manifest(path).world_size == 2
+        reader = ReplicaGroup(GroupConfig(world_size=1, parallel="fsdp", timeout_s=120.0,
+                                          name="s3reader", node_labels=on_slot))
+        try:
+            reader.start()
+            assert reader.load_sharded(path, task(1)) == SAVED_AT
+            loaded = reader.full_state()
+            s3.delete_object(Bucket="ckpt", Key="groups-run/step-00000003/__1_0.distcp")
+            with pytest.raises(GroupError, match=r"torn checkpoint: file __1_0.distcp is "
+                               r"missing$"):
+                reader.load_sharded(path, task(1))
+            assert not reader.broken
+        finally:
+            reader.close()
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name
+    assert newest(base) is None  # the torn one is passed over

@@ -71,16 +71,21 @@ def test_fit_trains_a_users_loop_as_replica_groups(tmp_path, mode):
 @pytest.mark.parametrize("scenario,kind,line", [
     ("bad", "UserError", "state: replica groups do not carry an extra state dict"),
     ("raise", "SwarmError", "group swarm: the loop raised the same error on 2 nodes: "
-                            "ValueError: my bug")])
+                            "ValueError: my bug"),
+    ("machines", "ConfigError", "checkpoint.uri: '")])
 def test_a_groups_loop_that_fails_ends_the_job_with_one_line(tmp_path, scenario, kind, line):
     """Bad input ends the job at the first failure; the same exception on two nodes ends it
-    then (not after every node's strikes), naming the exception."""
+    then (not after every node's strikes), naming the exception; checkpoints on one
+    machine's disk with two machines in the cluster end it before any group starts
+    (``DurabilityGuard``, as with one replica per GPU)."""
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("group_fit_scenario.py")),
                            scenario, str(tmp_path / "run")], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     error = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert error["type"] == kind and error["error"].startswith(line)
+    assert error["type"] == kind and error["error"].startswith(line), error
+    if scenario == "machines":
+        assert "is on one machine's disk but this cluster has 2" in error["error"]
     assert "\n" not in error["error"]
 
 

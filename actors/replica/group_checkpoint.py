@@ -19,6 +19,15 @@ every file the manifest names is there with its size (a torn copy is refused), a
 checkpoint's state names and shapes are the model's (``first_difference``); rank 0 checks and
 tells the others before any rank loads anything, so a refused load leaves the group sound.
 
+Durable storage: ``path`` may also be a URI ``pyarrow.fs`` understands (``s3://bucket/dir``,
+``gs://bucket/dir``, with options as query parameters), the location a group job on several
+machines needs. The ranks then stage on their node's disk (``local_staging``), rank 0 uploads
+the shards and ``.metadata`` to ``path`` and writes the manifest last: an object store has
+no rename, so the manifest is the commit (a reader takes a directory only with its manifest
+and every file it names at its size; a save that failed leaves shards without a manifest).
+A load downloads the checkpoint to a node-local directory first (rank 0; the others read the
+same directory, as the group is on one node), and removes it after.
+
 Resharding: each rank asks ``get_state_dict`` for the state of the model and optimizer it
 holds, laid out as the *loading* group shards it (FSDP2 DTensor shards of 1/W', or whole
 tensors under DDP), and ``dcp.load`` fills each of those tensors from whichever saved chunks
@@ -34,9 +43,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import pyarrow.fs as pafs
 import torch
 
 FORMAT = "moshray-group-checkpoint"
@@ -143,9 +155,65 @@ def torn_file(saved: CheckpointManifest, present: Mapping[str, int]) -> str | No
     return None
 
 
+def is_remote(location: str) -> bool:
+    """A URI other than ``file://`` (object storage: no rename, reached through pyarrow)."""
+    return "://" in location and not location.startswith("file://")
+
+
+def child(location: str, *names: str) -> str:
+    """``location`` (a path or a URI, options after ``?`` kept at the end) with ``names``
+    appended as path components. Pure."""
+    base, sep, query = location.partition("?")
+    return "/".join([base.rstrip("/"), *names]) + sep + query if "://" in base else \
+        os.path.join(base, *names) + (sep + query if sep else "")
+
+
+def resolve(location: str) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow file system and the path on it for a checkpoint ``location`` (a local
+    path, ``~`` expanded, or a URI). Raises what ``pyarrow.fs.FileSystem.from_uri`` raises
+    for an unknown scheme (``ValueError``/``OSError``)."""
+    if "://" in location:
+        return pafs.FileSystem.from_uri(location)
+    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(location))
+
+
 def staging_path(path: str, nonce: str) -> str:
-    """Where a save writes before the rename: beside ``path``, so on its file system."""
+    """Where a save writes before the rename: beside ``path``, so on its file system; for a
+    remote ``path``, a directory on the writing node's own disk (``local_staging``)."""
+    if is_remote(path):
+        return local_staging(nonce)
+    if path.startswith("file://"):
+        path = path[len("file://"):]
     return f"{os.path.normpath(path)}.partial-{nonce}"
+
+
+def local_staging(nonce: str) -> str:
+    """A node-local directory for staging a remote checkpoint (the same path on every rank
+    of a group: they share a node)."""
+    return os.path.join(tempfile.gettempdir(), f"moshray-group-checkpoint-{nonce}")
+
+
+def list_checkpoints(base: str) -> list[str]:
+    """The ``step-<n>`` entries under ``base`` (a path or a URI), newest first, as
+    locations; empty when ``base`` does not exist."""
+    fs, root = resolve(base)
+    infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory
+                    and i.base_name.startswith("step-") and ".partial-" not in i.base_name),
+                   reverse=True)
+    return [child(base, name) for name in names]
+
+
+def newest(base: str) -> str | None:
+    """The newest whole checkpoint (``step-<n>`` with its manifest and every file it names)
+    under ``base``, or None; a torn or partial one is passed over for an older one."""
+    for location in list_checkpoints(base):
+        try:
+            read_manifest(location)
+        except CheckpointError:
+            continue
+        return location
+    return None
 
 
 # -- the rank side (I/O; every rank of the group calls these, in the same order) ---------------
@@ -158,29 +226,53 @@ def _dcp():
     return dcp, get_state_dict, set_state_dict
 
 
+def _files(fs: pafs.FileSystem, root: str) -> dict[str, int]:
+    """name -> size of the files directly in ``root`` (empty if it does not exist)."""
+    infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    return {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
+
+
 def read_manifest(path: str) -> CheckpointManifest:
-    """The manifest of the checkpoint at ``path``, its files checked against it;
-    ``CheckpointError`` (one line) when there is none (not a whole checkpoint) or torn."""
+    """The manifest of the checkpoint at ``path`` (a path or a URI), its files checked
+    against it; ``CheckpointError`` (one line) when there is none (not a whole checkpoint),
+    it is torn, or the storage cannot be read."""
     try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = CheckpointManifest.from_json(f.read(), path)
-    except FileNotFoundError:
-        what = "no such directory" if not os.path.isdir(path) else \
-            f"no {MANIFEST}, not a whole group checkpoint"
-        raise CheckpointError(f"{path}: {what}") from None
-    present = {e.name: e.stat().st_size for e in os.scandir(path) if e.is_file()}
+        fs, root = resolve(path)
+        present = _files(fs, root)
+        if MANIFEST not in present:
+            what = ("no such directory" if fs.get_file_info(root).type != pafs.FileType.Directory
+                    and not present else f"no {MANIFEST}, not a whole group checkpoint")
+            raise CheckpointError(f"{path}: {what}")
+        with fs.open_input_stream(f"{root}/{MANIFEST}") as stream:
+            manifest = CheckpointManifest.from_json(stream.read().decode(), path)
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())[:200]})") from None
     torn = torn_file(manifest, present)
     if torn:
         raise CheckpointError(f"{path}: torn checkpoint: {torn}")
     return manifest
 
 
+def exists(location: str) -> bool:
+    """Whether a checkpoint ``location`` is taken: a local directory, or for a remote one a
+    manifest (an object store's shards without one are a failed save's leftovers)."""
+    if is_remote(location):
+        fs, root = resolve(location)
+        return fs.get_file_info(f"{root}/{MANIFEST}").type == pafs.FileType.File
+    return os.path.exists(resolve(location)[1])
+
+
 def save_state(model: torch.nn.Module, opt: torch.optim.Optimizer, staging: str, final: str,
                manifest: CheckpointManifest, rank: int) -> str | None:
     """Write this rank's shard of ``model`` and ``opt`` into ``staging``; rank 0 then adds
     the manifest (``manifest`` with the shapes and files filled in) and renames ``staging``
-    to ``final``. A collective: every rank calls it. Returns ``None``, or on rank 0 why
-    ``final`` was not written (it appeared meanwhile; the staging directory is removed)."""
+    to ``final``, or for a remote ``final`` uploads the files and writes the manifest
+    there last (module docstring). A collective: every rank calls it. Returns ``None``, or
+    on rank 0 why ``final`` was not written (it appeared meanwhile; the staging directory
+    is removed). Storage errors (``OSError``) propagate."""
     dcp, get_state_dict, _ = _dcp()
     msd, osd = get_state_dict(model, opt)  # FSDP2: DTensor shards, DDP: whole tensors
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=staging)
@@ -190,10 +282,14 @@ def save_state(model: torch.nn.Module, opt: torch.optim.Optimizer, staging: str,
                          if e.is_file()))
     manifest = CheckpointManifest(manifest.step, manifest.world_size, manifest.parallel,
                                   manifest.optimizer, state_shapes(model.state_dict()), files)
+    if is_remote(final):
+        try:
+            return _upload(staging, final, manifest)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    final = resolve(final)[1]
     _write_synced(os.path.join(staging, MANIFEST), manifest.to_json())
     if os.path.exists(final):  # rename(2) would replace an empty directory silently
-        import shutil
-
         shutil.rmtree(staging, ignore_errors=True)
         return f"{final}: exists (written meanwhile); not replaced"
     os.rename(staging, final)
@@ -201,14 +297,42 @@ def save_state(model: torch.nn.Module, opt: torch.optim.Optimizer, staging: str,
     return None
 
 
+def _upload(staging: str, final: str, manifest: CheckpointManifest) -> str | None:
+    """Rank 0's publication of a remote checkpoint: every file of ``staging`` to ``final``,
+    then the manifest (the commit). None, or why not (``final`` was taken meanwhile)."""
+    if exists(final):
+        return f"{final}: exists (written meanwhile); not replaced"
+    fs, root = resolve(final)
+    fs.create_dir(root, recursive=True)
+    for name, _ in manifest.files:
+        pafs.copy_files(os.path.join(staging, name), f"{root}/{name}",
+                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    with fs.open_output_stream(f"{root}/{MANIFEST}") as out:
+        out.write(manifest.to_json().encode())
+    return None
+
+
+def fetch(path: str, into: str) -> str:
+    """A remote checkpoint's files (those its manifest names, and the manifest) copied into
+    the local directory ``into``; returns ``into``. ``OSError`` from the storage."""
+    fs, root = resolve(path)
+    manifest = read_manifest(path)
+    os.makedirs(into, exist_ok=True)
+    for name in [f for f, _ in manifest.files] + [MANIFEST]:
+        pafs.copy_files(f"{root}/{name}", os.path.join(into, name), source_filesystem=fs,
+                        destination_filesystem=pafs.LocalFileSystem())
+    return into
+
+
 def load_state(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
     """Fill ``model`` and ``opt`` (sharded as this group shards them) from the checkpoint at
-    ``path``, resharding as needed (see module docstring). A collective: every rank calls
-    it, after ``read_manifest`` and ``first_difference`` found nothing wrong."""
+    ``path`` (a local directory: a remote checkpoint is ``fetch``ed first), resharding as
+    needed (see module docstring). A collective: every rank calls it, after
+    ``read_manifest`` and ``first_difference`` found nothing wrong."""
     dcp, get_state_dict, set_state_dict = _dcp()
     msd, osd = get_state_dict(model, opt)  # a fresh optimizer gets zero state to fill here
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=resolve(path)[1])
     set_state_dict(model, opt, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
 

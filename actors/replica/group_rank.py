@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -38,8 +39,9 @@ from moshray.actors.replica.group_averaging import (
 )
 from moshray.actors.replica.group_loop import ComputeQueue, LoopHost, LoopTask
 from moshray.actors.replica.group_checkpoint import (
-    CheckpointAnswer, CheckpointError, CheckpointManifest, first_difference, load_state,
-    read_manifest, save_state, state_shapes,
+    CheckpointAnswer, CheckpointError, CheckpointManifest, exists as checkpoint_exists, fetch,
+    first_difference, is_remote, load_state, local_staging, read_manifest, save_state,
+    state_shapes,
 )
 from moshray.actors.replica.group_spec import (
     OPTIMIZERS, GroupConfig, GroupError, GroupTask, RankMemory, RankReport, Rendezvous,
@@ -553,7 +555,7 @@ class GroupRank:
     def _save_sharded(self, staging: str, final: str) -> CheckpointAnswer:
         self._held("save_sharded")
         refused = [f"{final}: exists; not replaced"
-                   if self.rank == 0 and os.path.exists(final) else None]
+                   if self.rank == 0 and checkpoint_exists(final) else None]
         dist.broadcast_object_list(refused, src=0)
         if refused[0] is None:
             head = CheckpointManifest(self.step, self.settings.world_size,
@@ -575,23 +577,32 @@ class GroupRank:
             self._build(task)
         model = self.model if self.model is not None else task.build_model().to(self.device)
         optimizer = self.optimizer_name if self.model is not None else task.optimizer
-        verdict: list = [None, None]  # (step, why refused)
+        verdict: list = [None, None, path]  # (step, why refused, where the files are here)
         if self.rank == 0:
             try:
                 manifest = read_manifest(path)
                 verdict = [manifest.step, first_difference(
-                    manifest, state_shapes(model.state_dict()), optimizer)]
+                    manifest, state_shapes(model.state_dict()), optimizer), path]
                 if verdict[1]:
                     verdict[1] = f"{path} does not fit the model: {verdict[1]}"
-            except CheckpointError as exc:
-                verdict = [None, str(exc)]
+                elif is_remote(path):  # onto this node's disk, for every rank here
+                    verdict[2] = fetch(path, local_staging(os.urandom(4).hex()))
+            except (CheckpointError, OSError) as exc:
+                verdict = [None, f"{type(exc).__name__}: {exc}"
+                           if isinstance(exc, OSError) else str(exc), path]
         dist.broadcast_object_list(verdict, src=0)
-        step, refused = verdict
+        step, refused, local = verdict
         if refused:
             return CheckpointAnswer(None, refused)
         if self.model is None:
             self._hold(task, model)
-        load_state(self.model, self.opt, path)
+        try:
+            load_state(self.model, self.opt, local)
+        finally:
+            if local != path:  # a fetched copy: gone once every rank has read it
+                dist.barrier()
+                if self.rank == 0:
+                    shutil.rmtree(local, ignore_errors=True)
         self.step, self.grads_of = step, None
         return CheckpointAnswer(step)
 

@@ -15,11 +15,15 @@ Failure behaviour. A setting groups cannot honour is a ``ConfigError`` (one line
 anything starts. A swarm that cannot go on raises ``SwarmError`` (one line; the groups
 closed); bad input in the user's loop (a ``UserError`` in a rank) ends the job at once with
 that ``UserError``, the same exception from the loop on two nodes with a ``SwarmError``
-naming it (a group whose loop raised is rebuilt up to ``max_strikes`` times per node). On every exit path the capacity request is withdrawn and the groups' actors are
-gone (the swarm closes them; they are the driver's, so a crashed driver takes them along).
-Every spot node gets a notice watcher (``_Watchers``): a notice drains the node and its
-group leaves before it goes. Checkpoints are sharded (``_Checkpoints``) and a job resumes
-on any number of groups. The driver serves the job's Prometheus metrics (``_Metrics``).
+naming it (a group whose loop raised is rebuilt up to ``max_strikes`` times per node). On
+every exit path the capacity request is withdrawn and the groups' actors are gone (the
+swarm closes them; they are the driver's, so a crashed driver takes them along). Every spot
+node gets a notice watcher (``_Watchers``): a notice drains the node and its group leaves
+before it goes. Checkpoints are sharded (``_Checkpoints``; local, shared or object
+storage) and a job resumes on any number of groups. Their durability follows the machines
+seen (``DurabilityGuard``, as with one replica per GPU): on several machines a node-local
+location switches to the cluster's (``MOSHRAY_CHECKPOINT_URI``) or ends the job with one
+line, checked at the start and each second after. The driver serves the job's Prometheus metrics (``_Metrics``).
 Not yet for groups: DMoE experts, ``session.report`` beyond the loss, the cost metrics
 (no node prices are read), adoption by a resubmitted driver.
 """
@@ -41,7 +45,9 @@ from moshray.actors.replica.group_swarm import (
     GroupSwarm, SwarmConfig, SwarmError, SwarmProgress,
 )
 from moshray.cluster.placement import SPOT_RESOURCE
+from moshray.actors.errors import UserError
 from moshray.jobs.config import ConfigError, TrainConfig
+from moshray.jobs.controller.durability import CHECKPOINT_ENV, DurabilityGuard
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +91,13 @@ def swarm_config(config: TrainConfig, nodes: Sequence[Mapping[str, float]],
     except ValueError as exc:
         field, _, why = str(exc).partition(": ")
         raise ConfigError(field, why or str(exc)) from None
+
+
+def _addresses() -> list[str]:
+    """The addresses of the alive nodes (machines, for ``DurabilityGuard``)."""
+    import ray
+
+    return [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
 
 
 def _spot_nodes() -> dict[str, dict[str, float]]:
@@ -135,60 +148,59 @@ class _Checkpoints:
     ``<checkpoint.uri>/<run id>/groups/step-<step>``: one group holding the newest step
     writes one every ``checkpoint.every_steps`` steps and at the end; a job starts from the
     newest whole one of its run (else of ``checkpoint.resume_from``'s), resharded to
-    however many groups and ranks it has. A local or shared file system path only
-    (``ConfigError`` for a URL). A failed save ends the job (``RuntimeError``, one line)."""
+    however many groups and ranks it has. ``checkpoint.uri``: a local or shared file
+    system path, or a URI pyarrow understands (``s3://``, ``gs://``): what a job on several
+    machines needs, as ``run_groups``' ``DurabilityGuard`` holds it to (``retarget`` when it
+    switches to the cluster's location). A failed save ends the job (``RuntimeError``, one
+    line); an unreadable location at the start is a ``ConfigError``."""
 
     def __init__(self, config: TrainConfig):
-        from moshray.actors.replica.checkpoint import job_run_id
-
-        c = config.checkpoint
-        self.every = c.every_steps
+        self.every = config.checkpoint.every_steps
         self.base = self.start = None
         self.last = 0
+        self.retarget(config)
+
+    def retarget(self, config: TrainConfig, read_start: bool = True) -> None:
+        """Use ``config``'s checkpoint location from now on; with ``read_start`` (before the
+        swarm starts) the start is read there: the newest whole checkpoint, or
+        ``resume_from``'s."""
+        from moshray.actors.replica.checkpoint import job_run_id
+        from moshray.actors.replica.group_checkpoint import child, newest
+
+        c = config.checkpoint
         if c.uri is None:
+            self.base = None
             return
-        if "://" in c.uri:
-            raise ConfigError("checkpoint.uri", "replica groups write sharded checkpoints to "
-                              "a local or shared file system path, not a URL; got " + c.uri)
-        root = os.path.expanduser(c.uri)
-        self.base = os.path.join(root, job_run_id(c, config.run_dir), "groups")
-        self.start = newest(self.base)
-        if self.start is None and c.resume_from:
-            other = c.resume_from if os.sep in c.resume_from else \
-                os.path.join(root, c.resume_from)
-            self.start = newest(os.path.join(other, "groups"))
+        self.base = child(c.uri, job_run_id(c, config.run_dir), "groups")
+        if not read_start:
+            return
+        self.start, self.last = None, 0
+        try:
+            self.start = newest(self.base)
+            if self.start is None and c.resume_from:
+                other = (c.resume_from if "://" in c.resume_from or os.sep in c.resume_from
+                         else child(c.uri, c.resume_from))
+                self.start = newest(child(other, "groups"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError("checkpoint.uri", f"{c.uri!r} cannot be read: "
+                              f"{' '.join(str(exc).split())[:200]}") from None
         if self.start is not None:
-            self.last = int(os.path.basename(self.start).split("-")[1])
+            self.last = int(self.start.partition("?")[0].rstrip("/").rsplit("step-", 1)[1])
 
     def maybe_save(self, swarm: GroupSwarm, final: bool = False) -> None:
+        from moshray.actors.replica.group_checkpoint import child, is_remote
+
         if self.base is None or swarm.frontier <= self.last or not (
                 final or swarm.frontier - self.last >= self.every):
             return
-        path = os.path.join(self.base, f"step-{swarm.frontier:08d}")
+        path = child(self.base, f"step-{swarm.frontier:08d}")
         try:
-            os.makedirs(self.base, exist_ok=True)
+            if not is_remote(self.base):
+                os.makedirs(self.base.removeprefix("file://"), exist_ok=True)
             self.last = swarm.save(path)
         except (GroupError, OSError) as exc:
             raise RuntimeError(f"checkpoint: saving step {swarm.frontier} to {path} failed: "
                                f"{' '.join(str(exc).split())}") from None
-
-
-def newest(base: str) -> str | None:
-    """The newest whole group checkpoint (``step-<n>`` with its manifest) under ``base``."""
-    from moshray.actors.replica.group_checkpoint import CheckpointError, read_manifest
-
-    try:
-        names = sorted((e.name for e in os.scandir(base)
-                        if e.is_dir() and e.name.startswith("step-")), reverse=True)
-    except FileNotFoundError:
-        return None
-    for name in names:
-        try:
-            read_manifest(os.path.join(base, name))
-        except CheckpointError:
-            continue  # torn or partial: an older one
-        return os.path.join(base, name)
-    return None
 
 
 class _Metrics:
@@ -279,7 +291,14 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
     asked, timer, swarm, tending, served = False, None, None, None, None
     watchers = _Watchers(config)
     done = threading.Event()
+    stopped: list[ConfigError] = []  # a durability Stop seen by the tending thread
     try:
+        # Durability follows the machines seen (durability.py), as with one replica per GPU.
+        guard = DurabilityGuard(config, os.environ.get(CHECKPOINT_ENV), out)
+        durable = guard.update(_addresses())
+        if durable.checkpoint.uri != config.checkpoint.uri:
+            checkpoints.retarget(durable)
+        config = durable
         deadline = time.monotonic() + config.cluster.wait_for_nodes_s
         nodes = _spot_nodes()
         while not nodes and time.monotonic() < deadline and not STOP.is_set():
@@ -316,10 +335,20 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
         def tend() -> None:
             """Watchers on new nodes; ``ray job stop`` (SIGTERM) or ``stop_when``: end after
             the step in flight."""
+            uri = config.checkpoint.uri
             while not done.wait(1.0):
                 if STOP.is_set() or (stop_when is not None and stop_when()):
                     swarm.finish()
                 watchers.open_new()
+                try:
+                    now = guard.update(_addresses())
+                except (ConfigError, UserError) as exc:  # a machine its checkpoints miss
+                    stopped.append(exc)
+                    swarm.finish()
+                    continue
+                if now.checkpoint.uri != uri:
+                    uri = now.checkpoint.uri
+                    checkpoints.retarget(now, read_start=False)
 
         tending = threading.Thread(target=tend, daemon=True, name="groups-tend")
         tending.start()
@@ -329,6 +358,8 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
             if exc.user_error is not None:
                 raise exc.user_error from None
             raise
+        if stopped:
+            raise stopped[0]
     finally:
         done.set()
         if tending is not None:

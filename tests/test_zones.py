@@ -141,16 +141,21 @@ def test_membership_plans_by_declared_zone() -> None:
     assert blind.plan(now=0.0).grid.zones == ()
 
 
-def test_averagers_run_a_zoned_plan_to_the_exact_bitwise_equal_average() -> None:
-    zones = _zones((3, 4))
+def _swarm(zones: dict[str, str], zone_aware: bool = True):
+    """(averagers by peer, the first plan) of peers in ``zones`` over ``LocalNetwork``."""
     network = LocalNetwork()
-    membership = Membership(MembershipConfig(max_group=8))
+    membership = Membership(MembershipConfig(max_group=8, zone_aware=zone_aware))
     averagers = {}
     for pid, zone in zones.items():
         averagers[pid] = Averager(pid, transport=network.transport(pid))
         network.add(pid, averagers[pid])
         membership.register(PeerInfo(pid, pid, zone=zone), now=0.0)
-    plan = membership.plan(now=0.0)
+    return averagers, membership.plan(now=0.0)
+
+
+def test_averagers_run_a_zoned_plan_to_the_exact_bitwise_equal_average() -> None:
+    zones = _zones((3, 4))
+    averagers, plan = _swarm(zones)
     assert len(plan.grid.rounds) == 3  # inside zones, delegates, fan-out
     rng = np.random.default_rng(0)
     arrays = {p: rng.standard_normal(5000).astype(np.float32) for p in zones}
@@ -183,14 +188,7 @@ def test_averagers_count_the_bytes_they_send_across_zones_as_the_plan_predicts()
     numel = 6000
     totals = {}
     for aware in (True, False):
-        network = LocalNetwork()
-        membership = Membership(MembershipConfig(max_group=8, zone_aware=aware))
-        averagers = {}
-        for pid, zone in zones.items():
-            averagers[pid] = Averager(pid, transport=network.transport(pid))
-            network.add(pid, averagers[pid])
-            membership.register(PeerInfo(pid, pid, zone=zone), now=0.0)
-        plan = membership.plan(now=0.0)
+        averagers, plan = _swarm(zones, aware)
         assert dict(plan.zones) == zones  # declared zones travel with every plan
 
         async def run():

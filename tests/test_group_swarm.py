@@ -99,6 +99,7 @@ def test_a_spot_notice_makes_a_group_leave_before_its_node_goes_without_losing_a
     assert drained == [True]
     assert stats.steps == 8 and stats.lost_steps == 0 and stats.groups_max == 2
     assert stats.leaves == 1 and stats.notice_leaves == 1 and stats.rebuilt == 0
+    assert stats.node_leaves == 1  # (with its node: a node lost to the metrics)
     assert stats.groups_final == 1 and stats.consistent is True
 
 

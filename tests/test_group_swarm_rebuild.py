@@ -57,6 +57,7 @@ def test_a_group_with_a_killed_rank_leaves_and_rejoins_while_the_other_goes_on(s
     stats = swarm.run()
     assert killed and stats.steps == 24 and stats.lost_steps == 0
     assert stats.leaves == 1 and stats.rebuilt == 1 and stats.joins == 1
+    assert stats.node_leaves == 0  # its node stayed: no node lost
     assert stats.groups_final == 2 and stats.consistent is True
     # the rebuilt group is a new one on the same node, with new actors
     back = [m for name, m in swarm.members.items() if name not in ("r0", "r1")]

@@ -506,7 +506,8 @@ class SwarmStats:
     """What a swarm did. ``steps``: the newest step held (each group's optimizer steps);
     ``lost_steps``: steps undone (see module docstring); ``groups_max``: the most groups in
     one step; ``joins``: joins by shard; ``leaves``: groups that left after taking part
-    (``notice_leaves`` of them after a spot notice);
+    (``notice_leaves`` of them after a spot notice, ``node_leaves`` with their node gone or
+    draining, a notice or not; the others failed on a live node);
     ``rebuilt``: groups placed again on a node whose group left while it stayed, that
     joined; ``retried``: swarm steps no group applied (tried again); ``consistent``: every
     group's unsharded parameters bitwise equal at the end (None: not checked)."""
@@ -522,6 +523,7 @@ class SwarmStats:
     rebuilt: int = 0
     retried: int = 0
     notice_leaves: int = 0  # leaves after a spot notice (their node drained), among leaves
+    node_leaves: int = 0  # leaves with their node (lost or drained), among leaves
     groups_final: int = 0
     final_loss: float | None = None
     consistent: bool | None = None
@@ -532,7 +534,8 @@ class SwarmStats:
                 "parallel": self.parallel, "steps": self.steps,
                 "lost_steps": self.lost_steps, "groups_max": self.groups_max,
                 "joins": self.joins, "leaves": self.leaves,
-                "notice_leaves": self.notice_leaves, "rebuilt": self.rebuilt,
+                "notice_leaves": self.notice_leaves, "node_leaves": self.node_leaves,
+                "rebuilt": self.rebuilt,
                 "retried": self.retried, "groups_final": self.groups_final,
                 "final_loss": self.final_loss, "replicas_consistent": self.consistent,
                 "wall_s": round(self.wall_s, 2)}
@@ -673,7 +676,8 @@ class GroupSwarm:
         self._to(m, G.GONE, action.reason)
         if any(t.dst is G.ACTIVE for t in m.machine.history):  # it had taken part
             self.stats = replace(self.stats, leaves=self.stats.leaves + 1,
-                                 notice_leaves=self.stats.notice_leaves + action.notice)
+                                 notice_leaves=self.stats.notice_leaves + action.notice,
+                                 node_leaves=self.stats.node_leaves + action.node_lost)
         mem = self.memory.get(m.node_id, NodeMemory(m.node_id))
         if not action.node_lost:
             self._node(m.node_id, left_at_s=self.clock(),

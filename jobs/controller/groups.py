@@ -236,7 +236,8 @@ class _Metrics:
         for g in p.groups:
             states[{"active": "training"}.get(g.state.value, g.state.value)] += 1
         self.exporter.apply(metrics.ReplicaStatesEvent(tuple(states.items())))
-        noticed, lost = stats.notice_leaves, stats.leaves - stats.notice_leaves
+        # groups that left with their node (a group failing on a live node is no node loss)
+        noticed, lost = stats.notice_leaves, stats.node_leaves - stats.notice_leaves
         for _ in range(noticed - self.left[0]):
             self.exporter.apply(metrics.NodeLostEvent(True))
         for _ in range(lost - self.left[1]):

@@ -282,7 +282,8 @@ def run(args: argparse.Namespace) -> dict:
         except LinksBenchError as exc:
             raise BenchError(str(exc)) from None
         shaped = {"profile": links.profile, "link_mbit": list(links.mbit),
-                  "zones": dict(links.zones), "gradient_bytes_fp16": wire_bytes,
+                  "zones": dict(links.zones), "zone_links": dict(links.zone_links),
+                  "gradient_bytes_fp16": wire_bytes,
                   "step_compute_s": round(compute_s, 4)}
     options = RayTrainOptions(
         max_workers=args.max_nodes, checkpoint_every=args.checkpoint_every,

@@ -71,16 +71,14 @@ Prints one JSON line (``--json``; else a short table and the JSON) and writes
   ``collaborative``; ``averaged_cross_zone_bytes_fall`` is the averaging's own bytes per
   step sent between the zones (the replicas count each byte they send by the receiver's
   zone: the job's ``cross_zone_bytes``), zone-blind over zone-aware;
-  ``cross_zone_bytes_fall`` is the same for every frame on the wire (``ZoneBytes``: frames
-  between zone B's nodes and zone A's or the head, counted on zone B's links, Ray's
-  control traffic included, which crosses the zones too and does not shrink with the
-  grid); both beside
+  ``cross_zone_bytes_fall`` is the same for every frame on the wire (``ZoneBytes``: the
+  counters of the one link between zone B's bridge and zone A's, Ray's control traffic
+  included, which crosses the zones too and does not shrink with the grid); both beside
   ``grid_cross_zone_fall``, what the grid's plans predict for these zone sizes (2 + 1
   nodes: 4/3; 2 + 2: 2, the zone size; in general the harmonic mean of the two zones'
-  sizes); ``--zone-b N`` puts the last N nodes in zone B, each behind the slow link
-  (per-host shaping slows zone B's own traffic too; the count leaves it out).
-  ``last_link_bytes_fall`` is the same on the last node's link both ways (``LinkBytes``:
-  the crossing bytes with one node in zone B, zone B's own traffic too with more).
+  sizes); ``--zone-b N`` puts the last N nodes in zone B (fast links among them, the slow
+  one to zone A). ``last_link_bytes_fall`` is the same on the last node's own link both
+  ways (``LinkBytes``: with one node in zone B, the crossing bytes).
 
 Bytes per step are a run's bytes (start-up and Ray's own traffic included) over its steps;
 step times are medians of the gaps between consecutive steps. Writes
@@ -420,7 +418,8 @@ def profile_links(profile_name: str, config, nodes: int):
     laid = links.lay_out(profile, nodes, wire_bytes, compute_s)
     print(f"links {profile.name}: {profile.description}; model {wire_bytes / 1e3:.0f} kB fp16 "
           f"gradients, {compute_s * 1e3:.0f} ms compute per node per step -> links "
-          f"{laid.mbit} Mbit/s", file=sys.stderr, flush=True)
+          f"{laid.mbit} Mbit/s" + (f", zone links {dict(laid.zone_links)} Mbit/s"
+                                   if laid.zone_links else ""), file=sys.stderr, flush=True)
     return laid, wire_bytes, compute_s
 
 
@@ -448,92 +447,30 @@ class LinkBytes:
 
 
 class ZoneBytes:
-    """Bytes crossing between zone B (``slots``) and zone A (``others``' nodes and the
-    head), counted on zone B's links: a raw packet socket on the host side of each zone-B
-    node's veth (its bridge port) sees every frame the node sends or receives; a frame counts
-    (its full length, Ethernet header included, as ``rx_bytes`` counts) when it is IPv4 with
-    one end in zone B and the other in zone A. Each such frame passes exactly one zone-B
-    link; a frame between two zone-B nodes passes two and is not counted, nor are multicast
-    or broadcast frames (IGMP reports and the like). ``tbf`` counts per link and
-    ``tc`` actions cannot be loaded here, hence the sockets. One thread per socket, each
-    woken at least every 0.5 s; ``close`` (or leaving the ``with``) stops and joins them."""
+    """Bytes crossing between a zone and the rest: the host side of the zone's link
+    (``HostNetwork.zone_link``, between its bridge and the head's), ``rx_bytes +
+    tx_bytes``: every frame between the zone and the rest, Ethernet header included, each
+    once; traffic inside the zone stays on its bridge and is not counted."""
 
-    HEADER = 34  # Ethernet (14) + the IPv4 header's fields up to the destination address
+    def __init__(self, cluster, zone: str):
+        link = cluster.net.zone_link(zone)
+        self.paths = [Path(f"/sys/class/net/{link}/statistics/{w}")
+                      for w in ("rx_bytes", "tx_bytes")]
 
-    def __init__(self, cluster, slots: Sequence[int], others: Sequence[int]):
-        import socket
-
-        self._b = {socket.inet_aton(cluster.net.host(s).address) for s in slots}
-        self._a = {socket.inet_aton(cluster.net.host(s).address) for s in others}
-        self._a.add(socket.inet_aton(cluster.net.head_address))
-        self._totals = [0] * len(slots)
-        self._stop = threading.Event()
-        self._sockets = []
-        try:
-            for s in slots:
-                sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
-                self._sockets.append(sock)
-                sock.bind((cluster.net.host(s).veth, 0))
-                sock.settimeout(0.5)
-        except OSError:
-            self.close()
-            raise
-        self._threads = [threading.Thread(target=self._count, args=(i, sock), daemon=True,
-                                          name=f"zone-bytes-{i}")
-                         for i, sock in enumerate(self._sockets)]
-        for t in self._threads:
-            t.start()
-
-    def _count(self, index: int, sock) -> None:
-        import socket
-
-        buf = bytearray(self.HEADER)
-        zone_a, zone_b = self._a, self._b
-        while not self._stop.is_set():
-            try:
-                size = sock.recv_into(buf, self.HEADER, socket.MSG_TRUNC)
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
-                return  # closed
-            if size >= self.HEADER and buf[12:14] == b"\x08\x00":  # IPv4
-                src, dst = bytes(buf[26:30]), bytes(buf[30:34])
-                if (src in zone_a and dst in zone_b) or (src in zone_b and dst in zone_a):
-                    self._totals[index] += size
-
-    def read(self) -> list[int]:
-        """Crossing bytes counted on each zone-B link so far (slot order)."""
-        return list(self._totals)
-
-    def close(self) -> None:
-        self._stop.set()
-        for t in getattr(self, "_threads", ()):
-            t.join(timeout=5)
-        for sock in self._sockets:
-            sock.close()
-
-    def __enter__(self) -> "ZoneBytes":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def read(self) -> int:
+        return sum(int(p.read_text()) for p in self.paths)
 
 
 def zone_layout(laid, zone_b: int):
-    """``laid`` (the ``zones`` profile laid onto n slots: the last in zone B behind the slow
-    link) with its last ``zone_b`` slots in zone B, each behind the slow link the profile
-    gives its last node, the others in zone A as laid. Per-host shaping also slows zone B's
-    own traffic (between its nodes), which the bytes counted by ``ZoneBytes`` leave out.
-    ``ValueError`` unless ``1 <= zone_b <= n - 1``. Pure."""
-    from moshray.jobs.local.links import NodeLinks
+    """``laid`` (the ``zones`` profile laid onto n slots: the last in zone B, behind zone
+    B's slow link) with its last ``zone_b`` slots in zone B, on zone B's bridge, the
+    others in zone A. ``ValueError`` unless ``1 <= zone_b <= n - 1``. Pure."""
+    from dataclasses import replace as with_
 
     n = len(laid.mbit)
     if not 1 <= zone_b <= n - 1:
         raise ValueError(f"zone B needs 1 to {n - 1} of {n} nodes, got {zone_b}")
-    in_b = [i >= n - zone_b for i in range(n)]
-    return NodeLinks(laid.profile,
-                     tuple(laid.mbit[-1] if b else r for b, r in zip(in_b, laid.mbit)),
-                     tuple((i, "b" if b else "a") for i, b in enumerate(in_b)))
+    return with_(laid, zones=tuple((i, "b" if i >= n - zone_b else "a") for i in range(n)))
 
 
 def _driver_env(cluster, home: Path) -> dict:
@@ -770,8 +707,8 @@ def run_compare(profile_name: str, nodes: int, seconds: float, short: bool, out_
             laid = zone_layout(laid, zone_b)
         except ValueError as exc:
             raise LinksBenchError(f"--zone-b: {exc}") from None
-        print(f"zone B: the last {zone_b} node(s) -> links {laid.mbit} Mbit/s, zones "
-              f"{dict(laid.zones)}", file=sys.stderr, flush=True)
+        print(f"zone B: the last {zone_b} node(s), zones {dict(laid.zones)}, joined by "
+              f"{dict(laid.zone_links)} Mbit/s", file=sys.stderr, flush=True)
     zone_b_slots = [slot for slot, zone in laid.zones if zone == "b"]
     try:
         base_name, base = links.baseline(laid)
@@ -788,12 +725,11 @@ def run_compare(profile_name: str, nodes: int, seconds: float, short: bool, out_
         try:
             counter = LinkBytes(cluster, range(nodes), both_ways=True)
             if zone_b_slots:
-                crossing = ZoneBytes(cluster, zone_b_slots,
-                                     [s for s in range(nodes) if s not in zone_b_slots])
+                crossing = ZoneBytes(cluster, "b")
             for name in systems:
                 started = time.monotonic()
                 run_dir = out_dir / f"compare-{layout}" / name
-                crossed = sum(crossing.read()) if crossing else None
+                crossed = crossing.read() if crossing else None
                 try:
                     curve = (
                         run_ddp(cluster, sets, nodes, seconds, run_dir, counter)[0]
@@ -803,7 +739,7 @@ def run_compare(profile_name: str, nodes: int, seconds: float, short: bool, out_
                                     nodes, seconds,
                                     run_dir, counter)[0])
                     if crossing is not None:
-                        curve = replace(curve, cross_zone_bytes=sum(crossing.read()) - crossed)
+                        curve = replace(curve, cross_zone_bytes=crossing.read() - crossed)
                     runs[layout][name] = curve
                 except LinksBenchError as exc:
                     failed[f"{layout}/{name}"] = str(exc)
@@ -813,11 +749,10 @@ def run_compare(profile_name: str, nodes: int, seconds: float, short: bool, out_
                       f"steps in {time.monotonic() - started:.0f} s", file=sys.stderr,
                       flush=True)
         finally:
-            if crossing is not None:
-                crossing.close()
             cluster.shutdown()
     result = compare_figures(profile_name, base_name, runs)
-    result.update(layouts={n: {"link_mbit": list(l.mbit), "zones": dict(l.zones)}
+    result.update(layouts={n: {"link_mbit": list(l.mbit), "zones": dict(l.zones),
+                               "zone_links": dict(l.zone_links)}
                            for n, l in layouts.items()},
                   failed=failed, nodes=nodes, seconds_per_run=seconds, short=short,
                   zone_b=len(zone_b_slots) or None,
@@ -845,7 +780,7 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
     sets = SHORT_MODEL if short else FULL_MODEL
     laid, wire_bytes, compute_s = profile_links(profile_name, _config(sets), nodes)
     rates = laid.mbit
-    slowest = min((r for r in rates if r is not None), default=None)
+    slowest = laid.slowest
     choice = choose_mode(slowest * 1e6 if slowest else 10e9, wire_bytes, compute_s)
     print(choice.line, file=sys.stderr, flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -206,8 +206,9 @@ def _goodput_links_rows(f: Mapping) -> Rows:
 
 
 def _compare_layouts(f: Mapping) -> str:
-    return "; ".join(f"{name} {l.get('link_mbit')}" + (f" zones {l['zones']}" if l.get("zones")
-                                                        else "")
+    return "; ".join(f"{name} {l.get('link_mbit')}"
+                     + (f" zones {l['zones']}" if l.get("zones") else "")
+                     + (f" zone links {l['zone_links']}" if l.get("zone_links") else "")
                      for name, l in (f.get("layouts") or {}).items())
 
 

@@ -239,6 +239,10 @@ class LocalClusterConfig:
     # node starts, before its raylet joins (a node a trace adds again gets the same link);
     # others are not shaped. ``jobs/local/links.py`` lays a link profile out this way.
     link_mbit: tuple[tuple[int, float], ...] = ()
+    # netns: (zone, Mbit/s or None) pairs: that zone's nodes sit on a bridge of their own,
+    # joined to the head's by one link at the rate each way (``HostNetwork.add_zone``):
+    # fast inside the zone, slow between zones.
+    zone_links: tuple[tuple[str, float | None], ...] = ()
 
     def labels(self, slot: int) -> dict[str, str]:
         """The Ray node labels of ``slot``'s raylet."""
@@ -259,6 +263,16 @@ class LocalClusterConfig:
             if not (isinstance(mbit, (int, float)) and mbit > 0):
                 raise ValueError(f"link_mbit: slot {slot}'s rate must be a positive Mbit/s, "
                                  f"got {mbit!r}")
+        if self.zone_links and self.hosts != "netns":
+            raise ValueError("zone_links joins zones of separate hosts: it needs "
+                             "hosts='netns'")
+        named = {zone for _, zone in self.zones}
+        for zone, mbit in self.zone_links:
+            if zone not in named:
+                raise ValueError(f"zone_links: zone {zone!r} has no slot in zones")
+            if mbit is not None and not (isinstance(mbit, (int, float)) and mbit > 0):
+                raise ValueError(f"zone_links: zone {zone!r}'s rate must be a positive "
+                                 f"Mbit/s or None, got {mbit!r}")
 
 
 class LocalCluster:
@@ -295,6 +309,12 @@ class LocalCluster:
                 raise RuntimeError(why)
             allow_cluster_addresses()
             self.net = HostNetwork()
+            try:
+                for zone, mbit in config.zone_links:
+                    self.net.add_zone(zone, mbit)
+            except BaseException:
+                self.net.close()
+                raise
             ip = self.net.head_address
         else:
             pin_loopback()
@@ -441,7 +461,8 @@ class LocalCluster:
         import subprocess
         import sys
 
-        host = self.net.add_host(slot)
+        zone = dict(self.config.zones).get(slot)
+        host = self.net.add_host(slot, zone if zone in dict(self.config.zone_links) else None)
         imds = None
         proc = None
         try:

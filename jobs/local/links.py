@@ -26,12 +26,11 @@ Profiles (``PROFILES``; the ratio of each node's link, 0 = not shaped):
 - ``slow``: every node at ``REAL_RATIO`` (the g5.xlarge case above);
 - ``straggler``: every node at a tenth of that ratio (10x the bandwidth), the last node at
   ``REAL_RATIO``: one link 10x slower than the rest;
-- ``zones``: two zones, the head and every node but the last in zone A (not shaped), the
-  last node alone in zone B behind a link at ``REAL_RATIO``. With per-host ``tbf`` shaping
-  (``HostNetwork.shape`` limits a node's whole link) a zone of one node is exact: traffic
-  inside zone A never touches the slow link, every byte between the zones does. A zone B of
-  several nodes would need per-destination classes (their traffic to each other would pay
-  the slow link here).
+- ``zones``: two zones, the head and every node but the last in zone A, the last node in
+  zone B; no node's own link is shaped: zone B's nodes sit on a bridge of their own joined
+  to zone A's by one link at ``REAL_RATIO`` (``NodeLinks.zone_links``,
+  ``HostNetwork.add_zone``), so traffic inside either zone is fast and every byte between
+  them crosses the slow link, however many nodes zone B holds.
 """
 
 from __future__ import annotations
@@ -130,17 +129,27 @@ class NodeLinks:
     profile: str
     mbit: tuple[float | None, ...]
     zones: tuple[tuple[int, str], ...] = ()
+    # (zone, Mbit/s): the zone's nodes on a bridge of their own, joined to the head's by
+    # one link at that rate (LocalClusterConfig.zone_links)
+    zone_links: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def slowest(self) -> float | None:
+        """The slowest shaped link's Mbit/s, a node's or a zone's (None: none shaped)."""
+        return min([r for r in self.mbit if r is not None]
+                   + [r for _, r in self.zone_links if r is not None], default=None)
 
     def cluster_fields(self) -> dict:
         """The ``LocalClusterConfig`` fields that lay these links out (with
         ``hosts="netns"``): every node the cluster starts in a listed slot, at the start or
         later, gets its link and zone."""
         return {"link_mbit": tuple((i, r) for i, r in enumerate(self.mbit) if r is not None),
-                "zones": self.zones}
+                "zones": self.zones, "zone_links": self.zone_links}
 
     def to_json(self) -> str:
         return json.dumps({"profile": self.profile, "mbit": list(self.mbit),
-                           "zones": [list(z) for z in self.zones]})
+                           "zones": [list(z) for z in self.zones],
+                           "zone_links": [list(z) for z in self.zone_links]})
 
     @classmethod
     def from_json(cls, text: str) -> "NodeLinks":
@@ -149,7 +158,8 @@ class NodeLinks:
             raw = json.loads(text)
             return cls(str(raw["profile"]), tuple(None if r is None else float(r)
                                                   for r in raw["mbit"]),
-                       tuple((int(s), str(z)) for s, z in raw.get("zones", ())))
+                       tuple((int(s), str(z)) for s, z in raw.get("zones", ())),
+                       tuple((str(z), float(r)) for z, r in raw.get("zone_links", ())))
         except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a NodeLinks JSON object: {exc}") from None
 
@@ -175,9 +185,13 @@ def baseline(laid: NodeLinks) -> tuple[str, NodeLinks]:
 def lay_out(profile: LinkProfile, nodes: int, wire_bytes: float,
             step_compute_s: float) -> NodeLinks:
     """``profile`` on ``nodes`` node slots for a model whose exchange is ``wire_bytes`` and
-    whose step takes ``step_compute_s`` on one node (``node_rates``)."""
-    return NodeLinks(profile.name, node_rates(profile, nodes, wire_bytes, step_compute_s),
-                     profile.node_zones(nodes))
+    whose step takes ``step_compute_s`` on one node (``node_rates``). A zoned profile's
+    last node's rate is zone B's link (``zone_links``), its own link not shaped."""
+    rates = node_rates(profile, nodes, wire_bytes, step_compute_s)
+    if not profile.zoned:
+        return NodeLinks(profile.name, rates)
+    return NodeLinks(profile.name, rates[:-1] + (None,), profile.node_zones(nodes),
+                     (("b", rates[-1]),))
 
 
 def apply(cluster, rates: tuple[float | None, ...]) -> None:

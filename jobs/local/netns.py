@@ -17,6 +17,12 @@ node a namespace with:
   sends and receives at most the rate) and cut (``cut``: the link set down, a partition;
   ``heal`` sets it up again).
 
+Zones (``add_zone``): a zone's nodes can sit on a bridge of their own (same subnet, one L2
+segment), joined to the head's bridge by one link shaped like a node's: traffic between two
+nodes of the zone stays on its bridge (fast), every frame between the zone and the rest
+crosses that link (``zone_link``: its head-side name, whose counters are the bytes crossing),
+as between two cloud availability zones.
+
 Processes run in a namespace through ``ip netns exec`` (``popen``). Every name carries the
 creating process's pid (``mrh<pid>...``), so ``clean_stale`` removes what an earlier run
 left when it crashed (namespaces, bridges and the process groups running in them whose
@@ -159,6 +165,36 @@ def _used_subnets() -> set[str]:
             for f in out.splitlines() if len(f.split()) > 3}
 
 
+def _no_ipv6(dev: str, namespace: str | None = None) -> None:
+    """IPv6 off on ``dev`` (in ``namespace``: all of its interfaces): the cluster speaks
+    IPv4 only, and a new interface's IPv6 chatter (neighbour discovery, multicast reports)
+    would cross the links the benchmarks count. Nothing where the kernel has no IPv6."""
+    if not os.path.isdir("/proc/sys/net/ipv6"):
+        return
+    if namespace is None:
+        try:
+            with open(f"/proc/sys/net/ipv6/conf/{dev}/disable_ipv6", "w") as f:
+                f.write("1")
+        except OSError as exc:
+            log.debug("IPv6 left on %s: %s", dev, exc)
+        return
+    subprocess.run(["ip", "netns", "exec", namespace, "sysctl", "-qw",
+                    "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"],
+                   capture_output=True, timeout=30)
+
+
+def _tbf(netns: tuple, dev: str, mbit: float) -> None:
+    """Shape ``dev``'s egress to ``mbit`` Mbit/s (``tbf``). ``ValueError`` for a rate that
+    is not positive."""
+    if not (isinstance(mbit, (int, float)) and mbit > 0):
+        raise ValueError(f"a link's rate must be positive Mbit/s, got {mbit!r}")
+    # The bucket holds at least 10 ms at the rate (and a few full frames); a packet waits
+    # at most 200 ms in the queue, as a congested link's buffer would.
+    burst = max(16 * 1514, int(mbit * 1e6 / 8 / 100))
+    _run("tc", *netns, "qdisc", "replace", "dev", dev, "root", "tbf",
+         "rate", f"{mbit}mbit", "burst", str(burst), "latency", "200ms")
+
+
 QDISC_KEYS = ("sent_bytes", "sent_packets", "dropped", "overlimits")
 
 
@@ -168,6 +204,17 @@ def parse_qdisc_stats(text: str) -> dict[str, int]:
     (zeros where missing)."""
     m = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)", text)
     return dict(zip(QDISC_KEYS, map(int, m.groups()))) if m else dict.fromkeys(QDISC_KEYS, 0)
+
+
+@dataclass(frozen=True)
+class ZoneBridge:
+    """A zone's bridge and the veth pair joining it to the head's: ``link`` on the head's
+    bridge, ``peer`` on the zone's."""
+
+    zone: str
+    bridge: str
+    link: str
+    peer: str
 
 
 @dataclass(frozen=True)
@@ -195,12 +242,14 @@ class HostNetwork:
         self.subnet = f"{SUBNET_BASE}.{free[0]}"
         self.head_address = f"{self.subnet}.1"
         self.hosts: dict[int, Host] = {}
+        self.zones: dict[str, ZoneBridge] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._made_bridge = False
         try:
             _run("ip", "link", "add", self.bridge, "type", "bridge")
             self._made_bridge = True
+            _no_ipv6(self.bridge)
             _run("ip", "addr", "add", f"{self.head_address}/24", "dev", self.bridge)
             _run("ip", "link", "set", self.bridge, "up")
         except BaseException:
@@ -210,10 +259,45 @@ class HostNetwork:
 
     # -- nodes -------------------------------------------------------------------------------
 
-    def add_host(self, slot: int) -> Host:
-        """Make slot's namespace, address, link and metadata address; returns its ``Host``."""
+    def add_zone(self, zone: str, mbit: float | None) -> ZoneBridge:
+        """A bridge for ``zone``'s nodes (``add_host(slot, zone)``), joined to the head's by
+        one link at ``mbit`` Mbit/s each way (``tbf`` on both ends; None: not shaped). A
+        zone already added is returned as it is."""
+        with self._lock:
+            if zone in self.zones:
+                return self.zones[zone]
+            i = len(self.zones)
+            made = ZoneBridge(zone, f"{self.tag}z{i}", f"{self.tag}l{i}", f"{self.tag}m{i}")
+            self.zones[zone] = made  # (registered first: ``close`` removes what was made)
+        _run("ip", "link", "add", made.bridge, "type", "bridge")
+        _run("ip", "link", "add", made.link, "type", "veth", "peer", "name", made.peer)
+        for dev in (made.bridge, made.link, made.peer):
+            _no_ipv6(dev)
+        # The zone's bridge carries frames, nothing for this host: without this the kernel
+        # answers the zone's ARP for the head's address there (the head is local) and the
+        # zone's traffic to the head would skip the link. (8: answer for no local address.)
+        with open(f"/proc/sys/net/ipv4/conf/{made.bridge}/arp_ignore", "w") as f:
+            f.write("8")
+        _run("ip", "link", "set", made.bridge, "up")
+        _run("ip", "link", "set", made.link, "master", self.bridge, "up")
+        _run("ip", "link", "set", made.peer, "master", made.bridge, "up")
+        if mbit is not None:
+            for dev in (made.link, made.peer):
+                _tbf((), dev, mbit)
+        return made
+
+    def zone_link(self, zone: str) -> str:
+        """The head-side end of ``zone``'s link (its ``rx_bytes`` + ``tx_bytes``: every
+        byte between the zone and the rest). ``KeyError`` for a zone not added."""
+        with self._lock:
+            return self.zones[zone].link
+
+    def add_host(self, slot: int, zone: str | None = None) -> Host:
+        """Make slot's namespace, address, link and metadata address; returns its ``Host``.
+        With ``zone`` (added by ``add_zone``) its link is on that zone's bridge."""
         if not 0 <= slot < MAX_SLOTS:
             raise ValueError(f"slot must be in 0..{MAX_SLOTS - 1}, got {slot}")
+        bridge = self.bridge if zone is None else self.zones[zone].bridge
         host = Host(slot, f"{self.tag}-{slot}", f"{self.subnet}.{FIRST_HOST + slot}",
                     f"{self.tag}v{slot}")
         with self._lock:
@@ -222,9 +306,11 @@ class HostNetwork:
             self.hosts[slot] = host
         ns = host.namespace
         _run("ip", "netns", "add", ns)
+        _no_ipv6("", ns)  # (before eth0 exists: it takes the default)
         _run("ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0",
              "netns", ns)
-        _run("ip", "link", "set", host.veth, "master", self.bridge, "up")
+        _no_ipv6(host.veth)
+        _run("ip", "link", "set", host.veth, "master", bridge, "up")
         _run("ip", "-n", ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
         _run("ip", "-n", ns, "link", "set", "eth0", "up")
         _run("ip", "-n", ns, "link", "set", "lo", "up")
@@ -263,13 +349,7 @@ class HostNetwork:
                 subprocess.run(["tc", *netns, "qdisc", "del", "dev", dev, "root"],
                                capture_output=True, timeout=30)
                 continue
-            if not mbit > 0:
-                raise ValueError(f"a link's rate must be positive Mbit/s, got {mbit!r}")
-            # The bucket holds at least 10 ms at the rate (and a few full frames); a packet
-            # waits at most 200 ms in the queue, as a congested link's buffer would.
-            burst = max(16 * 1514, int(mbit * 1e6 / 8 / 100))
-            _run("tc", *netns, "qdisc", "replace", "dev", dev, "root", "tbf",
-                 "rate", f"{mbit}mbit", "burst", str(burst), "latency", "200ms")
+            _tbf(netns, dev, mbit)
 
     def link_stats(self, slot: int) -> dict[str, int]:
         """Slot's link as the kernel counts it, both ends summed (the host side carries what
@@ -331,6 +411,9 @@ class HostNetwork:
             slots = list(self.hosts)
         for slot in slots:
             self.remove_host(slot)
+        for made in list(self.zones.values()):  # a veth pair goes with either end
+            for name in (made.link, made.bridge):
+                subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=30)
         if self._made_bridge:
             try:
                 _run("ip", "link", "del", self.bridge)

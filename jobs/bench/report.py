@@ -215,10 +215,18 @@ def _compare_layouts(f: Mapping) -> str:
 def _time_to_loss_line(f: Mapping) -> str:
     ratio = f.get("time_to_target_vs_ddp")
     verdict = "" if ratio is None else (" (met)" if ratio <= 1 / 3 else " (missed)")
-    return (f"to DDP's final loss {fmt(f.get('target_loss'), '.3f')}: "
+    line = (f"to DDP's final loss {fmt(f.get('target_loss'), '.3f')}: "
             f"{f.get('moshray_mode')} {fmt(f.get('moshray_time_to_target_s'), '.1f', ' s')}, "
             f"DDP {fmt(f.get('ddp_time_to_target_s'), '.1f', ' s')}: "
             f"`time_to_target_vs_ddp` {fmt(ratio, '.3f')}{verdict} (target <= 1/3)")
+    check = f.get("held_out_check")
+    if check:
+        held = {True: " (met)", False: " (missed)"}.get(check.get("met"), "")
+        line += (f"; held out: {check.get('mode')} stopped at "
+                 f"{fmt(check.get('time_vs_ddp'), '.3f')} of DDP's time, "
+                 f"{fmt(check.get('held_out_loss'), '.3f')} vs DDP's final "
+                 f"{fmt(check.get('ddp_held_out_loss'), '.3f')}{held}")
+    return line
 
 
 def _time_to_loss_rows(f: Mapping) -> Rows:

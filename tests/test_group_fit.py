@@ -44,6 +44,10 @@ def test_what_groups_cannot_do_is_refused_with_one_line():
         moshray.fit(lambda s: None, moshray.data.from_fn(lambda *a: iter(())),
                     config={"cluster": {"replica": "node"}}, max_steps=2)
     assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="save_model: replica groups keep their model as "
+                       "sharded checkpoints"):
+        moshray.fit(lambda s: None, moshray.data.by_step(lambda step: ()),
+                    config={"cluster": {"replica": "node"}, "save_model": True}, max_steps=2)
     with pytest.raises(moshray.UserError, match="by_step is for replica groups"):
         moshray.fit(lambda s: None, moshray.data.by_step(lambda step: ()), max_steps=2)
     with pytest.raises(moshray.UserError, match="one argument, the step"):

@@ -559,6 +559,9 @@ class TrainConfig:
             value = _coerce(name, getattr(self, name), tp, from_string=False)
             object.__setattr__(self, name, value)
         _non_empty("run_dir", self.run_dir)
+        _check(not (self.save_model and self.cluster.replica == "node"), "save_model",
+               "replica groups keep their model as sharded checkpoints (checkpoint.uri), not "
+               "one model.pt; leave save_model off", self.save_model)
 
     def to_dict(self) -> dict[str, Any]:
         """Nested plain dict (JSON-able); ``from_dict(to_dict())`` gives an equal config."""

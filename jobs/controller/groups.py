@@ -283,9 +283,6 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
     if on_report is not None:
         raise ConfigError("cluster.replica", "replica groups do not forward session.report() "
                           "to on_report yet; use one replica per GPU for it")
-    if config.save_model:
-        raise ConfigError("save_model", "replica groups keep their model as sharded "
-                          "checkpoints (checkpoint.uri), not one model.pt; leave save_model off")
     if job is not None and not isinstance(job, LoopTask):
         raise ConfigError("cluster.replica", "replica groups take a loop and data by step: "
                           "moshray.fit(loop, moshray.data.by_step(fn), ...)")

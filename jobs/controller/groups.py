@@ -23,7 +23,8 @@ before it goes. Checkpoints are sharded (``_Checkpoints``; local, shared or obje
 storage) and a job resumes on any number of groups. Their durability follows the machines
 seen (``DurabilityGuard``, as with one replica per GPU): on several machines a node-local
 location switches to the cluster's (``MOSHRAY_CHECKPOINT_URI``) or ends the job with one
-line, checked at the start and each second after. The driver serves the job's Prometheus metrics (``_Metrics``).
+line, checked at the start and each second after. The driver serves the job's Prometheus
+metrics (``_Metrics``).
 Not yet for groups: DMoE experts, ``session.report`` beyond the loss, the cost metrics
 (no node prices are read), adoption by a resubmitted driver.
 """
@@ -39,13 +40,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from moshray.actors.errors import UserError
 from moshray.actors.replica.group_loop import LoopTask
 from moshray.actors.replica.group_spec import GroupConfig, GroupError
 from moshray.actors.replica.group_swarm import (
     GroupSwarm, SwarmConfig, SwarmError, SwarmProgress,
 )
 from moshray.cluster.placement import SPOT_RESOURCE
-from moshray.actors.errors import UserError
 from moshray.jobs.config import ConfigError, TrainConfig
 from moshray.jobs.controller.durability import CHECKPOINT_ENV, DurabilityGuard
 

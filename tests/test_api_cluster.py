@@ -18,6 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.cluster
+
 ACCURACY_FLOOR = 0.90  # a failure-free run reached 0.95 (25 s) to 0.97 (70 s)
 
 

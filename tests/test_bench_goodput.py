@@ -304,6 +304,7 @@ TINY = ["--set", "model.n_layers=1", "--set", "model.d_model=32", "--set", "mode
         "--set", "training.round_timeout_s=5"]
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(1500)
 def test_short_run_reports_consistent_figures_for_all_three(tmp_path: Path):
     # Two nodes; node1 is preempted at 60 s and node2 arrives at 65 s; 75 s per system

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cluster
+
 
 def scenario(mode: str, tmp_path: Path, timeout: float = 400) -> dict:
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")

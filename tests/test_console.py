@@ -181,6 +181,7 @@ def test_the_end_line_names_the_run_directory_the_plot_and_the_summary(tmp_path)
     assert str(tmp_path) in last and "summary.json" in last and "training.png" in last
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(__import__("shutil").which("tmux") is None, reason="needs tmux")
 def test_moshray_train_on_a_terminal_shows_one_redrawn_line_and_no_ray_internals(tmp_path):

@@ -159,6 +159,7 @@ def test_the_head_points_rays_dashboard_at_prometheus_and_grafana(cloud):
         assert f'variable "{name}"' in (bootstrap / "variables.tf").read_text()
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_the_embedded_cluster_serves_rays_dashboard_on_loopback_when_asked():
     """``cluster.dashboard`` (``moshray train --dashboard``): the embedded cluster's head runs

@@ -14,6 +14,8 @@ import pytest
 
 from raystart import RayStartCluster, ray_env
 
+pytestmark = pytest.mark.cluster
+
 REPO = Path(__file__).resolve().parents[1]
 
 CONFIG = """

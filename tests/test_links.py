@@ -420,6 +420,7 @@ def test_the_held_out_check_sets_a_third_of_ddps_time_against_its_held_out_loss(
     assert held_out_check("diloco8", ddp, Curve("x", _curve([4, 3])), 1 / 3)["met"] is None
 
 
+@pytest.mark.cluster
 def test_bench_links_short_smoke(tmp_path: Path) -> None:
     """``moshray bench links --short`` on separate hosts, DDP against ``training.mode =
     "auto"``: one JSON line with both runs, and the auto job's one line with its choice."""

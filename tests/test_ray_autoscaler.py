@@ -158,6 +158,7 @@ def test_gcp_yaml_node_types_launch_against_the_local_endpoint():
         fake.stop()
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(900)
 def test_ray_autoscaler_launches_spot_nodes_for_replicas_and_replaces_a_killed_one():
     script = Path(__file__).with_name("fake_autoscaling.py")

@@ -166,6 +166,7 @@ def scenario(name: str, tmp: Path, timeout: int = 300) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.cluster
 def test_torch_idiom_amp_clipping_reports_evaluation_and_max_epochs(tmp_path: Path):
     out = scenario("idiom", tmp_path)
     summary = out["summary"]
@@ -187,6 +188,7 @@ def test_torch_idiom_amp_clipping_reports_evaluation_and_max_epochs(tmp_path: Pa
     assert set(out["tensorboard_tags"]) >= {"loss", "val_loss", "val_accuracy"}
 
 
+@pytest.mark.cluster
 def test_a_double_backward_through_fit_stops_the_job_with_one_line(tmp_path: Path):
     out = scenario("double-backward", tmp_path)
     assert out == {"type": "UserError",
@@ -195,6 +197,7 @@ def test_a_double_backward_through_fit_stops_the_job_with_one_line(tmp_path: Pat
                             "opt.zero_grad()"}
 
 
+@pytest.mark.cluster
 def test_the_leader_is_handed_over_when_it_is_lost(tmp_path: Path):
     out = scenario("leader-loss", tmp_path)
     lost = out["lost"]

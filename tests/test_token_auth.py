@@ -33,6 +33,8 @@ from pathlib import Path
 import pytest
 from raystart import free_port
 
+pytestmark = pytest.mark.cluster
+
 STARTUP_TIMEOUT_S = 300
 JOB_TIMEOUT_S = 240
 REFUSAL_TIMEOUT_S = 180

@@ -73,6 +73,7 @@ def _scrape(port: int) -> dict | None:
     return out
 
 
+@pytest.mark.cluster
 def test_trace_preempts_and_adds_nodes_while_training(tmp_path: Path):
     """A replayed trace with a notice, a removal and a join, watched through the job's own
     Prometheus exporter while it runs; the run's plot and summary land in run_dir."""
@@ -146,6 +147,7 @@ def test_trace_preempts_and_adds_nodes_while_training(tmp_path: Path):
     assert model and all(torch.isfinite(t).all() for t in model.values() if t.is_floating_point())
 
 
+@pytest.mark.cluster
 def test_resume_from_checkpoint_skips_corrupt_file(tmp_path: Path):
     ckpt = tmp_path / "ckpt"
     run = ("--set", f"run_dir={tmp_path / 'resume-test'}")  # the run id: run_dir's name
@@ -179,6 +181,7 @@ def test_the_step_profile_covers_the_steps_at_the_swarms_largest():
     assert full_size_epoch([]) == 0
 
 
+@pytest.mark.cluster
 def test_declared_gpus_get_one_replica_each_with_cpu_fallback():
     """A node that declares 2 GPUs runs two replicas, each given one GPU by Ray (its own
     device id); this machine has no CUDA, so they train on the CPU and stay consistent."""
@@ -191,6 +194,7 @@ def test_declared_gpus_get_one_replica_each_with_cpu_fallback():
     assert "torch sees no CUDA device" in proc.stderr  # the fallback is said, not silent
 
 
+@pytest.mark.cluster
 def test_overlapped_steps_keep_the_replicas_identical():
     """With ``training.overlap=on`` each replica averages step k while it accumulates step
     k+1; every replica still applies the same averages: identical at the end, no step lost."""

@@ -52,24 +52,17 @@ def _ray_sessions() -> set[str]:
 
 
 @pytest.fixture(autouse=True)
-def _ray_only_in_cluster_tests(request):
+def _ray_only_in_cluster_tests(request, monkeypatch):
     """Fail an unmarked test that starts Ray (see the module's docstring)."""
     if request.node.get_closest_marker("cluster") is not None:
         yield
         return
     before = _ray_sessions()
-    saved = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = str(_GUARD)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved
-        if _ray_sessions() - before:
-            pytest.fail(f"{request.node.nodeid} starts Ray but is not marked: add "
-                        "pytest.mark.cluster to it (tests/conftest.py)", pytrace=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(_GUARD))
+    yield
+    if _ray_sessions() - before:
+        pytest.fail(f"{request.node.nodeid} starts Ray but is not marked: add "
+                    "pytest.mark.cluster to it (tests/conftest.py)", pytrace=False)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

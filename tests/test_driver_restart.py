@@ -19,7 +19,7 @@ from raystart import RayStartCluster
 
 pytestmark = pytest.mark.cluster
 JOB = Path(__file__).resolve().parent / "driver_restart_job.py"
-MAX_STEPS = 120
+MAX_STEPS = 60
 
 
 def _ray(cluster, *args, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -246,6 +246,8 @@ def _end_job(controller, coordinator, lease=None) -> None:
             remove(coordinator)  # its state in the GCS too
         except ray.exceptions.RayError as exc:
             log.warning("Coordinator not removed: %r", exc)
+    if controller is not None:
+        controller.stop_renewing()  # renewed through every wait above; not after release
     if lease is not None:
         try:
             ray.get(lease.release.remote(), timeout=30)

@@ -209,3 +209,77 @@ def test_a_loop_that_raises_ends_fit_with_its_error_and_leaves_nothing(local_clu
     assert any("the same error on 2 nodes" in note for note in info.value.__notes__)
     _nothing_left(before)
     _wait(lambda: not _replica_actors_alive(), 30, "the replicas to be removed")
+
+
+LEASE_S = 2.0
+TABLE = 300_000  # floats: a checkpoint of ~1.2 MB, ~5 s to a store taking 256 KiB/s
+
+
+def loop_with_a_table(session):
+    """The regression of ``loop`` with a 1.2 MB buffer beside it: state that takes seconds
+    to upload."""
+    model = torch.nn.Linear(2, 1)
+    model.register_buffer("table", torch.zeros(TABLE))
+    opt = session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    for x, y in session.batches():
+        opt.step(torch.nn.functional.mse_loss(model(x), y))
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_save_slower_than_the_lease_does_not_end_the_job(local_cluster,
+                                                                     tmp_path: Path):
+    """Issue 56: with ``cluster.driver_lease_s`` = 2 s, a 25-s run saves a checkpoint every
+    50 steps to a slow S3 (moto's, its uploads read at 256 KiB/s: each save takes ~5 s, over
+    twice the lease). The driver's keeper thread renews the lease while the controller's loop
+    waits on each save, and a driver that lives is never reaped: the job trains to its time
+    limit with every checkpoint written. (Before, the lease ended the swarm under the
+    running driver during the first save.)"""
+    import threading
+
+    from moshray.actors.replica.checkpoint import CheckpointStore
+    from moshray.actors.replica.data_sources import from_fn
+    from moshray.jobs.controller import lease as leases
+    from moshray.jobs.fit import _job as make_job
+    from moshray.jobs.fit import build_config
+    from moshray.jobs.train import run_job
+    from moto_s3 import running_s3, s3_uri
+
+    before = _watched(local_cluster)
+    uploads: list[tuple[str, str, int, float]] = []
+    since_renewed: list[float] = []  # the lease's own clock, sampled while the job runs
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.2):
+            lease = leases.find()
+            try:
+                status = ray.get(lease.status.remote(), timeout=10) if lease else None
+            except (ray.exceptions.RayError, TimeoutError):
+                continue
+            if status and status["record"] is not None:
+                since_renewed.append(status["since_renewed_s"])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    with running_s3(upload_bytes_per_s=256 * 1024, uploads=uploads) as endpoint:
+        uri = s3_uri(endpoint, "slow-saves", credentials=True)
+        config = build_config(
+            {"training": {"target_batch_size": 8, "round_timeout_s": 5.0},
+             "cluster": {"driver_lease_s": LEASE_S}},
+            max_nodes=MAX_NODES, metrics_port=0, run_dir=str(tmp_path / "run"),
+            max_seconds=25, checkpoint_uri=uri, checkpoint_every=50)
+        sampler.start()
+        try:
+            summary = run_job(config, local_cluster.address,
+                              make_job(loop_with_a_table, from_fn(pairs, num_shards=4), 4), None)
+        finally:
+            done.set()
+            sampler.join(timeout=30)
+        newest = CheckpointStore(uri, "run").load_latest()
+    saves = [seconds for method, _, size, seconds in uploads if size > 1_000_000]
+    assert len(saves) >= 2 and min(saves) > 2 * LEASE_S, uploads  # saves over twice the lease
+    # renewed during every save: the longest gap the lease saw stayed under twice the lease
+    assert since_renewed and max(since_renewed) < 2 * LEASE_S, max(since_renewed)
+    assert summary["replicas_consistent"] is True and summary["checkpoint_failures"] == 0
+    assert summary["wall_s"] >= 25 and summary["steps"] >= 100
+    assert newest is not None and newest[0] >= summary["steps"] - 50
+    _nothing_left(before)

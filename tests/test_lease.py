@@ -1,17 +1,24 @@
 """The job lease's pure decisions (jobs/controller/lease.py): who adopts a running swarm,
-and when a swarm whose driver is gone ends by itself. No Ray."""
+and when a swarm whose driver is gone ends by itself; and the driver's keeper thread, which
+renews on schedule whatever the controller's loop is doing. No Ray."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 from moshray.jobs.config import TrainConfig
 from moshray.jobs.controller.lease import (
     Adopt,
     Fresh,
     JobRecord,
+    JobState,
+    LeaseKeeper,
     Replace,
     decide_claim,
     fingerprint,
     reap_reason,
+    renew_interval,
     replica_actor_name,
 )
 
@@ -50,11 +57,70 @@ def test_the_fingerprint_ignores_the_runs_bounds_and_outputs():
 def test_a_swarm_ends_when_the_lease_lapses_or_a_stopped_driver_is_gone():
     assert reap_reason(None, 1e9, False) is None
     assert reap_reason(RECORD, 59.0, holder_alive=False) is None  # within the lease
-    assert "did not renew the lease for 61 s" in reap_reason(RECORD, 61.0, True)
+    assert "gone and did not renew the lease for 61 s" in reap_reason(RECORD, 61.0, False)
     stopping = JobRecord(**{**RECORD.__dict__, "stopping": True})
     assert reap_reason(stopping, 1.0, holder_alive=True) is None  # still finishing itself
     assert reap_reason(stopping, 1.0, holder_alive=False) == \
         "its driver was stopped and is gone"
+
+
+def test_a_live_driver_is_never_reaped_however_long_since_it_renewed():
+    """Issue 56: a save (or a drain, or the end of a run) longer than the lease must not end
+    the job of a driver Ray lists as alive."""
+    assert reap_reason(RECORD, 61.0, holder_alive=True) is None
+    assert reap_reason(RECORD, 1e9, holder_alive=True) is None
+
+
+def test_renewals_come_a_quarter_lease_apart_at_most_5_s():
+    assert renew_interval(120.0) == 5.0
+    assert renew_interval(8.0) == 2.0
+    assert renew_interval(0.2) == 0.1
+
+
+def test_the_keeper_renews_on_schedule_while_the_controller_is_blocked():
+    """The controller publishes once and then blocks (a save longer than the lease): the
+    keeper's thread goes on renewing with the state published, and stops when told."""
+    renewed: list[tuple[float, JobState]] = []
+    renew_lock = threading.Lock()
+
+    def renew(state: JobState) -> bool:
+        with renew_lock:
+            renewed.append((time.monotonic(), state))
+        return True
+
+    keeper = LeaseKeeper(renew, interval_s=0.05)
+    try:
+        time.sleep(0.2)
+        assert renewed == []  # nothing to renew before the first publish
+        state = JobState((("replica-0-1", "node-a", 0.0),), 1, ("node-a",), 5)
+        keeper.publish(state)
+        time.sleep(0.6)  # "blocked": no tick publishes meanwhile
+    finally:
+        keeper.stop()
+    count = len(renewed)
+    assert count >= 5 and all(s == state for _, s in renewed)
+    gaps = [b[0] - a[0] for a, b in zip(renewed, renewed[1:])]
+    assert max(gaps) < 0.5
+    time.sleep(0.2)
+    assert len(renewed) == count and keeper.renewals == count  # stopped: no more renewals
+
+
+def test_a_keeper_whose_lease_ended_stops_and_says_so():
+    calls = []
+
+    def renew(state: JobState) -> bool:
+        calls.append(state)
+        if len(calls) == 1:
+            raise TimeoutError("the lease is restarting")  # a failed attempt: next time
+        return False  # the reaper ended the swarm
+
+    keeper = LeaseKeeper(renew, interval_s=0.02)
+    keeper.publish(JobState())
+    deadline = time.monotonic() + 10
+    while not keeper.ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    keeper.stop()
+    assert keeper.ended and len(calls) == 2
 
 
 def test_replica_names_carry_the_run():

@@ -375,7 +375,7 @@ class ClusterSection(_Section):
     169.254.169.254; needs root; see ``jobs/local/cluster.py``). ``driver_lease_s``: the
     replicas and the Coordinator outlive the driver (a resubmitted job with the same config
     adopts them) for at most this long after its last renewal, then stop by themselves,
-    with a final checkpoint (``jobs/controller/lease.py``). ``replica``: what one replica
+    with a final checkpoint (``jobs/controller/lease.py``); a live driver is never reaped. ``replica``: what one replica
     is: ``gpu`` (a replica per GPU, ``replicas_per_node`` on a node) or ``node`` (a replica
     group per node: one Ray actor per GPU, ``group_ranks`` of them, joined in a
     ``torch.distributed`` process group, the model sharded inside by FSDP2;
@@ -415,7 +415,9 @@ class ClusterSection(_Section):
     node a network namespace of its own; root)."""
     driver_lease_s: float = 120.0
     """Seconds the replicas and the Coordinator outlive a lost driver (a resubmitted job
-    adopts them); then they stop by themselves, with a final checkpoint."""
+    adopts them); then they stop by themselves, with a final checkpoint. A driver that lives
+    is never reaped: a thread of its own renews the lease every quarter of this (at most
+    5 s), through any save or drain."""
     dashboard: bool = False
     """Embedded cluster: start Ray's dashboard on 127.0.0.1 and print its URL."""
     replica: ReplicaUnit = "gpu"

@@ -116,8 +116,9 @@ class ElasticController:
 
     ``spec`` is what every replica shares; ``experts`` (optional) is the ExpertSupervisor,
     registered with each node's watcher for the hand-off on a notice. ``clock`` is injected.
-    ``lease`` (optional, ``jobs/controller/lease.py``): renewed every tick with the job's
-    state, so that the swarm outlives this driver and a later one can ``adopt`` it.
+    ``lease`` (optional, ``jobs/controller/lease.py``): its keeper thread renews it with the
+    job's state each tick publishes, so that the swarm outlives this driver and a later one
+    can ``adopt`` it.
     """
 
     def __init__(self, config, spec: ReplicaSpec, experts=None, out=sys.stdout,
@@ -159,7 +160,7 @@ class ElasticController:
         self._ticks = 0
         self.lease = lease
         self.last_checkpoint = 0  # the newest checkpoint's step (the driver sets it)
-        self._renewal = None  # the last renew call's ref
+        self.keeper = None  # lease.LeaseKeeper, started by the first renew_lease
 
     # -- a swarm that outlives its driver (jobs/controller/lease.py) ----------------------------
 
@@ -188,27 +189,29 @@ class ElasticController:
         return adopted
 
     def renew_lease(self) -> None:
-        """Renew the lease with the job's state (fire-and-forget); raises ``JobFailed`` if
-        the previous renewal found the lease ended (its reaper ended the swarm)."""
+        """Publish the job's state to the lease's keeper (``lease.LeaseKeeper``: its own
+        thread renews the lease on schedule, whatever this loop is doing; started by the
+        first call); raises ``JobFailed`` if a renewal found the lease ended (its reaper
+        ended the swarm)."""
         if self.lease is None:
             return
-        if self._renewal is not None:
-            ready, _ = ray.wait([self._renewal], timeout=0)
-            if ready:
-                try:
-                    alive = ray.get(self._renewal, timeout=RPC_TIMEOUT_S)
-                except (ray.exceptions.RayError, TimeoutError):
-                    alive = True  # a lease restarting: renewed again next tick
-                if not alive:
-                    raise JobFailed("the job's lease ended (the swarm was stopped)")
-        replicas = tuple((r.replica_id, r.node_id, r.num_gpus)
-                         for r in self.records.values() if not r.state.terminal)
-        try:
-            self._renewal = self.lease.renew.remote(replicas, self._count,
-                                                    tuple(self.own_watchers),
-                                                    self.last_checkpoint)
-        except ray.exceptions.RayError as exc:
-            log.warning("lease not renewed: %r", exc)
+        from moshray.jobs.controller import lease as leases
+
+        if self.keeper is None:
+            self.keeper = leases.LeaseKeeper(
+                leases.ray_renewal(self.lease, RPC_TIMEOUT_S),
+                leases.renew_interval(self.config.cluster.driver_lease_s))
+        if self.keeper.ended:
+            raise JobFailed("the job's lease ended (the swarm was stopped)")
+        self.keeper.publish(leases.JobState(
+            tuple((r.replica_id, r.node_id, r.num_gpus)
+                  for r in self.records.values() if not r.state.terminal),
+            self._count, tuple(sorted(self.own_watchers)), self.last_checkpoint))
+
+    def stop_renewing(self) -> None:
+        """End the lease's keeper (before the driver releases the lease). Idempotent."""
+        if self.keeper is not None:
+            self.keeper.stop()
 
     # -- observe -----------------------------------------------------------------------------
 

@@ -15,19 +15,25 @@ of everything it owns. So nothing the run needs is owned by it:
   on the head node, mirrored into Ray's GCS key-value store (a restarted ``JobLease`` reads
   it back).
 
-The driver renews the lease on every supervision tick. A resubmitted driver with the same
-config (``fingerprint``) finds the record and, when the driver holding it is dead (Ray's job
+The driver renews the lease from a thread of its own (``LeaseKeeper``), every quarter of
+``cluster.driver_lease_s`` (at most every 5 s), with the job's state as the controller last
+published it: a supervision tick that blocks (a checkpoint save of gigabytes, a drain, the
+end of a run) delays no renewal. A resubmitted driver with the same config
+(``fingerprint``) finds the record and, when the driver holding it is dead (Ray's job
 table says so), *adopts* the swarm: the same Coordinator, the same replicas, no step lost
 (``decide_claim``). Anything else (another config, a swarm that is stopping) is ended first,
-as one training job per cluster always was. Nothing leaks: ``JobLease`` ends the swarm by
-itself (``reap_reason``) when the lease is not renewed for ``cluster.driver_lease_s``, or at
-once when a driver that said it is stopping (SIGTERM, ``ray job stop``) is dead: it writes a
+as one training job per cluster always was. Nothing leaks, and a live job is never reaped:
+``JobLease`` ends the swarm by itself (``reap_reason``) when its driver is dead (Ray's job
+table) and has not renewed the lease for ``cluster.driver_lease_s`` (the window in which a
+resubmitted driver adopts it), or at once when a driver that said it is stopping (SIGTERM,
+``ray job stop``) is dead: it writes a
 final checkpoint through a replica (if the job has a checkpoint location), tells the
 Coordinator to stop the replicas, kills them, the watchers the job started and the
 Coordinator, withdraws the capacity request, deletes the record and removes itself. A driver
 that ends normally (or by an error) does the same itself and ``release``s the lease.
 
-``decide_claim`` and ``reap_reason`` are pure; ``JobLease`` carries them out.
+``decide_claim`` and ``reap_reason`` are pure; ``JobLease`` carries them out, and
+``LeaseKeeper`` renews.
 """
 
 from __future__ import annotations
@@ -126,15 +132,96 @@ def decide_claim(record: JobRecord | None, me: str, fingerprint_: str,
 
 def reap_reason(record: JobRecord | None, since_renewed_s: float,
                 holder_alive: bool) -> str | None:
-    """Why ``JobLease`` ends the swarm now, or None. Pure."""
-    if record is None:
+    """Why ``JobLease`` ends the swarm now, or None. Pure. Only a driver that is gone is
+    reaped: at once if it was told to stop, else once it has not renewed the lease for
+    ``lease_s`` (the time a resubmitted driver has to adopt the swarm). A driver Ray lists
+    as alive is never reaped, however long since it renewed (``job_alive`` answers alive
+    when Ray's job table cannot be read)."""
+    if record is None or holder_alive:
         return None
-    if record.stopping and not holder_alive:
+    if record.stopping:
         return "its driver was stopped and is gone"
     if since_renewed_s > record.lease_s:
-        return (f"its driver did not renew the lease for {since_renewed_s:.0f} s "
+        return (f"its driver is gone and did not renew the lease for {since_renewed_s:.0f} s "
                 f"(cluster.driver_lease_s={record.lease_s:g})")
     return None
+
+
+def renew_interval(lease_s: float) -> float:
+    """How often ``LeaseKeeper`` renews a lease of ``lease_s``: a quarter of it, at most 5 s
+    and at least 0.1 s. Pure."""
+    return min(max(lease_s / 4.0, 0.1), 5.0)
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What a renewal carries: the job's state as the controller last saw it
+    (``JobRecord``'s fields of the same names)."""
+
+    replicas: tuple[tuple[str, str, float], ...] = ()
+    count: int = 0
+    own_watchers: tuple[str, ...] = ()
+    last_checkpoint: int = 0
+
+
+class LeaseKeeper:
+    """Renews the job's lease from a daemon thread of the driver, every ``interval_s``,
+    with the newest ``JobState`` the controller ``publish``ed, whatever the controller's own
+    loop is doing (a checkpoint save, a drain or the end of a run may block it for minutes).
+
+    ``renew(state)`` is one bounded renewal: True if the lease stands, False if it ended (its
+    reaper ended the swarm); an exception is a failed attempt (logged; a lease restarting is
+    renewed on the next). After a False, ``ended`` is True and the thread stops: the
+    controller raises ``JobFailed`` on its next tick. ``stop`` ends the thread (bounded);
+    the driver stops it before it releases the lease. Nothing is renewed before the first
+    ``publish``."""
+
+    def __init__(self, renew, interval_s: float, name: str = "lease-keeper"):
+        self._renew = renew
+        self.interval_s = interval_s
+        self._state: JobState | None = None
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self.ended = False
+        self.renewals = 0
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self._thread.start()
+
+    def publish(self, state: JobState) -> None:
+        """The job's state now; the first one is renewed at once, later ones on schedule."""
+        first = self._state is None
+        self._state = state
+        if first:
+            self._wake.set()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            state = self._state
+            if state is not None:
+                try:
+                    if not self._renew(state):
+                        self.ended = True
+                        return
+                    self.renewals += 1
+                except Exception as exc:  # noqa: BLE001 - a lease restarting: next time
+                    log.warning("lease not renewed: %r", exc)
+            self._wake.wait(self.interval_s if state is not None else None)
+            self._wake.clear()
+
+
+def ray_renewal(lease, timeout_s: float = 30.0):
+    """``LeaseKeeper``'s ``renew`` for the ``JobLease`` actor ``lease``."""
+
+    def renew(state: JobState) -> bool:
+        return ray.get(lease.renew.remote(state.replicas, state.count, state.own_watchers,
+                                          state.last_checkpoint), timeout=timeout_s)
+
+    return renew
 
 
 def job_alive(job_id: str) -> bool:
@@ -203,11 +290,13 @@ class JobLease:
         with self.lock:
             if self.record is None:
                 return False
-            self.record = replace(self.record, replicas=tuple(replicas), count=count,
-                                  own_watchers=tuple(own_watchers),
-                                  last_checkpoint=last_checkpoint)
+            record = replace(self.record, replicas=tuple(replicas), count=count,
+                             own_watchers=tuple(own_watchers),
+                             last_checkpoint=last_checkpoint)
             self.renewed_at = self.clock()
-            self._store()
+            if record != self.record:  # the GCS mirror is written when the state changed
+                self.record = record
+                self._store()
             return True
 
     def stopping(self) -> None:

@@ -172,22 +172,21 @@ def run_job(config: TrainConfig, address: str, job=None,
             from moshray.jobs.controller.mode_probe import resolve_auto
 
             config = resolve_auto(config, builtin, out)
-        init_state_ref = None
+        resume = None  # the replicas read it from the store; the driver reads manifests
         if config.checkpoint.uri:
             c = config.checkpoint
             found = resume_point(c.uri, job_run_id(c, config.run_dir), c.resume_from,
                                  config.to_dict())
             if found is not None:
-                step, state, where = found
-                print(f"resuming from checkpoint at step {step} ({where})", file=out,
+                resume, where = found
+                print(f"resuming from checkpoint at step {resume.step} ({where})", file=out,
                       flush=True)
-                init_state_ref = [ray.put(state)]
         coordinator, lease, record, adopting = _claim_cluster(config, out)
         address_shown = ray.get(coordinator.metrics_address.remote(), timeout=30)
         if address_shown:
             print(f"metrics: http://{address_shown}/metrics", file=out, flush=True)
         experts = _start_experts(config, coordinator) if config.model.moe else None
-        spec = ReplicaSpec(config.to_dict(), job, coordinator, init_state_ref,
+        spec = ReplicaSpec(config.to_dict(), job, coordinator, resume,
                            run_id=record.run_id)
         controller = ElasticController(config, spec, experts, out, lease=lease)
         if adopting:

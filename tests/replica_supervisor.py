@@ -24,10 +24,10 @@ class ReplicaSupervisor:
     """One replica per embedded-cluster slot (tests and benchmarks that place replicas
     themselves; the training job uses the elastic controller instead)."""
 
-    def __init__(self, config, files, coordinator, init_state_ref):
+    def __init__(self, config, files, coordinator, resume):
         import moshray.jobs.examples.lm.example as lm
         self.spec = ReplicaSpec(config.to_dict(), lm.job(config, files), coordinator,
-                                init_state_ref)
+                                resume)
         self.coordinator = coordinator
         self.replicas: dict[int, tuple[str, object, object]] = {}  # slot -> (id, handle, run)
         self.generation = 0

@@ -344,7 +344,8 @@ def test_s3_store_writes_parts_then_the_manifest_and_never_moves(s3_endpoint):
 
 
 def test_resume_point_takes_this_runs_checkpoint_or_an_adopted_one(tmp_path):
-    from moshray.actors.replica.checkpoint import resume_point
+    from moshray.actors.replica.checkpoint import load_resumed, resume_point
+    from moshray.cluster.messages import CheckpointRef
     from moshray.jobs.config import ConfigError, load_config
 
     config = load_config(None, {"checkpoint.uri": str(tmp_path), "run_dir": "runs/job-a"})
@@ -352,18 +353,67 @@ def test_resume_point_takes_this_runs_checkpoint_or_an_adopted_one(tmp_path):
     assert resume_point(str(tmp_path), "job-a", None, mine) is None
     CheckpointStore(str(tmp_path), run_id="job-b").save({"config": mine, "who": "b"}, 8)
     assert resume_point(str(tmp_path), "job-a", None, mine) is None  # never another run's
-    step, state, where = resume_point(str(tmp_path), "job-a", "job-b", mine)  # adopted
-    assert (step, state["who"], where) == (8, "b", str(tmp_path / "job-b"))
-    step, state, _ = resume_point("/elsewhere", "job-a", f"{tmp_path}/job-b", mine)
-    assert state["who"] == "b"
+    ref, where = resume_point(str(tmp_path), "job-a", "job-b", mine)  # adopted
+    assert (ref, where) == (CheckpointRef(str(tmp_path), "job-b", 8), str(tmp_path / "job-b"))
+    assert load_resumed(ref, mine)[1]["who"] == "b"  # what a replica reads from the ref
+    ref, _ = resume_point("/elsewhere", "job-a", f"{tmp_path}/job-b", mine)
+    assert load_resumed(ref, mine)[1]["who"] == "b"
     CheckpointStore(str(tmp_path), run_id="job-a").save({"config": mine, "who": "a"}, 3)
-    assert resume_point(str(tmp_path), "job-a", "job-b", mine)[1]["who"] == "a"  # own first
+    ref, _ = resume_point(str(tmp_path), "job-a", "job-b", mine)  # own first
+    assert ref == CheckpointRef(str(tmp_path), "job-a", 3)
     with pytest.raises(ConfigError, match="checkpoint.resume_from: no valid checkpoint"):
         resume_point(str(tmp_path), "job-c", "job-d", mine)
     wider = load_config(None, {"model.d_model": "512", "model.n_heads": "8"}).to_dict()
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(ConfigError) as err:  # from the manifest: no state read
         resume_point(str(tmp_path), "job-a", None, wider)
     assert "model.d_model 256 -> 512" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_driver_reads_only_manifests_to_resume(tmp_path):
+    """Issue 56: the driver's memory must not grow with the model. ``resume_point`` reads
+    the manifests (step and config) and the parts' sizes, never a part's bytes: it takes a
+    checkpoint whose part holds other bytes of the right size (only a read could tell), and
+    skips one whose part is missing; the replica's read (``load_resumed``) checks the
+    checksums and falls back to the newest whole one."""
+    from moshray.actors.replica.checkpoint import load_resumed, resume_point
+    from moshray.jobs.config import load_config
+
+    mine = load_config(None, {"checkpoint.uri": str(tmp_path)}).to_dict()
+    store = CheckpointStore(str(tmp_path), run_id="big", part_bytes=64 * 1024)
+    for step in (4, 9, 11):
+        store.save({"config": mine, "w": torch.full((100_000,), float(step))}, step)
+    manifest = json.loads(next((tmp_path / "big").glob("ckpt-000000004-*.manifest.json"))
+                          .read_text())
+    assert manifest["config"] == json.loads(json.dumps(mine)) and len(manifest["parts"]) == 7
+    sorted((tmp_path / "big").glob("ckpt-000000011-*.part*"))[-1].unlink()  # 11: one missing
+    first = sorted((tmp_path / "big").glob("ckpt-000000009-*.part*"))[0]
+    first.write_bytes(bytes(len(first.read_bytes())))  # 9: right size, other bytes
+    ref, _ = resume_point(str(tmp_path), "big", None, mine)
+    assert ref.step == 9  # its parts' bytes were never read
+    step, state = load_resumed(ref, mine)
+    assert step == 4 and float(state["w"][0]) == 4.0
+
+
+def test_a_replica_checks_the_shapes_of_a_checkpoint_whose_manifest_names_no_config(tmp_path):
+    """A checkpoint saved without a config in its manifest (a state that carried none, or
+    one saved before manifests carried it) is checked where it is loaded: one line."""
+    from moshray.actors.errors import UserError
+    from moshray.actors.replica.checkpoint import load_resumed, resume_point
+    from moshray.jobs.config import load_config
+
+    mine = load_config(None, {"checkpoint.uri": str(tmp_path)}).to_dict()
+    wider = load_config(None, {"model.d_model": "512", "model.n_heads": "8"}).to_dict()
+    store = CheckpointStore(str(tmp_path), run_id="old")
+    store.save({"config": mine, "x": 1}, 2)
+    path = next((tmp_path / "old").glob("*.manifest.json"))
+    manifest = json.loads(path.read_text())
+    del manifest["config"]
+    path.write_text(json.dumps(manifest))
+    ref, _ = resume_point(str(tmp_path), "old", None, wider)  # unchecked on the driver
+    with pytest.raises(UserError) as err:
+        load_resumed(ref, wider)
+    assert "model.d_model 256 -> 512" in str(err.value) and "\n" not in str(err.value)
+    assert load_resumed(ref, mine) == (2, {"config": mine, "x": 1})
 
 
 def test_the_run_id_is_the_configs_or_the_run_dirs_name():

@@ -50,7 +50,7 @@ class ReplicaActor:
     """See module docstring. ``config`` is a ``TrainConfig.to_dict()`` dict."""
 
     def __init__(self, peer_id: str, config: dict, job: Job, coordinator,
-                 init_state_ref: list | None = None, build: str | None = None,
+                 resume: CheckpointRef | None = None, build: str | None = None,
                  job_key: bytes | None = None):
         # ``job_key``: the job's secret its averager signs and checks contributions with
         # (``cluster/collective/auth.py``; ``ReplicaSpec.job_key``); None: unsigned (tests).
@@ -76,8 +76,8 @@ class ReplicaActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         handle = ray.get_runtime_context().current_actor
         self.manager = StepManager(peer_id, coordinator, handle, self.node_id,
-                                   self.config.training.round_timeout_s, init_state_ref,
-                                   job_key=job_key,
+                                   self.config.training.round_timeout_s, resume,
+                                   config=config, job_key=job_key,
                                    deadline=self.config.training.deadline_policy())
         self.session: Session | None = None
         self._run_task: asyncio.Task | None = None  # run()'s, once it started

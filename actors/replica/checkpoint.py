@@ -12,7 +12,9 @@ only; numpy arrays become tagged bytes), and it is read back with
 or a plain type: a file planted under the prefix cannot run code on the reader.
 
 Manifest-last: the parts are written under names no reader trusts, then the manifest (the
-run id, the step, the write time, each part's size and sha256) makes them one checkpoint.
+run id, the step, the write time, each part's size and sha256, and the job's config when the
+state carries one) makes them one checkpoint. A job that resumes reads only manifests on its
+driver (``resume_point``: the step and the config to check); its replicas read the state.
 Locally the manifest is written under a temporary name and renamed; on S3/GCS it is one
 PUT, atomic per object, so nothing is ever copied or moved there (a single CopyObject
 cannot move an object over 5 GiB). A reader trusts only parts a manifest of its own run
@@ -45,7 +47,8 @@ import pyarrow.fs as pafs
 import torch
 
 __all__ = ["CheckpointStore", "FORMAT", "FORMAT_VERSION", "SaveResult", "check_run_id",
-           "config_mismatch", "decode_state", "encode_state", "job_run_id", "resume_point",
+           "config_mismatch", "decode_state", "encode_state", "job_run_id", "load_resumed",
+           "resume_point",
            "run_location", "save_to"]
 
 log = logging.getLogger(__name__)
@@ -131,31 +134,67 @@ def job_run_id(checkpoint, run_dir: str) -> str:
 
 
 def resume_point(uri: str, run_id: str, resume_from: str | None,
-                 config: dict) -> tuple[int, dict, str] | None:
-    """``(step, state, location)`` a job starts from: this run's newest valid checkpoint
-    under ``<uri>/<run_id>``; if it has none and ``resume_from`` names another run (a run
-    id under ``uri``, or ``<uri>/<run_id>``), that run's; else None. ``config`` is this
-    job's ``TrainConfig.to_dict()``. Raises ``ConfigError`` (one line) when ``resume_from``
-    has no valid checkpoint, or when the checkpoint's model shapes differ from ``config``'s
-    (``config_mismatch``); storage errors (``OSError``) propagate."""
+                 config: dict) -> tuple["CheckpointRef", str] | None:
+    """``(ref, location)`` of the checkpoint a job starts from: this run's newest under
+    ``<uri>/<run_id>``; if it has none and ``resume_from`` names another run (a run id under
+    ``uri``, or ``<uri>/<run_id>``), that run's; else None. ``ref`` (a
+    ``cluster.messages.CheckpointRef``) is what the replicas load the state from; only
+    manifests are read here (``CheckpointStore.latest_manifest``), so the driver's memory does
+    not grow with the model. ``config`` is this job's ``TrainConfig.to_dict()``. Raises
+    ``ConfigError`` (one line) when ``resume_from`` has no checkpoint, or when the
+    checkpoint's model shapes differ from ``config``'s (``config_mismatch``; a checkpoint
+    whose manifest names no config is checked by the replica that loads it); storage errors
+    (``OSError``) propagate."""
+    from moshray.cluster.messages import CheckpointRef
     from moshray.jobs.config.fields import ConfigError
 
-    store = CheckpointStore(uri, run_id=run_id)
-    found = store.load_latest()
+    base, run = uri, run_id
+    store = CheckpointStore(base, run_id=run)
+    found = store.latest_manifest()
     if found is None and resume_from:
-        base, other = run_location(resume_from) if "/" in resume_from else (uri, resume_from)
-        store = CheckpointStore(base, run_id=other)
-        found = store.load_latest()
+        base, run = run_location(resume_from) if "/" in resume_from else (uri, resume_from)
+        store = CheckpointStore(base, run_id=run)
+        found = store.latest_manifest()
         if found is None:
             raise ConfigError("checkpoint.resume_from", f"no valid checkpoint in "
                               f"{store.location} to start from")
     if found is None:
         return None
-    step, state = found
-    mismatch = config_mismatch(state.get("config"), config)
+    step, stored = found
+    mismatch = config_mismatch(stored, config)
     if mismatch:
         raise ConfigError("checkpoint", f"{store.location} step {step}: {mismatch}")
-    return step, state, store.location
+    return CheckpointRef(base, run, step), store.location
+
+
+def load_resumed(ref: "CheckpointRef", config: dict) -> tuple[int, dict] | None:
+    """A replica's load of the checkpoint its job resumes from (``resume_point``'s ref): the
+    newest valid checkpoint of that run (``load_latest``: checksums checked, a failing one
+    skipped for an older one), or None if none is left. Raises ``UserError`` (one line)
+    when its model shapes differ from ``config``'s (a checkpoint whose manifest carried no
+    config, unchecked by the driver); storage errors (``OSError``) propagate."""
+    from moshray.actors.errors import UserError
+
+    store = CheckpointStore(ref.uri, run_id=ref.run_id)
+    found = store.load_latest()
+    if found is None:
+        return None
+    mismatch = config_mismatch(found[1].get("config"), config)
+    if mismatch:
+        raise UserError("checkpoint", f"{store.location} step {found[0]}: {mismatch}")
+    return found
+
+
+def _config_entry(config) -> dict:
+    """The manifest's ``config`` entry: the state's config if it is a JSON-able dict, else
+    nothing (the replica that loads the state checks it then)."""
+    if not isinstance(config, dict):
+        return {}
+    try:
+        json.dumps(config)
+    except (TypeError, ValueError):
+        return {}
+    return {"config": config}
 
 
 def save_to(uri: str, run_id: str | None, state: dict, step: int) -> SaveResult:
@@ -254,6 +293,7 @@ class _Manifest:
     written_at: float
     run_id: str | None
     parts: tuple[tuple[str, int, str], ...]  # (name, bytes, sha256 hex)
+    config: dict | None = None  # the job's TrainConfig.to_dict(), if the state carried one
 
 
 class CheckpointStore:
@@ -331,7 +371,8 @@ class CheckpointStore:
             manifest = _Manifest(name, int(raw["step"]), str(raw["write_id"]),
                                  float(raw["written_at"]), raw.get("run_id"),
                                  tuple((str(p["name"]), int(p["bytes"]), str(p["sha256"]))
-                                       for p in raw["parts"]))
+                                       for p in raw["parts"]),
+                                 raw["config"] if isinstance(raw.get("config"), dict) else None)
         except OSError as exc:
             raise _Corrupt(f"unreadable: {exc}") from exc
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -382,7 +423,7 @@ class CheckpointStore:
                               "sha256": hashlib.sha256(chunk).hexdigest()})
             manifest = {"format": FORMAT, "version": FORMAT_VERSION, "run_id": self.run_id,
                         "step": step, "write_id": write_id, "written_at": self.clock(),
-                        "parts": parts}
+                        "parts": parts, **_config_entry(state.get("config"))}
             final = f"{self._dir}/{stem}.manifest.json"
             self._write_visible(final, json.dumps(manifest, indent=1).encode(), written)
         except BaseException:
@@ -476,6 +517,39 @@ class CheckpointStore:
         if not isinstance(state, dict):
             raise _Corrupt(f"payload is a {type(state).__name__}, not a dict")
         return decode_state(state)
+
+    def latest_manifest(self) -> tuple[int, dict | None] | None:
+        """``(step, config)`` of the newest checkpoint of this run whose manifest is readable
+        and whose parts are all there at their sizes (highest step, then latest write), or
+        ``None``. Reads manifests and the parts' sizes only, never the state: what a driver
+        needs to resume (its replicas read the state with ``load_latest``, which also checks
+        the checksums and falls back to an older checkpoint should this one fail them).
+        ``config`` is None for a checkpoint whose manifest carries none. A checkpoint with a
+        part missing or of the wrong size is skipped with one warning line, as in
+        ``load_latest``."""
+        manifests, _ = self._manifests()
+        for m in sorted(manifests, key=lambda m: (m.step, m.written_at), reverse=True):
+            try:
+                self._check_sizes(m)
+                return m.step, m.config
+            except _Corrupt as exc:
+                log.warning("checkpoint %s is corrupt (%s); skipping",
+                            self._display(f"{self._dir}/{m.name}"), exc)
+        return None
+
+    def _check_sizes(self, manifest: _Manifest) -> None:
+        """Every part of ``manifest`` is there at its size; raises ``_Corrupt(reason)``."""
+        paths = [f"{self._dir}/{name}" for name, _, _ in manifest.parts]
+        try:
+            infos = self._fs.get_file_info(paths)
+        except OSError as exc:
+            raise _Corrupt(f"parts unreadable: {_one_line(exc)}") from exc
+        for (name, size, _), info in zip(manifest.parts, infos):
+            if info.type == pafs.FileType.NotFound:
+                raise _Corrupt(f"part {name} missing")
+            if info.size != size:
+                raise _Corrupt(f"part {name}: wrong length, manifest says {size} bytes, "
+                               f"found {info.size}")
 
     def load_latest(self) -> tuple[int, dict] | None:
         """``(step, state)`` of the newest valid checkpoint of this run (highest step, then

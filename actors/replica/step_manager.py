@@ -32,7 +32,7 @@ import ray
 from moshray.cluster import metrics
 from moshray.cluster.collective.averager import Averager, AveragingError
 from moshray.cluster.collective.deadline import DeadlinePolicy
-from moshray.cluster.messages import RejectReason, RoundPlan
+from moshray.cluster.messages import CheckpointRef, RejectReason, RoundPlan
 from moshray.cluster.coordinator.progress import ProgressReport
 from moshray.cluster.coordinator.step_profile import PhaseClock
 
@@ -98,11 +98,14 @@ class Overlapped:
 
 class StepManager:
     """See module docstring. ``handle`` is the replica actor's own handle (peers and the
-    Coordinator call it); ``init_state_ref`` an optional ``[ObjectRef]`` of a checkpoint;
+    Coordinator call it); ``resume`` the checkpoint the job starts from (a ``CheckpointRef``,
+    read from the store by this replica when it has no donor; ``config``, the job's config
+    dict, checks its shapes);
     ``clock`` times the protocol's transitions and the join (monotonic seconds)."""
 
     def __init__(self, peer_id: str, coordinator, handle, node_id: str, round_timeout_s: float,
-                 init_state_ref: list | None = None, clock=time.monotonic,
+                 resume: CheckpointRef | None = None, clock=time.monotonic,
+                 config: dict | None = None,
                  job_key: bytes | None = None, deadline: DeadlinePolicy | None = DeadlinePolicy()):
         self.peer_id, self.coordinator, self.handle = peer_id, coordinator, handle
         self.node_id, self.round_timeout_s = node_id, round_timeout_s
@@ -122,7 +125,7 @@ class StepManager:
         self.lock = asyncio.Lock()  # held while the state changes (steps, loads)
         self.started_at = clock()  # join time is measured from here
         self.joined = False  # contributed to an averaged step yet?
-        self._init_state_ref = init_state_ref
+        self._resume, self._config = resume, config or {}
         self._plan: RoundPlan | None = None  # pushed by the Coordinator, not yet taken
         self._overlapped: Overlapped | None = None  # the payload of ``overlapping``
         # (epoch sent at, rejoin generation sent in, reply)
@@ -192,13 +195,15 @@ class StepManager:
         """Copy state from a donor until the Coordinator marks this replica ready. With no
         donor (no replica holds the swarm's state: a new swarm, or every holder died) the
         state comes from the run's newest checkpoint the Coordinator knows of
-        (``latest_checkpoint``, read once per call), if it is newer than the job's initial
-        state (the checkpoint it started from), else from that initial state; falling
-        back below a committed step is the Coordinator's counted rollback.
-        ``RuntimeError`` after ``SYNC_ATTEMPTS`` tries; a checkpoint that cannot be read
-        is logged and the initial state used."""
+        (``latest_checkpoint``, read once per call), if it is newer than the checkpoint the
+        job started from (``resume``), else from that one, read from the store here (never
+        through the driver); falling back below a committed step is the Coordinator's
+        counted rollback. ``RuntimeError`` after ``SYNC_ATTEMPTS`` tries; a checkpoint that
+        cannot be read is logged and the next source used; a ``UserError`` (the resumed
+        checkpoint's shapes differ) propagates."""
         newest: dict | None = None  # the newest checkpoint's state (read on first need)
-        read = False
+        resumed: dict | None = None  # the state the job resumes from (read on first need)
+        read = read_resumed = False
         held = None  # the donorless state loaded last ("checkpoint", "initial"): loaded once
         for attempt in range(SYNC_ATTEMPTS):
             donor = await self.coordinator.donor.remote(self.peer_id)
@@ -216,11 +221,13 @@ class StepManager:
             else:
                 if not read:
                     newest, read = await self._newest_checkpoint(), True
+                if newest is None and not read_resumed:
+                    resumed, read_resumed = await self._resumed_state(), True
                 source = ("checkpoint" if newest is not None else
-                          "initial" if self._init_state_ref else None)
+                          "initial" if resumed is not None else None)
                 if source is not None and held != source:
-                    await self._load(newest if newest is not None
-                                     else await self._init_state_ref[0], from_donor=False)
+                    await self._load(newest if newest is not None else resumed,
+                                     from_donor=False)
                     held = source
                 if source is not None:
                     await self.coordinator.resume_from.remote(self.state.epoch)
@@ -241,8 +248,8 @@ class StepManager:
 
         ref = await self.coordinator.latest_checkpoint.remote()
         floor = self.state.epoch if self.state is not None else 0
-        if self._init_state_ref:
-            floor = max(floor, int((await self._init_state_ref[0]).get("epoch", 0)))
+        if self._resume is not None:
+            floor = max(floor, self._resume.step)
         if ref is None or ref.step <= floor:
             return None
         try:
@@ -256,6 +263,28 @@ class StepManager:
             return None
         log.warning("%s: no replica holds the swarm's state: resuming from the checkpoint "
                     "of step %d (%s/%s)", self.peer_id, found[0], ref.uri, ref.run_id)
+        return found[1]
+
+    async def _resumed_state(self) -> dict | None:
+        """The state of the checkpoint the job resumes from (``checkpoint.load_resumed``,
+        read from the store in a thread), or None: no ``resume``, or no valid checkpoint is
+        left there (every one failed its checksums: logged, the initial model is used, as a
+        driver that found none would). A store that cannot be read raises ``RuntimeError``
+        (the replica fails and is counted; a new one tries again)."""
+        from moshray.actors.replica.checkpoint import load_resumed
+
+        if self._resume is None:
+            return None
+        ref = self._resume
+        try:
+            found = await asyncio.to_thread(load_resumed, ref, self._config)
+        except OSError as exc:
+            raise RuntimeError(f"{self.peer_id}: the checkpoint to resume from ({ref.uri}/"
+                               f"{ref.run_id}, step {ref.step}) not read: {exc}") from exc
+        if found is None:
+            log.warning("%s: no valid checkpoint left in %s/%s to resume from; starting from "
+                        "the initial model", self.peer_id, ref.uri, ref.run_id)
+            return None
         return found[1]
 
     async def _load(self, loaded: dict, from_donor: bool) -> None:

@@ -19,8 +19,8 @@ from moshray.cluster.collective.auth import new_job_key
 @dataclass(frozen=True)
 class ReplicaSpec:
     """What every replica of a job shares: the config dict, the job (the user's loop and
-    data source, ``actors.replica.Job``), the Coordinator and the optional initial state
-    (a checkpoint, as ``[ObjectRef]``). ``build``: the driver's moshray build, read where the
+    data source, ``actors.replica.Job``), the Coordinator and the optional checkpoint the
+    job resumes from (``resume``, a ``CheckpointRef``: the replicas read it from the store). ``build``: the driver's moshray build, read where the
     spec is made (``actors/replica/build_check.py``); a replica whose installed build
     differs refuses to run, which stops the job (None: no check). ``run_id``: the training
     job's run (see ``jobs/controller/lease.py``): its replicas are detached named actors
@@ -33,7 +33,7 @@ class ReplicaSpec:
     config: dict
     job: Any
     coordinator: Any
-    init_state_ref: list | None = None
+    resume: Any = None  # cluster.messages.CheckpointRef
     build: str | None = field(default_factory=installed_build)
     run_id: str | None = None
     job_key: bytes = field(default_factory=new_job_key, repr=False)
@@ -57,7 +57,7 @@ def launch_replica(spec: ReplicaSpec, peer_id: str, node_id: str,
     handle = ReplicaActor.options(
         num_cpus=1, num_gpus=num_gpus, max_concurrency=16,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **lifetime,
-    ).remote(peer_id, spec.config, spec.job, spec.coordinator, spec.init_state_ref,
+    ).remote(peer_id, spec.config, spec.job, spec.coordinator, spec.resume,
               build=spec.build, job_key=spec.job_key)
     return handle, handle.run.remote()
 

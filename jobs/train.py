@@ -37,6 +37,7 @@ they stop by themselves after ``cluster.driver_lease_s`` without a driver
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ from moshray.jobs.config import (
     exit_on_config_error,
 )
 from moshray.jobs.controller.driver_calls import (
+    MoveBounds,
     call_with_retries,
     checkpoint_through_replica,
     final_state,
@@ -63,6 +65,9 @@ from moshray.jobs.controller.durability import CHECKPOINT_ENV, DurabilityGuard
 log = logging.getLogger("moshray.train")
 POLL_S = 0.5
 CLAIM_WAIT_S = 30.0  # how long a new driver waits for the same job's old one to be dead
+# A stopped driver's save must end before Ray's SIGKILL (RAY_JOB_STOP_WAIT_TIME_S, 3 s by
+# default; a scheduler's grace may be longer): what it did not finish, the lease's does.
+STOP_SAVE_S = 10.0
 # Set by SIGTERM (`ray job stop`, a scheduler, a test): the run stops as at its time limit,
 # with a checkpoint and a summary, instead of dying mid-step.
 STOP = threading.Event()
@@ -136,7 +141,6 @@ def run_job(config: TrainConfig, address: str, job=None,
     from moshray.actors.replica.checkpoint import job_run_id, resume_point
     from moshray.jobs.examples.lm.corpus import resolve_data, ship_files
     from moshray.jobs.controller.elastic import ElasticController
-    import dataclasses
 
     # The run's outputs go where the working directory is now: a directory Ray unpacked
     # for the job can be replaced under the driver while it runs (raylets of one machine
@@ -442,6 +446,7 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
     committed = 0  # the newest step seen applied, across Coordinator restarts
     stats: dict = {"history": [], "epoch": 0}
     reported = ReportedLog(config.run_dir, on_report)
+    bounds = MoveBounds()  # a checkpoint save's wait, bounded by the bytes that move
     num_shards = getattr(getattr(controller.spec.job, "data", None), "num_shards", None)
 
     def read_reported() -> None:
@@ -454,6 +459,7 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
         controller.step()
         if guard is not None:
             config = guard.update(controller.hosts)
+            controller.checkpoint_uri = config.checkpoint.uri  # the lease's final save too
         try:
             stats = read_stats(
                 lambda since: ray.get(coordinator.stats.remote(since), timeout=30), stats)
@@ -468,9 +474,11 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
         console.show(stats, elapsed)
         epoch = stats["epoch"]
         if config.checkpoint.uri and epoch - last_ckpt >= config.checkpoint.every_steps:
-            saved = checkpoint_through_replica(config.checkpoint.uri, controller)
+            saved = checkpoint_through_replica(config.checkpoint.uri, controller, bounds)
             if saved.tried:  # a failure counts toward training.max_checkpoint_failures
                 controller.checkpoint_saved(not saved.failed)
+            if saved.rate:  # the next save is bounded by the rate this one measured
+                bounds = dataclasses.replace(bounds, rate=saved.rate)
             last_ckpt = controller.last_checkpoint = epoch
         if (t.max_steps is not None and epoch >= t.max_steps) or \
                 (t.max_seconds is not None and elapsed >= t.max_seconds) or STOP.is_set() \
@@ -493,7 +501,7 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
                         cause[0][:300])
     wall = time.monotonic() - started
     if config.checkpoint.uri:
-        saved = checkpoint_through_replica(config.checkpoint.uri, controller)
+        saved = checkpoint_through_replica(config.checkpoint.uri, controller, bounds)
         if saved.tried:
             controller.checkpoint_saved(not saved.failed)
     final = call_with_retries(coordinator.stats, "read the final stats")
@@ -546,7 +554,8 @@ def _stopping(config: TrainConfig, controller, checkpoint: bool) -> None:
         except (ray.exceptions.RayError, TimeoutError) as exc:
             log.warning("lease not told of the stop: %r", exc)
     if config.checkpoint.uri and checkpoint:
-        saved = checkpoint_through_replica(config.checkpoint.uri, controller, timeout_s=10)
+        saved = checkpoint_through_replica(config.checkpoint.uri, controller,
+                                           MoveBounds(limit_s=STOP_SAVE_S))
         if saved.tried:
             controller.checkpoint_saved(not saved.failed)
 

@@ -369,6 +369,22 @@ def test_resume_point_takes_this_runs_checkpoint_or_an_adopted_one(tmp_path):
     assert "model.d_model 256 -> 512" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_save_reports_its_bytes_as_they_move_and_its_size_and_time(tmp_path):
+    """The progress a waiting driver bounds its wait by (``MoveBounds``): the size once the
+    state is serialized, then the bytes written, in steps of at most ``WRITE_BYTES``."""
+    from moshray.actors.replica.checkpoint import WRITE_BYTES
+
+    store = CheckpointStore(str(tmp_path), run_id="r", part_bytes=3 * WRITE_BYTES)
+    seen: list[tuple[int, int]] = []
+    result = store.try_save({"w": torch.zeros(5 * WRITE_BYTES // 4)}, 1,
+                            lambda done, total: seen.append((done, total)))
+    total = seen[0][1]
+    assert result.ok and result.bytes == total > 5 * WRITE_BYTES and result.seconds > 0
+    assert seen[0] == (0, total) and seen[-1] == (total, total)
+    assert all(b[0] - a[0] <= WRITE_BYTES for a, b in zip(seen, seen[1:]))
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and len(seen) >= 7
+
+
 def test_the_driver_reads_only_manifests_to_resume(tmp_path):
     """Issue 56: the driver's memory must not grow with the model. ``resume_point`` reads
     the manifests (step and config) and the parts' sizes, never a part's bytes: it takes a

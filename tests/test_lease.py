@@ -19,6 +19,7 @@ from moshray.jobs.controller.lease import (
     fingerprint,
     reap_reason,
     renew_interval,
+    renewed,
     replica_actor_name,
 )
 
@@ -121,6 +122,57 @@ def test_a_keeper_whose_lease_ended_stops_and_says_so():
         time.sleep(0.01)
     keeper.stop()
     assert keeper.ended and len(calls) == 2
+
+
+def test_a_renewal_carries_the_checkpoint_location_the_durability_guard_switched_to():
+    """Issue 55: the lease's final checkpoint went to the location frozen at the claim; a
+    renewal now carries where checkpoints go (and keeps it when a state names none)."""
+    record = JobRecord(**{**RECORD.__dict__, "checkpoint_uri": "/tmp/node-local"})
+    state = JobState((("replica-0-1", "n0", 0.0),), 1, (), 5, "s3://bucket/ckpt")
+    after = renewed(record, state)
+    assert after.checkpoint_uri == "s3://bucket/ckpt" and after.last_checkpoint == 5
+    assert after.replicas == (("replica-0-1", "n0", 0.0),) and after.holder == record.holder
+    assert renewed(record, JobState()).checkpoint_uri == "/tmp/node-local"
+
+
+def test_a_replica_is_in_the_lease_before_it_is_launched(monkeypatch):
+    """Issue 55: a replica launched in the driver's last tick was missing from the lease's
+    record (never ended by ``end_swarm``, never adopted). The controller now renews with it
+    before it launches it, in its own thread; a driver that dies after the launch leaves it
+    in the record (``end_swarm`` and ``adopt`` find it by name, or skip it if it never
+    came)."""
+    from types import SimpleNamespace
+
+    from moshray.jobs.config import TrainConfig
+    from moshray.jobs.controller import elastic
+    from moshray.jobs.controller.observations import NodeView
+    from moshray.jobs.controller.reconcile import StartReplica
+
+    renewals: list[JobState] = []
+    keeper = LeaseKeeper(lambda state: renewals.append(state) or True, interval_s=3600)
+    launched = []
+
+    def launch(spec, replica_id, node_id, num_gpus):
+        # whether a renewal done before the launch began carried the replica
+        launched.append((replica_id, any(replica_id in [r[0] for r in state.replicas]
+                                         for state in list(renewals))))
+        return object(), object()
+
+    monkeypatch.setattr(elastic, "launch_replica", launch)
+    config = TrainConfig.from_dict({"checkpoint": {"uri": "/tmp/ckpt"}})
+    controller = elastic.ElasticController(config, SimpleNamespace(coordinator=None),
+                                           lease=object())
+    controller.keeper = keeper
+    try:
+        keeper.publish(controller._job_state())
+        obs = SimpleNamespace(node=lambda node_id: NodeView(node_id, True, True), now_s=1.0)
+        controller._start(StartReplica("node-a", 0.0), obs)
+    finally:
+        keeper.stop()
+    (replica_id, in_lease), = launched
+    assert in_lease
+    assert max(r.count for r in renewals) == 1
+    assert {r.checkpoint_uri for r in renewals} == {"/tmp/ckpt"}
 
 
 def test_replica_names_carry_the_run():

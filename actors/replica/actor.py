@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,14 @@ class Job:
     loop: Callable[[Session], Any]
     data: Any  # a moshray.actors.replica.data_sources.DataSource
     return_state: bool = False
+
+
+class _Move:
+    """A checkpoint save in progress (``ReplicaActor.move_progress``)."""
+
+    def __init__(self, started: float) -> None:
+        self.started = self.moved_at = started
+        self.done = self.total = 0
 
 
 @ray.remote
@@ -81,6 +90,7 @@ class ReplicaActor:
                                    deadline=self.config.training.deadline_policy())
         self.session: Session | None = None
         self._run_task: asyncio.Task | None = None  # run()'s, once it started
+        self._move: _Move | None = None  # the checkpoint save in progress
         # The driver's build against this node's (``build_check.py``): ``run()`` raises the
         # mismatch before the replica joins, and that UserError stops the job.
         self.refusal = build_mismatch(build, installed_build(), ray.util.get_node_ip_address())
@@ -120,7 +130,19 @@ class ReplicaActor:
         state["data"] = {**state["data"],
                          "position": await self.coordinator.data_position.remote(floor)}
         run_id = job_run_id(self.config.checkpoint, self.config.run_dir)
-        result = await asyncio.to_thread(save_to, uri, run_id, state, state["epoch"])
+        moving = _Move(time.monotonic())
+        self._move = moving
+
+        def progress(done: int, total: int) -> None:  # from the saving thread
+            moving.total = total
+            if done > moving.done:
+                moving.done, moving.moved_at = done, time.monotonic()
+
+        try:
+            result = await asyncio.to_thread(save_to, uri, run_id, state, state["epoch"],
+                                             progress)
+        finally:
+            self._move = None
         if result.ok:  # a swarm that loses every replica resumes from it (``_sync``)
             try:
                 await self.coordinator.note_checkpoint.remote(
@@ -129,6 +151,18 @@ class ReplicaActor:
                 log.warning("%s: checkpoint %s not noted at the Coordinator (%s)",
                             self.peer_id, result.location, type(exc).__name__)
         return result
+
+    def move_progress(self) -> dict | None:
+        """How the checkpoint save in progress is going (None: none is): ``done`` and
+        ``total`` bytes (``total`` 0 while the state is serialized), seconds since it began
+        (``since_s``) and since a byte last moved (``idle_s``). The driver bounds its wait by
+        these (``driver_calls.move_verdict``)."""
+        move = self._move
+        if move is None:
+            return None
+        now = time.monotonic()
+        return {"done": move.done, "total": move.total, "since_s": now - move.started,
+                "idle_s": now - move.moved_at}
 
     def status(self) -> dict:
         s = self.session.state if self.session is not None else None

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 FORMAT = "moshray-checkpoint"
 FORMAT_VERSION = 2
 PART_BYTES = 512 * 1024 * 1024  # far under S3's 5 GiB per PUT and pyarrow's upload limits
+WRITE_BYTES = 8 * 1024 * 1024  # a part is written (and its progress reported) in these
 STALE_S = 3600.0  # an unnamed part or a .tmp file older than this is a crashed writer's
 _MANIFEST = re.compile(r"^ckpt-(\d{9})-([0-9a-f]{12})\.manifest\.json$")
 _PART = re.compile(r"^ckpt-(\d{9})-([0-9a-f]{12})\.part(\d{3})$")
@@ -87,6 +88,8 @@ class SaveResult:
     location: str | None = None
     kind: str | None = None
     error: str | None = None
+    bytes: int = 0  # the payload written (0: unknown, or not saved)
+    seconds: float = 0.0  # how long the save took, serializing included
 
     @property
     def ok(self) -> bool:
@@ -197,15 +200,16 @@ def _config_entry(config) -> dict:
     return {"config": config}
 
 
-def save_to(uri: str, run_id: str | None, state: dict, step: int) -> SaveResult:
+def save_to(uri: str, run_id: str | None, state: dict, step: int,
+            progress: Callable[[int, int], None] | None = None) -> SaveResult:
     """Write ``state`` as ``step`` into ``<uri>/<run_id>``; never raises for storage or
     state problems (a store that cannot even be opened is an ``"io"``/``"no_space"``
-    result too): see ``CheckpointStore.try_save``."""
+    result too): see ``CheckpointStore.try_save`` (and ``save`` for ``progress``)."""
     try:
         store = CheckpointStore(uri, run_id=run_id)
     except OSError as exc:
         return SaveResult(step, kind=_storage_kind(exc), error=_one_line(exc))
-    return store.try_save(state, step)
+    return store.try_save(state, step, progress)
 
 
 def _storage_kind(exc: OSError) -> str:
@@ -392,12 +396,16 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ writing
 
-    def save(self, state: dict, step: int) -> str:
+    def save(self, state: dict, step: int,
+             progress: Callable[[int, int], None] | None = None) -> str:
         """Write ``state`` as the checkpoint for ``step``, then apply retention.
 
         ``state`` is a dict of tensors and plain types (numpy arrays allowed; see
         ``encode_state``). A checkpoint already there for the same step stays until
         retention drops it; readers take the newer write. Returns the manifest's location.
+        ``progress(done, total)``, if given, is called with the payload's size once it is
+        serialized (``done`` 0) and after every ``WRITE_BYTES`` written (a caller bounds its
+        wait by the bytes that move, not by a constant).
         Raises ``TypeError`` if ``state`` is not a dict or holds another type, ``ValueError``
         for a negative step, ``OSError`` on a storage failure (what was written of this
         checkpoint is removed where possible; nothing of it is ever visible)."""
@@ -408,6 +416,8 @@ class CheckpointStore:
         buffer = io.BytesIO()
         torch.save(encode_state(state), buffer)
         payload = buffer.getbuffer()
+        report = progress or (lambda done, total: None)
+        report(0, len(payload))
         write_id = uuid.uuid4().hex[:12]
         stem = f"ckpt-{step:09d}-{write_id}"
         written: list[str] = []
@@ -418,7 +428,9 @@ class CheckpointStore:
                 name = f"{stem}.part{i:03d}"
                 written.append(f"{self._dir}/{name}")
                 with self._fs.open_output_stream(written[-1]) as out:
-                    out.write(chunk)
+                    for at in range(0, len(chunk), WRITE_BYTES):
+                        out.write(chunk[at:at + WRITE_BYTES])
+                        report(start + min(at + WRITE_BYTES, len(chunk)), len(payload))
                 parts.append({"name": name, "bytes": len(chunk),
                               "sha256": hashlib.sha256(chunk).hexdigest()})
             manifest = {"format": FORMAT, "version": FORMAT_VERSION, "run_id": self.run_id,
@@ -433,12 +445,23 @@ class CheckpointStore:
         self._retain(f"{stem}.manifest.json")
         return self._display(final)
 
-    def try_save(self, state: dict, step: int) -> SaveResult:
+    def try_save(self, state: dict, step: int,
+                 progress: Callable[[int, int], None] | None = None) -> SaveResult:
         """``save`` that reports a failure as a ``SaveResult`` instead of raising: storage
         errors (``kind`` ``"no_space"`` or ``"io"``) and a state that cannot be stored
-        (``"state"``). A bad ``step`` still raises ``ValueError`` (a caller's bug)."""
+        (``"state"``). A bad ``step`` still raises ``ValueError`` (a caller's bug). A saved
+        result carries the payload's size and the save's duration."""
+        started, size = time.monotonic(), [0]
+
+        def seen(done: int, total: int) -> None:
+            size[0] = total
+            if progress is not None:
+                progress(done, total)
+
         try:
-            return SaveResult(step, location=self.save(state, step))
+            location = self.save(state, step, seen)
+            return SaveResult(step, location=location, bytes=size[0],
+                              seconds=time.monotonic() - started)
         except OSError as exc:
             return SaveResult(step, kind=_storage_kind(exc), error=_one_line(exc))
         except TypeError as exc:

@@ -160,6 +160,8 @@ class ElasticController:
         self._ticks = 0
         self.lease = lease
         self.last_checkpoint = 0  # the newest checkpoint's step (the driver sets it)
+        # where checkpoints go now (the driver sets it when its durability guard switches)
+        self.checkpoint_uri = config.checkpoint.uri
         self.keeper = None  # lease.LeaseKeeper, started by the first renew_lease
 
     # -- a swarm that outlives its driver (jobs/controller/lease.py) ----------------------------
@@ -203,10 +205,17 @@ class ElasticController:
                 leases.renew_interval(self.config.cluster.driver_lease_s))
         if self.keeper.ended:
             raise JobFailed("the job's lease ended (the swarm was stopped)")
-        self.keeper.publish(leases.JobState(
-            tuple((r.replica_id, r.node_id, r.num_gpus)
-                  for r in self.records.values() if not r.state.terminal),
-            self._count, tuple(sorted(self.own_watchers)), self.last_checkpoint))
+        self.keeper.publish(self._job_state())
+
+    def _job_state(self, launching: tuple = ()):
+        """The lease's ``JobState``: the replicas not gone, plus ``launching`` ones."""
+        from moshray.jobs.controller.lease import JobState
+
+        replicas = tuple((r.replica_id, r.node_id, r.num_gpus)
+                         for r in self.records.values() if not r.state.terminal)
+        return JobState(replicas + tuple(launching), self._count,
+                        tuple(sorted(self.own_watchers)), self.last_checkpoint,
+                        self.checkpoint_uri)
 
     def stop_renewing(self) -> None:
         """End the lease's keeper (before the driver releases the lease). Idempotent."""
@@ -324,6 +333,11 @@ class ElasticController:
         node = obs.node(action.node_id)
         label = node.slot if node is not None and node.slot is not None else action.node_id[:8]
         replica_id = f"replica-{label}-{self._count}"
+        if self.keeper is not None:  # in the lease's record before it exists: a driver that
+            # dies right after the launch leaves it to the lease (ended or adopted by name)
+            self.keeper.publish(self._job_state(
+                ((replica_id, action.node_id, action.num_gpus),)))
+            self.keeper.renew_now()
         handle, run = launch_replica(self.spec, replica_id, action.node_id, action.num_gpus)
         self.runs[replica_id] = (handle, run)
         self.records[replica_id] = ReplicaRecord(replica_id, action.node_id, action.num_gpus,

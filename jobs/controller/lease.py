@@ -147,6 +147,15 @@ def reap_reason(record: JobRecord | None, since_renewed_s: float,
     return None
 
 
+def renewed(record: JobRecord, state: JobState) -> JobRecord:
+    """``record`` with the job's state of a renewal: its replicas, count, watchers, newest
+    checkpoint and checkpoint location (kept if the state names none). Pure."""
+    return replace(record, replicas=tuple(state.replicas), count=state.count,
+                   own_watchers=tuple(state.own_watchers),
+                   last_checkpoint=state.last_checkpoint,
+                   checkpoint_uri=state.checkpoint_uri or record.checkpoint_uri)
+
+
 def renew_interval(lease_s: float) -> float:
     """How often ``LeaseKeeper`` renews a lease of ``lease_s``: a quarter of it, at most 5 s
     and at least 0.1 s. Pure."""
@@ -156,12 +165,14 @@ def renew_interval(lease_s: float) -> float:
 @dataclass(frozen=True)
 class JobState:
     """What a renewal carries: the job's state as the controller last saw it
-    (``JobRecord``'s fields of the same names)."""
+    (``JobRecord``'s fields of the same names; ``checkpoint_uri``: where checkpoints go
+    now, which the durability guard may have switched since the claim)."""
 
     replicas: tuple[tuple[str, str, float], ...] = ()
     count: int = 0
     own_watchers: tuple[str, ...] = ()
     last_checkpoint: int = 0
+    checkpoint_uri: str | None = None
 
 
 class LeaseKeeper:
@@ -194,6 +205,22 @@ class LeaseKeeper:
         if first:
             self._wake.set()
 
+    def renew_now(self) -> bool:
+        """Renew with the state published last, in the caller's thread (bounded by
+        ``renew``), before the caller goes on: e.g. a replica in the record before it is
+        launched, so that a driver dying right after the launch leaves it to the lease.
+        False if the lease ended or the renewal failed (logged)."""
+        state = self._state
+        if state is None or self.ended:
+            return False
+        try:
+            if self._renew(state):
+                return True
+            self.ended = True
+        except Exception as exc:  # noqa: BLE001 - a lease restarting
+            log.warning("lease not renewed: %r", exc)
+        return False
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopped.set()
         self._wake.set()
@@ -218,8 +245,7 @@ def ray_renewal(lease, timeout_s: float = 30.0):
     """``LeaseKeeper``'s ``renew`` for the ``JobLease`` actor ``lease``."""
 
     def renew(state: JobState) -> bool:
-        return ray.get(lease.renew.remote(state.replicas, state.count, state.own_watchers,
-                                          state.last_checkpoint), timeout=timeout_s)
+        return ray.get(lease.renew.remote(state), timeout=timeout_s)
 
     return renew
 
@@ -283,16 +309,13 @@ class JobLease:
             self.record, self.renewed_at, self.ended = record, self.clock(), None
             self._store()
 
-    def renew(self, replicas: tuple, count: int, own_watchers: tuple,
-              last_checkpoint: int) -> bool:
+    def renew(self, state: JobState) -> bool:
         """The holder is alive; the job's state as it is now. False if there is no record
         (the lease ended the swarm: the driver should stop)."""
         with self.lock:
             if self.record is None:
                 return False
-            record = replace(self.record, replicas=tuple(replicas), count=count,
-                             own_watchers=tuple(own_watchers),
-                             last_checkpoint=last_checkpoint)
+            record = renewed(self.record, state)
             self.renewed_at = self.clock()
             if record != self.record:  # the GCS mirror is written when the state changed
                 self.record = record
@@ -366,12 +389,13 @@ def end_swarm(record: JobRecord, reason: str, grace_s: float = 20.0) -> None:
     except ValueError:
         coordinator = None
     if record.checkpoint_uri:
+        from moshray.jobs.controller.driver_calls import save_through
+
         for handle in handles:
-            try:
-                result = ray.get(handle.save_checkpoint.remote(record.checkpoint_uri),
-                                 timeout=60)  # a checkpoint.SaveResult
+            try:  # bounded by the bytes that move, not a constant (driver_calls.py)
+                result = save_through(handle, record.checkpoint_uri)
                 log.warning("final checkpoint %s (%s)", result, reason)
-                if result.ok:
+                if result is not None and result.ok:
                     break
             except (ray.exceptions.RayError, TimeoutError) as exc:
                 log.warning("final checkpoint not written: %r", exc)

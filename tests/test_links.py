@@ -293,6 +293,27 @@ def test_figures_compare_against_ddp() -> None:
         figures("slow", {"diloco8": fast}, (None,))
 
 
+def test_the_target_is_the_best_baselines_final_loss() -> None:
+    # DDP ends at 2.0, PowerSGD at 1.8 (the best baseline), torchft's DiLoCo at 1.9;
+    # diloco8 reaches 1.8 at 15 s, PowerSGD at 50 s: 0.3 of the best baseline's time
+    ddp = Curve("ddp", _curve([4, 3.5, 3, 2.5, 2, 2, 2, 2], dt=10.0), 8e6, ((70.0, 2.5),))
+    psgd = Curve("ddp_powersgd", _curve([4, 3.5, 3, 2.5, 2.2, 1.8, 1.8], dt=10.0), 2e6,
+                 ((60.0, 2.3),))
+    ft = Curve("torchft_diloco", _curve([4, 3, 2.5, 1.9, 1.9], dt=10.0), 1e6)
+    fast = Curve("diloco8", _curve([4, 3, 2, 1.8, 1.7, 1.6], dt=5.0), 6e5, ((25.0, 2.2),))
+    out = figures("slow", {"ddp": ddp, "ddp_powersgd": psgd, "torchft_diloco": ft,
+                           "diloco8": fast}, (5.0, 5.0), window=1)
+    assert out["best_baseline"] == "ddp_powersgd" and out["target_loss"] == 1.8
+    assert out["best_baseline_time_to_target_s"] == 50.0
+    assert out["moshray_mode"] == "diloco8" and out["moshray_time_to_target_s"] == 15.0
+    assert out["time_to_target_vs_best_baseline"] == 0.3
+    assert out["ddp_time_to_target_s"] is None and out["time_to_target_vs_ddp"] is None
+    assert out["held_out_loss"] == 2.2 and out["best_baseline_held_out_loss"] == 2.3
+    # the baselines are never the best mode, however fast
+    assert "torchft_diloco" in out["modes"] and out["moshray_mode"] != "torchft_diloco"
+    json.dumps(out)
+
+
 def test_final_models_held_out_losses_are_reported_beside_the_training_curves_times() -> None:
     # DDP's final model: 2.5 held out; diloco8's 2.4; the target stays DDP's training loss
     ddp = Curve("ddp", _curve([4, 3.5, 3, 2.5, 2, 2, 2, 2], dt=10.0), 8e6, ((70.0, 2.5),))
@@ -403,16 +424,17 @@ def test_blockwise4_is_registered_and_keeps_non_finite() -> None:
 # ----------------------------------------------------------------------- smoke run
 
 
-def test_the_held_out_check_sets_a_third_of_ddps_time_against_its_held_out_loss() -> None:
+def test_the_held_out_check_sets_a_part_of_the_baselines_time_against_its_held_out_loss(
+        ) -> None:
     from moshray.jobs.bench.links import held_out_check, steps_within
 
     ddp = Curve("ddp", _curve([4, 3, 3, 3, 3, 3, 3, 3, 3, 3]), held_out=((9.0, 2.5),))
     assert steps_within(ddp.points, 3.0) == 4  # t = 0, 1, 2, 3
     rerun = Curve("diloco8_held_out", _curve([4, 3, 2]), held_out=((2.0, 2.4),))
     out = held_out_check("diloco8", ddp, rerun, 1 / 3)
-    assert out == {"mode": "diloco8", "fraction": 1 / 3, "steps": 3, "wall_s": 2.0,
-                   "ddp_wall_s": 9.0, "time_vs_ddp": 0.222, "held_out_loss": 2.4,
-                   "ddp_held_out_loss": 2.5, "met": True}
+    assert out == {"mode": "diloco8", "baseline": "ddp", "fraction": 1 / 3, "steps": 3,
+                   "wall_s": 2.0, "baseline_wall_s": 9.0, "time_vs_baseline": 0.222,
+                   "held_out_loss": 2.4, "baseline_held_out_loss": 2.5, "met": True}
     worse = Curve("x", _curve([4, 3, 2]), held_out=((2.0, 2.6),))
     assert held_out_check("diloco8", ddp, worse, 1 / 3)["met"] is False
     slower = Curve("x", _curve([4] * 6), held_out=((5.0, 2.0),))  # 5 s > 9 s / 3
@@ -422,8 +444,10 @@ def test_the_held_out_check_sets_a_third_of_ddps_time_against_its_held_out_loss(
 
 @pytest.mark.cluster
 def test_bench_links_short_smoke(tmp_path: Path) -> None:
-    """``moshray bench links --short`` on separate hosts, DDP against ``training.mode =
-    "auto"``: one JSON line with both runs, and the auto job's one line with its choice."""
+    """``moshray bench links --short`` on separate hosts, DDP and torchft's Streaming DiLoCo
+    (Ray Train + torchft, two fragments) against ``training.mode = "auto"``: one JSON line
+    with the three runs, the best baseline's target, and the auto job's one line with its
+    choice."""
     from moshray.jobs.local import netns
 
     why = netns.unavailable()
@@ -435,19 +459,25 @@ def test_bench_links_short_smoke(tmp_path: Path) -> None:
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(
         [sys.executable, "-m", "moshray.jobs.cli", "bench", "links", "--profile", "slow",
-         "--short", "--seconds", "15", "--systems", "ddp,auto", "--out", str(tmp_path),
+         "--short", "--seconds", "15", "--systems", "ddp,torchft_streaming_diloco,auto", "--out", str(tmp_path),
          "--held-out-fraction", "0", "--json"], capture_output=True, text=True, timeout=600,
         env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["profile"] == "slow" and result["nodes"] == 2
     assert all(r is not None and r > 0 for r in result["link_mbit"])
-    assert result["modes"]["ddp"]["steps"] > 0 and result["modes"]["auto"]["steps"] > 0
+    modes = ("ddp", "torchft_streaming_diloco", "auto")
+    assert all(result["modes"][m]["steps"] > 0 for m in modes), result["modes"]
     assert result["modes"]["auto"]["bytes_per_node"] > 0
+    # torchft's outer steps crossed the shaped links too
+    assert result["modes"]["torchft_streaming_diloco"]["bytes_per_node"] > 0
+    assert result["best_baseline"] in ("ddp", "torchft_streaming_diloco")
+    assert result["target_loss"] == result["modes"][result["best_baseline"]]["final_loss"]
+    assert result["failed"] == {}, result["failed"]
     # both final models evaluated on the held-out data: moshray's saved by its job
     # (save_model) on the driver's machine, though its replicas ran on other hosts
     assert result["held_out_missing"] == {}, result["held_out_missing"]
-    assert all(0 < result["modes"][m]["held_out_loss"] < 10 for m in ("ddp", "auto"))
+    assert all(0 < result["modes"][m]["held_out_loss"] < 10 for m in modes)
     assert "held_out_check" not in result  # (--held-out-fraction 0)
     assert Path(result["plot"]).exists()
     chosen = [line for line in (tmp_path / "auto" / "driver.log").read_text().splitlines()

@@ -1,8 +1,9 @@
-"""`moshray bench goodput`: training goodput under a spot trace, moshray vs Ray Train vs the ideal.
+"""`moshray bench goodput`: goodput under a spot trace: moshray, Ray Train, Ray Train + torchft.
 
 One invocation replays the same spot trace (any trace file, count or per-node format, or a
 shipped trace's name; see ``moshray.autoscaler.traces``) onto a fresh embedded local cluster
-per system and trains the same model on the same data for the same wall seconds, three ways:
+per system and trains the same model on the same data for the same wall seconds, three ways
+against an ideal:
 
 1. **moshray**: ``moshray.jobs.train.run`` (collaborative DeDLOC steps, Moshpit averaging,
    replicas started and dropped as nodes come and go), driven as a separate driver process
@@ -11,6 +12,17 @@ per system and trains the same model on the same data for the same wall seconds,
    ``ScalingConfig(num_workers=(1, max_nodes))``, ``FailureConfig(max_failures=-1)``, a checkpoint
    every ``--checkpoint-every`` steps), driven as a separate driver process too; the trace's nodes
    are removed at their deadline and added at their time, with no help for Ray Train.
+2b. **Ray Train + torchft** (``raytrain_torchft``; when torchft is installed, the ``bench``
+   extra, unless ``--no-torchft``; else one line says why it did not run): the same driver with
+   ``--torchft`` (``TorchftConfig``, torchft's ``Manager`` quorum per step with
+   ``min_replica_size=1``, its DDP and optimizer wrappers, only failed replica groups replaced
+   and healed from a live peer), the same trace, nodes, window and checkpoint interval.
+   Reported: ``raytrain_torchft_samples`` (useful: a step number that falls back is a
+   rollback), ``moshray_vs_raytrain_torchft``, ``raytrain_torchft_final_loss`` /
+   ``_eval_loss`` / ``_stall_s``, ``raytrain_torchft_discarded_steps`` (replica steps its
+   quorum did not commit) and ``raytrain_torchft_replica_restarts`` (worker starts beyond the
+   first group). Its failure-free rate is not calibrated: the ideal stays the better of the
+   other two.
 3. **ideal**: the better system's failure-free throughput times the trace's live seconds. Both
    systems' failure-free rates are measured in the same invocation, at every node count the
    trace uses, by calibration runs with n nodes and no node event (no checkpoints), each
@@ -102,8 +114,8 @@ from pathlib import Path
 from moshray.jobs.bench.goodput_curves import participation, summarize
 from moshray.jobs.bench.goodput_gap import GAP_WINDOW_S, gap_split, replica_starts
 from moshray.jobs.bench.goodput_rates import (
-    MOSHRAY, RAYTRAIN, BenchError, compare_rates, count_seconds, ideal_curve, live_timeline,
-    ratio)
+    MOSHRAY, RAYTRAIN, RAYTRAIN_TORCHFT, BenchError, compare_rates, count_seconds, ideal_curve,
+    live_timeline, ratio)
 from moshray.jobs.bench.run_cpu import CpuSampler
 
 # A model that steps quickly on CPU (the README's small configuration).
@@ -148,6 +160,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Ray Train ScalingConfig.elastic_resize_monitor_interval_s")
     parser.add_argument("--raytrain-fixed", action="store_true",
                         help="Ray Train with fixed num_workers=max_nodes, not (1, max_nodes)")
+    parser.add_argument("--no-torchft", action="store_true",
+                        help="leave Ray Train + torchft out (it runs when torchft is installed)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
                         help="bound on each driver's start (both systems)")
     parser.add_argument("--finish-timeout", type=float, default=240.0, metavar="S",
@@ -338,6 +352,20 @@ def run(args: argparse.Namespace) -> dict:
         rt = run_raytrain(config, events, duration, options, rt_dir)
     raytrain = summarize("raytrain", rt.records, duration, args.stall_gap, rt.rewinds)
     raytrain_eval = held_out_loss(config, files, raytrain_final_state(rt.checkpoint))
+
+    # 3. Ray Train + torchft under the same trace (only failed replica groups restart)
+    ft = ft_result = ft_eval = ft_cpu = None
+    ft_missing = torchft_missing() if not args.no_torchft else "left out (--no-torchft)"
+    if ft_missing is None:
+        print(f"raytrain_torchft: {duration:.0f} s under the trace", flush=True)
+        ft_dir = out_dir / f"raytrain-torchft-{stamp}"
+        ft_dir.mkdir(parents=True, exist_ok=True)
+        with CpuSampler() as ft_cpu:
+            ft = run_raytrain(config, events, duration, replace(options, torchft=True), ft_dir)
+        ft_result = summarize(RAYTRAIN_TORCHFT, ft.records, duration, args.stall_gap)
+        ft_eval = held_out_loss(config, files, raytrain_final_state(ft.checkpoint))
+    else:
+        print(f"Ray Train + torchft: not run: {ft_missing}", flush=True)
     probe("end")
     # when each system's samples went missing against its own failure-free rates
     gaps = {name: gap_split(system.curve, events, rates.own[name], duration)
@@ -345,10 +373,12 @@ def run(args: argparse.Namespace) -> dict:
     starts = replica_starts(m_summary.get("replica_timelines") or {})
 
     json_path = out_dir / "goodput.json"
-    plot_path = plot(plot_path_for(json_path), live_timeline(events, duration),
-                     {"moshray": to_end(moshray.curve, duration),
-                      "Ray Train": to_end(raytrain.curve, duration),
-                      "ideal": ideal_curve(events, rates.ideal, duration)},
+    curves = {"moshray": to_end(moshray.curve, duration),
+              "Ray Train": to_end(raytrain.curve, duration)}
+    if ft_result is not None:
+        curves["Ray Train + torchft"] = to_end(ft_result.curve, duration)
+    curves["ideal"] = ideal_curve(events, rates.ideal, duration)
+    plot_path = plot(plot_path_for(json_path), live_timeline(events, duration), curves,
                      f"{trace.name}, {args.max_nodes} nodes, time scale {time_scale:.0f}x"
                      + (f", links {links.profile}" if links else ""))
     result = {
@@ -391,11 +421,15 @@ def run(args: argparse.Namespace) -> dict:
         "stall_gap_s": args.stall_gap, "checkpoint_every": args.checkpoint_every,
         "machine_step_ms": machine, "machine_drift": machine_probe.drift(list(machine.values())),
         "plot": str(plot_path),
+        **torchft_figures(moshray, ft_result, ft, ft_eval, ft_cpu, ft_missing),
     }
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     print(rates_table(rates))
-    print(table([("moshray", moshray, moshray_eval), ("Ray Train", raytrain, raytrain_eval)]))
-    print(f"{'ideal':<10} {ideal:>9.0f} {ideal / duration:>10.1f}")
+    rows = [("moshray", moshray, moshray_eval), ("Ray Train", raytrain, raytrain_eval)]
+    if ft_result is not None:
+        rows.append(("Ray Train + torchft", ft_result, ft_eval))
+    print(table(rows))
+    print(f"{'ideal':<20} {ideal:>9.0f} {ideal / duration:>10.1f}")
     if links is not None:  # the two systems side by side on the same shaped links
         print(f"links {links.profile} ({links.mbit} Mbit/s): moshray {moshray.samples} "
               f"samples, Ray Train {raytrain.samples}: moshray / Ray Train "
@@ -417,12 +451,55 @@ def run(args: argparse.Namespace) -> dict:
     print(f"moshray's participants per step: mean {fmt(peers['mean'])}, max {peers['max']}, "
           f"steps by count {peers['steps_by_peers']}, samples from steps with more than one "
           f"{fmt(peers['multi_sample_share'])}", flush=True)
-    for name, cpu in (("moshray", m_cpu.result), ("Ray Train", rt_cpu.result)):
+    if ft_result is not None:
+        print(f"moshray / Ray Train + torchft {fmt(result['moshray_vs_raytrain_torchft'])}; "
+              f"torchft replica starts {ft.replica_starts} (restarts "
+              f"{result['raytrain_torchft_replica_restarts']}), steps the quorum discarded "
+              f"{ft.discarded}, lost samples "
+              f"{ft_result.samples_processed - ft_result.samples}", flush=True)
+    for name, cpu in (("moshray", m_cpu.result), ("Ray Train", rt_cpu.result),
+                      ("Ray Train + torchft", ft_cpu and ft_cpu.result)):
         if cpu is not None:
             print(f"CPU by role over {name}'s trace run ({cpu.wall_s:.0f} s from its driver's "
                   f"start to its end, {cpu.cpus} cores): {cpu.line()}", flush=True)
     print(machine_probe.report_line(machine), flush=True)
     return result
+
+
+def torchft_missing() -> str | None:
+    """None when torchft can be imported, else one line saying how to install it."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return "torchft is not installed (pip install 'moshray[bench]')"
+    return None
+
+
+def torchft_figures(moshray, ft, run, eval_loss, cpu, missing: str | None) -> dict:
+    """The ``raytrain_torchft_*`` keys of the result (None where it did not run) and
+    ``moshray_vs_raytrain_torchft``. Restarts are replica starts beyond the first group's
+    (every worker of a group that started whole counts once)."""
+    if ft is None:
+        keys = ("samples", "goodput", "final_loss", "eval_loss", "stall_s", "steps",
+                "first_step_s", "samples_processed", "replica_starts", "replica_restarts",
+                "discarded_steps", "error", "cpu")
+        return {"moshray_vs_raytrain_torchft": None, "raytrain_torchft_missing": missing,
+                **{f"raytrain_torchft_{k}": None for k in keys}}
+    first_world = run.worlds[0] if run.worlds else 0
+    return {
+        "moshray_vs_raytrain_torchft": ratio(moshray.samples, ft.samples),
+        "raytrain_torchft_missing": None,
+        "raytrain_torchft_samples": ft.samples, "raytrain_torchft_goodput": ft.goodput,
+        "raytrain_torchft_final_loss": ft.final_loss, "raytrain_torchft_eval_loss": eval_loss,
+        "raytrain_torchft_stall_s": ft.stall_s, "raytrain_torchft_steps": ft.steps,
+        "raytrain_torchft_first_step_s": run.records[0].t_s if run.records else None,
+        "raytrain_torchft_samples_processed": ft.samples_processed,
+        "raytrain_torchft_replica_starts": run.replica_starts,
+        "raytrain_torchft_replica_restarts": max(run.replica_starts - first_world, 0),
+        "raytrain_torchft_discarded_steps": run.discarded,
+        "raytrain_torchft_error": run.error,
+        "raytrain_torchft_cpu": cpu.result and cpu.result.to_json(),
+    }
 
 
 def main(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from moshray.jobs.bench.goodput_curves import Progress
 
 MOSHRAY = "moshray"
 RAYTRAIN = "raytrain"
+RAYTRAIN_TORCHFT = "raytrain_torchft"
 
 
 class BenchError(ValueError):

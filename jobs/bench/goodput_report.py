@@ -62,10 +62,10 @@ def fmt(x: float | None, spec: str = ".3f") -> str:
 
 def table(rows: list[tuple[str, SystemResult, float | None]]) -> str:
     """One line per ``(name, result, held-out loss)``: samples, goodput, losses, stall."""
-    out = [f"{'system':<10} {'samples':>9} {'goodput/s':>10} {'final loss':>10} "
+    out = [f"{'system':<20} {'samples':>9} {'goodput/s':>10} {'final loss':>10} "
            f"{'eval loss':>9} {'stall s':>8}"]
     for name, r, eval_loss in rows:
-        out.append(f"{name:<10} {r.samples:>9d} {r.goodput:>10.1f} {fmt(r.final_loss):>10} "
+        out.append(f"{name:<20} {r.samples:>9d} {r.goodput:>10.1f} {fmt(r.final_loss):>10} "
                    f"{fmt(eval_loss):>9} {r.stall_s:>8.1f}")
     return "\n".join(out)
 

@@ -44,7 +44,8 @@ class RayTrainOptions:
     bounds on the driver's start and on its end after the window, ``steady_seconds``
     (if set, workers stop that many seconds after their group's first step) and ``links``
     (a ``NodeLinks``: the cluster is on separate hosts with a link profile's shaped links,
-    gloo on each node's ``eth0``; None: every node on loopback)."""
+    gloo on each node's ``eth0``; None: every node on loopback) and ``torchft`` (the run is
+    Ray Train + torchft: a Manager quorum per step, failed replica groups replaced alone)."""
 
     max_workers: int
     checkpoint_every: int = 20
@@ -54,6 +55,7 @@ class RayTrainOptions:
     finish_timeout_s: float = 240.0
     steady_seconds: float | None = None
     links: object = None  # NodeLinks | None
+    torchft: bool = False  # Ray Train + torchft (``raytrain_baseline --torchft``)
 
 
 def calibrate_raytrain(config, counts: Sequence[int], seconds: float, options: RayTrainOptions,
@@ -99,7 +101,9 @@ class RayTrainRun:
     checkpoint: str | None  # the final state file, else the newest persisted (``latest_persisted``)
     error: str | None
     node_log: tuple[tuple[float, str, int], ...]  # (t_s, add|remove|add-failed, slot)
-    worlds: tuple[int, ...] = ()  # the worker group's size at each record
+    worlds: tuple[int, ...] = ()  # the worker group's size (torchft: participants) per record
+    replica_starts: int = 0  # torchft: worker starts (the first group's included)
+    discarded: int = 0  # torchft: replica steps the quorum did not commit
 
     def to_json(self) -> dict:
         """The records as plain JSON (``raytrain-records.json`` next to the driver's log), so
@@ -107,7 +111,8 @@ class RayTrainRun:
         return {"steps": [[r.t_s, r.step, r.samples, r.loss, w] for r, w in
                           zip(self.records, self.worlds or (None,) * len(self.records))],
                 "rewinds": [list(r) for r in self.rewinds],
-                "node_log": [list(e) for e in self.node_log], "error": self.error}
+                "node_log": [list(e) for e in self.node_log], "error": self.error,
+                "replica_starts": self.replica_starts, "discarded": self.discarded}
 
 
 def _raytrain_command(duration_s: float, options: RayTrainOptions, address: str,
@@ -122,7 +127,8 @@ def _raytrain_command(duration_s: float, options: RayTrainOptions, address: str,
            "--gloo-ifname", gloo_ifname]
     if options.steady_seconds is not None:
         cmd += ["--steady-seconds", str(options.steady_seconds)]
-    return cmd + (["--fixed"] if options.fixed else [])
+    return cmd + (["--fixed"] if options.fixed else []) + (["--torchft"] if options.torchft
+                                                           else [])
 
 
 def run_raytrain(config, events, duration_s: float, options: RayTrainOptions,
@@ -226,7 +232,8 @@ def run_raytrain(config, events, duration_s: float, options: RayTrainOptions,
                           for s in raw["steps"]),
             rewinds=tuple((g[0] - t0, int(g[2])) for g in raw["groups"]),
             checkpoint=checkpoint, error=finished.get("error"),
-            node_log=tuple(node_log), worlds=tuple(int(s[4]) for s in raw["steps"]))
+            node_log=tuple(node_log), worlds=tuple(int(s[4]) for s in raw["steps"]),
+            replica_starts=len(raw.get("replicas", ())), discarded=len(raw.get("discards", ())))
         (out_dir / "raytrain-records.json").write_text(json.dumps(run.to_json()))
         return run
     finally:

@@ -1,5 +1,6 @@
-"""`moshray bench links`: time to a loss over shaped links, moshray's modes against Ray
-Train DDP (gloo) on the same links.
+"""`moshray bench links`: time to a loss over shaped links, moshray's modes against the
+baselines a user would run instead (Ray Train DDP, with torch's fp16 and PowerSGD hooks, and
+torchft's DiLoCo and Streaming DiLoCo) on the same links.
 
 One embedded cluster in the separate-hosts mode (``LocalCluster(hosts="netns")``: one
 network namespace per spot node), its links shaped by a profile of
@@ -12,6 +13,13 @@ the same wall time, each as a driver process of its own:
 - ``ddp``: Ray Train ``TorchTrainer`` (``jobs/bench/raytrain_baseline.py``), one worker per
   spot node, so its gloo all-reduce runs inside the namespaces, on the shaped links
   (``GLOO_SOCKET_IFNAME=eth0``, the namespace's side of its link);
+- ``ddp_fp16`` / ``ddp_powersgd``: the same with DDP's communication hook
+  ``fp16_compress_hook`` / ``powerSGD_hook`` (rank 2 after 10 plain steps, error feedback);
+- ``torchft_diloco`` / ``torchft_streaming_diloco``: Ray Train + torchft
+  (``TorchftConfig``), ``torchft.local_sgd.DiLoCo`` over the whole model / two fragments
+  synced at staggered steps with one step of delay, ``--local-steps`` inner steps and the
+  outer step of moshray's DiLoCo modes (``OUTER_LR``, ``OUTER_MOMENTUM``); not run (one
+  line in ``failed``) when torchft is not installed;
 - ``collaborative``: moshray's collaborative steps, fp16 gradients on the wire;
 - ``diloco8`` / ``diloco4``: local SGD with DiLoCo's outer Nesterov step every
   ``--local-steps`` inner steps, outer gradients (the averaged parameter delta) in
@@ -37,11 +45,14 @@ the checkpoint Ray Train reports at its stop, moshray's from the model its job s
 end (``save_model``: the model every replica of the last global step holds, for DiLoCo the
 outer anchor; ``final_moshray_model``). The held-out check (``held_out_check``; skipped
 with ``--held-out-fraction 0``): the best mode runs once more, stopped after the steps it
-took in a third of DDP's wall time, and its final model's held-out loss is set against
-DDP's final model's: the issue's "reaches DDP's final held-out loss in <= 1/3 of its
-time", on held-out data rather than on the training curve.
+took in half the best baseline's wall time, and its final model's held-out loss is set
+against that baseline's final model's: "reaches the best baseline's final held-out loss in
+<= 1/2 of its time", on held-out data rather than on the training curve.
 
-The target is DDP's final smoothed training loss. In a run this short no batch is seen
+The target is the best baseline's final smoothed training loss (``best_baseline``: the
+lowest of the baselines run; ``time_to_target_vs_best_baseline`` is the best mode's time to
+it over that baseline's, ``time_to_target_vs_ddp`` over DDP's; ``held_out_loss`` /
+``best_baseline_held_out_loss`` their final models'). In a run this short no batch is seen
 twice, so each step's training loss is measured on data the model has not yet trained on:
 a held-out estimate at every step, which is what gives times to the target their
 resolution (a final-model evaluation can only say whether a run got there by its end). A
@@ -105,11 +116,23 @@ from typing import Sequence
 from moshray.jobs.bench.results import add_results_argument, save_result
 
 SMOOTH = 5  # steps in the moving mean of a loss curve
-HELD_OUT_FRACTION = 1 / 3  # the held-out check: the best mode's run of this much of DDP's time
+# the held-out check: the best mode's run of this much of the best baseline's time
+HELD_OUT_FRACTION = 1 / 2
 STARTUP_S = 240.0  # a driver's start-up bound (Ray Train's worker group takes 25-50 s here)
 FINISH_S = 120.0
 MOSHRAY_STARTUP_S = 20.0  # added to a moshray run's max_seconds for its replicas' start-up
-SYSTEMS = ("ddp", "collaborative", "diloco8", "diloco4")
+# What a user would run instead, at its best settings, each a Ray Train driver
+# (jobs/bench/raytrain_baseline.py) with these arguments: DDP in fp32, DDP with torch's
+# fp16_compress_hook and with PowerSGD (rank 2), torchft's DiLoCo and Streaming DiLoCo
+# (Ray Train + torchft, the same H and outer step as moshray's DiLoCo modes).
+BASELINES: dict[str, tuple[str, ...]] = {
+    "ddp": (),
+    "ddp_fp16": ("--comm-hook", "fp16"),
+    "ddp_powersgd": ("--comm-hook", "powersgd"),
+    "torchft_diloco": ("--torchft", "--torchft-mode", "diloco"),
+    "torchft_streaming_diloco": ("--torchft", "--torchft-mode", "streaming_diloco"),
+}
+SYSTEMS = (*BASELINES, "collaborative", "diloco8", "diloco4")
 # run only when --systems names them: diloco_overlap costs a whole run more; auto's
 # training.mode = "auto" prints its choice in its driver.log
 OPTIONAL = ("diloco_overlap", "auto")
@@ -213,16 +236,21 @@ def final_loss(points: Sequence[tuple[float, float]], window: int = SMOOTH) -> f
 def figures(profile: str, curves: dict[str, Curve], rates: Sequence[float | None],
             window: int = SMOOTH) -> dict:
     """The bench's JSON object from its runs' curves (``curves["ddp"]`` required): the
-    target (DDP's final smoothed training loss; see the module docstring), each run's time
+    best baseline (of ``BASELINES`` run: the lowest final smoothed training loss) and the
+    target, its final smoothed training loss (see the module docstring); each run's time
     and bytes to it, its final model's held-out loss (None without one), loss at the
-    shortest run's end, the best moshray mode and its time over DDP's (lower is better;
-    None where DDP or every moshray mode missed the target; with no mode reaching it the
-    best is the lowest loss at equal time). ``ValueError`` without a DDP curve with
-    points."""
+    shortest run's end; the best moshray mode and its time over the best baseline's
+    (``time_to_target_vs_best_baseline``) and over DDP's (``time_to_target_vs_ddp``; lower
+    is better; None where that baseline or every moshray mode missed the target; with no
+    mode reaching it the best is the lowest loss at equal time). ``ValueError`` without a
+    DDP curve with points."""
     ddp = curves.get("ddp")
     if ddp is None or not ddp.points:
         raise ValueError("the DDP run recorded no step: no target to measure against")
-    target = final_loss(ddp.points, window)
+    finals = {n: final_loss(c.points, window) for n, c in curves.items()
+              if n in BASELINES and c.points}
+    best_baseline = min(finals, key=finals.get)
+    target = finals[best_baseline]
     equal_t = min(c.points[-1][0] for c in curves.values() if c.points)
     modes: dict[str, dict] = {}
     for name, c in curves.items():
@@ -241,20 +269,27 @@ def figures(profile: str, curves: dict[str, Curve], rates: Sequence[float | None
                                    _round(loss_at(c.points, equal_t, window))),
         }
     ddp_t = modes["ddp"]["time_to_target_s"]
+    base_t = modes[best_baseline]["time_to_target_s"]
     reached = {n: m["time_to_target_s"] for n, m in modes.items()
-               if n != "ddp" and m["time_to_target_s"] is not None}
+               if n not in BASELINES and m["time_to_target_s"] is not None}
     best = min(reached, key=reached.get) if reached else None
     if best is None:  # no mode reached it: the best is the lowest loss at equal time
         others = {n: m["loss_at_equal_time"] for n, m in modes.items()
-                  if n != "ddp" and m["loss_at_equal_time"] is not None}
+                  if n not in BASELINES and m["loss_at_equal_time"] is not None}
         best = min(others, key=others.get) if others else None
     best_t = reached.get(best) if best is not None else None
     return {
         "profile": profile, "link_mbit": list(rates), "target_loss": round(target, 4),
+        "best_baseline": best_baseline,
+        "best_baseline_time_to_target_s": base_t,
+        "best_baseline_held_out_loss": modes[best_baseline]["held_out_loss"],
         "ddp_held_out_loss": modes["ddp"]["held_out_loss"],
         "equal_time_s": round(equal_t, 2),
         "ddp_time_to_target_s": ddp_t, "moshray_time_to_target_s": best_t,
         "moshray_mode": best,
+        "held_out_loss": modes[best]["held_out_loss"] if best is not None else None,
+        "time_to_target_vs_best_baseline": (None if best_t is None or not base_t else
+                                            round(best_t / base_t, 3)),
         "time_to_target_vs_ddp": (None if best_t is None or not ddp_t else
                                   round(best_t / ddp_t, 3)),
         "modes": modes,
@@ -266,21 +301,23 @@ def steps_within(points: Sequence[tuple[float, float]], t_s: float) -> int:
     return sum(1 for t, _ in points if t <= t_s)
 
 
-def held_out_check(mode: str, ddp: Curve, rerun: Curve, fraction: float) -> dict:
-    """The held-out form of the issue's target: ``mode`` run again for the steps it took in
-    ``fraction`` of DDP's wall time (``rerun``), its final model's held-out loss against
-    DDP's final model's. ``met`` when the rerun's held-out loss is at most DDP's and its
-    wall time at most ``fraction`` of DDP's (None where a held-out loss is missing). Pure."""
-    ddp_s = ddp.points[-1][0] if ddp.points else None
+def held_out_check(mode: str, baseline: Curve, rerun: Curve, fraction: float) -> dict:
+    """The held-out form of the target: ``mode`` run again for the steps it took in
+    ``fraction`` of the ``baseline`` run's wall time (``rerun``), its final model's held-out
+    loss against the baseline's final model's. ``met`` when the rerun's held-out loss is at
+    most the baseline's and its wall time at most ``fraction`` of the baseline's (None where
+    a held-out loss is missing). Pure."""
+    base_s = baseline.points[-1][0] if baseline.points else None
     wall = rerun.points[-1][0] if rerun.points else None
     loss = rerun.held_out[-1][1] if rerun.held_out else None
-    ddp_loss = ddp.held_out[-1][1] if ddp.held_out else None
-    ratio = None if wall is None or not ddp_s else round(wall / ddp_s, 3)
-    return {"mode": mode, "fraction": fraction, "steps": len(rerun.points),
-            "wall_s": _round(wall), "ddp_wall_s": _round(ddp_s), "time_vs_ddp": ratio,
-            "held_out_loss": _round(loss), "ddp_held_out_loss": _round(ddp_loss),
-            "met": (None if loss is None or ddp_loss is None or ratio is None else
-                    bool(loss <= ddp_loss and ratio <= fraction + 1e-9))}
+    base_loss = baseline.held_out[-1][1] if baseline.held_out else None
+    ratio = None if wall is None or not base_s else round(wall / base_s, 3)
+    return {"mode": mode, "baseline": baseline.name, "fraction": fraction,
+            "steps": len(rerun.points), "wall_s": _round(wall),
+            "baseline_wall_s": _round(base_s), "time_vs_baseline": ratio,
+            "held_out_loss": _round(loss), "baseline_held_out_loss": _round(base_loss),
+            "met": (None if loss is None or base_loss is None or ratio is None else
+                    bool(loss <= base_loss and ratio <= fraction + 1e-9))}
 
 
 def median_step_s(points: Sequence[tuple[float, float]]) -> float | None:
@@ -521,19 +558,29 @@ def _relative(points: list[tuple[float, float]]) -> tuple[tuple[float, float], .
     return tuple((round(t - t0, 3), loss) for t, loss in points)
 
 
-def run_ddp(cluster, sets: Sequence[str], nodes: int, seconds: float, run_dir: Path,
-            counter: LinkBytes) -> tuple[Curve, str | None]:
-    """Ray Train DDP on the cluster's spot nodes for ``seconds`` after its worker group's
-    first step (``--steady-seconds``: its start-up is not part of the window); returns its
-    curve and the state file of the checkpoint it reported at its stop (None if none)."""
+def run_baseline(name: str, cluster, sets: Sequence[str], nodes: int, seconds: float,
+                 run_dir: Path, counter: LinkBytes, local_steps: int = 16
+                 ) -> tuple[Curve, str | None]:
+    """The baseline ``name`` of ``BASELINES`` (a Ray Train driver) on the cluster's spot
+    nodes for ``seconds`` after its workers' first step (``--steady-seconds``: start-up is
+    not part of the window; torchft's DiLoCo with ``local_steps`` inner steps and this
+    bench's outer step); returns its curve and the state file of its final checkpoint
+    (None if none)."""
+    from moshray.jobs.bench.goodput_runs import latest_persisted
+
     run_dir.mkdir(parents=True, exist_ok=True)
+    extra = list(BASELINES[name])
+    if "--torchft" in extra:
+        extra += ["--sync-every", str(local_steps), "--outer-lr", str(OUTER_LR),
+                  "--outer-momentum", str(OUTER_MOMENTUM)]
+    storage = run_dir / "raytrain"
     argv = [sys.executable, "-m", "moshray.jobs.bench.raytrain_baseline",
             "--address", cluster.address, "--duration", str(seconds + STARTUP_S),
             "--steady-seconds", str(seconds),
             "--max-workers", str(nodes), "--fixed", "--checkpoint-every", str(10**9),
-            "--storage-path", str(run_dir / "raytrain"), "--cpus-per-worker", "1",
+            "--storage-path", str(storage), "--cpus-per-worker", "1",
             "--recorder", f"links-recorder-{uuid.uuid4().hex[:8]}", "--gloo-ifname", "eth0",
-            "--set", f"run_dir={run_dir}", "--set", f"cluster.max_nodes={nodes}",
+            *extra, "--set", f"run_dir={run_dir}", "--set", f"cluster.max_nodes={nodes}",
             *[a for s in sets for a in ("--set", s)]]
     before = counter.read()
     out = run_dir / "stdout.jsonl"
@@ -545,12 +592,13 @@ def run_ddp(cluster, sets: Sequence[str], nodes: int, seconds: float, run_dir: P
         if line.startswith("{") and '"finished"' in line:
             summary = json.loads(line)
     if summary is None:
-        raise LinksBenchError(f"ddp: the Ray Train driver exited {status} without a summary; "
-                              f"see {run_dir / 'driver.log'}")
+        raise LinksBenchError(f"{name}: the Ray Train driver exited {status} without a "
+                              f"summary; see {run_dir / 'driver.log'}")
     steps = [s for s in summary["records"]["steps"] if s[3] is not None]
     points = [(float(s[0]), float(s[3])) for s in steps]  # [unix, step, samples, loss, world]
-    return (Curve("ddp", _relative(points), sum(sent) / len(sent), bytes_by_node=tuple(sent),
-                  peers=tuple(int(s[4]) for s in steps)), summary.get("checkpoint"))
+    return (Curve(name, _relative(points), sum(sent) / len(sent), bytes_by_node=tuple(sent),
+                  peers=tuple(int(s[4]) for s in steps)),
+            summary.get("checkpoint") or latest_persisted(str(storage)))
 
 
 def run_moshray(name: str, cluster, sets: Sequence[str], extra: Sequence[str], nodes: int,
@@ -614,7 +662,7 @@ def with_held_out(curves: dict[str, Curve], finals: dict, config, files: Sequenc
             continue
         where = finals.get(name)
         try:
-            state = (raytrain_final_state(where) if name == "ddp" else
+            state = (raytrain_final_state(where) if name in BASELINES else
                      final_moshray_model(where) if where is not None else None)
             loss = held_out_loss(config, files, state)
         except (OSError, RuntimeError, ValueError, KeyError) as exc:
@@ -732,7 +780,7 @@ def run_compare(profile_name: str, nodes: int, seconds: float, short: bool, out_
                 crossed = crossing.read() if crossing else None
                 try:
                     curve = (
-                        run_ddp(cluster, sets, nodes, seconds, run_dir, counter)[0]
+                        run_baseline("ddp", cluster, sets, nodes, seconds, run_dir, counter)[0]
                         if name == "ddp" else
                         run_moshray(name, cluster, sets,
                                     (*settings[name], *links.BASELINE_SETS.get(layout, ())),
@@ -772,7 +820,7 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
     """The whole bench (see the module docstring); returns the JSON object. With
     ``held_out_fraction`` (0: not run) the best mode runs once more, for the steps it took
     in that fraction of DDP's wall time, and its final model's held-out loss is compared
-    with DDP's (``held_out_check``, the JSON's ``held_out_check``)."""
+    with the best baseline's (``held_out_check``, the JSON's ``held_out_check``)."""
     from moshray.actors.replica.mode_choice import choose_mode
     from moshray.jobs.local import links
 
@@ -794,9 +842,20 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
         counter = LinkBytes(cluster, range(nodes))
         for name in systems:
             started = time.monotonic()
-            if name == "ddp":
-                curves[name], finals[name] = run_ddp(cluster, sets, nodes, seconds,
-                                                     out_dir / name, counter)
+            if name in BASELINES:
+                why = _baseline_missing(name)
+                try:
+                    if why:
+                        raise LinksBenchError(f"{name}: not run: {why}")
+                    curves[name], finals[name] = run_baseline(
+                        name, cluster, sets, nodes, seconds, out_dir / name, counter,
+                        local_steps)
+                except LinksBenchError as exc:
+                    if name == "ddp":
+                        raise
+                    failed[name] = str(exc)
+                    print(f"bench links: {exc}", file=sys.stderr, flush=True)
+                    continue
             else:
                 try:
                     curves[name], finals[name] = run_moshray(
@@ -821,7 +880,8 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
         mode, curve, where = rerun
         held, missing = with_held_out({curve.name: curve}, {curve.name: where}, *inputs)
         held_out_missing.update(missing)
-        result["held_out_check"] = held_out_check(mode, curves["ddp"], held[curve.name],
+        result["held_out_check"] = held_out_check(mode, curves[result["best_baseline"]],
+                                                  held[curve.name],
                                                   held_out_fraction)
     result.update(failed=failed, held_out_missing=held_out_missing,
                   not_run={n: "not named by --systems" for n in SYSTEMS + OPTIONAL
@@ -837,21 +897,33 @@ def run(profile_name: str, nodes: int, seconds: float, short: bool, local_steps:
     return result
 
 
+def _baseline_missing(name: str) -> str | None:
+    """Why the baseline ``name`` cannot run here (one line), or None."""
+    if "--torchft" not in BASELINES[name]:
+        return None
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return "torchft is not installed (pip install 'moshray[bench]')"
+    return None
+
+
 def _held_out_rerun(curves: dict[str, Curve], settings: dict, fraction: float, profile: str,
                     rates, cluster, sets: Sequence[str], nodes: int, seconds: float,
                     out_dir: Path, counter: LinkBytes, failed: dict):
     """``run``'s held-out check: the best moshray mode of ``curves`` (``figures``) run again
-    for ``training.max_steps`` = the steps it took in ``fraction`` of DDP's wall time;
-    ``(mode, curve, its saved model)``, or None where there is nothing to run (no fraction,
-    no DDP steps, no mode, or no step in that time) or the run failed (named in
-    ``failed``)."""
+    for ``training.max_steps`` = the steps it took in ``fraction`` of the best baseline's
+    wall time; ``(mode, curve, its saved model)``, or None where there is nothing to run
+    (no fraction, no DDP steps, no mode, or no step in that time) or the run failed (named
+    in ``failed``)."""
     ddp = curves.get("ddp")
     if not fraction or ddp is None or not ddp.points:
         return None
-    best = figures(profile, curves, rates)["moshray_mode"]
+    found = figures(profile, curves, rates)
+    best, baseline = found["moshray_mode"], curves[found["best_baseline"]]
     if best not in settings or best not in curves:
         return None
-    steps = steps_within(curves[best].points, fraction * ddp.points[-1][0])
+    steps = steps_within(curves[best].points, fraction * baseline.points[-1][0])
     if steps < 1:
         return None
     name = f"{best}_held_out"
@@ -910,8 +982,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the zones are counted on zone B's links")
     parser.add_argument("--held-out-fraction", type=float, default=HELD_OUT_FRACTION,
                         help="run the best mode again for the steps it took in this fraction "
-                             "of DDP's time and compare its final model's held-out loss "
-                             "with DDP's (default 1/3; 0: skip)")
+                             "of the best baseline's time and compare its final model's "
+                             "held-out loss with that baseline's (default 1/2; 0: skip)")
     parser.add_argument("--out", default="bench-links", help="directory for the PNG and JSON")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     add_results_argument(parser)
@@ -976,19 +1048,22 @@ def _refusal(args: argparse.Namespace, nodes: int, systems: Sequence[str]) -> st
 
 
 def _table(result: dict) -> list[str]:
-    lines = [f"target: DDP's final training loss {result['target_loss']} (held out: "
-             f"{result['ddp_held_out_loss']})"]
+    lines = [f"target: the best baseline's ({result['best_baseline']}) final training loss "
+             f"{result['target_loss']} (held out: {result['best_baseline_held_out_loss']}); "
+             f"the best mode ({result['moshray_mode']}) in "
+             f"{result['time_to_target_vs_best_baseline']} of its time, held out "
+             f"{result['held_out_loss']}"]
     for name, m in result["modes"].items():
-        lines.append(f"{name:>14}: to target {m['time_to_target_s']} s, "
+        lines.append(f"{name:>24}: to target {m['time_to_target_s']} s, "
                      f"{m['bytes_per_node_to_target']} B/node to target, held-out "
                      f"{m['held_out_loss']}, training loss at {result['equal_time_s']} s "
                      f"{m['loss_at_equal_time']}")
     check = result.get("held_out_check")
     if check:
         lines.append(f"held-out check: {check['mode']} for {check['steps']} steps, "
-                     f"{check['wall_s']} s ({check['time_vs_ddp']} of DDP's), held-out "
-                     f"{check['held_out_loss']} against DDP's {check['ddp_held_out_loss']}: "
-                     f"met {check['met']}")
+                     f"{check['wall_s']} s ({check['time_vs_baseline']} of "
+                     f"{check['baseline']}'s), held-out {check['held_out_loss']} against "
+                     f"{check['baseline_held_out_loss']}: met {check['met']}")
     return lines
 
 

@@ -146,23 +146,35 @@ def _step_rows(f: Mapping) -> Rows:
 
 
 def _goodput_line(f: Mapping) -> str:
-    return (f"`moshray_vs_raytrain` {fmt(f.get('moshray_vs_raytrain'), '.2f')}, "
+    ft = f.get("moshray_vs_raytrain_torchft")
+    torchft = ("Ray Train + torchft not run" if ft is None else
+               f"`moshray_vs_raytrain_torchft` {fmt(ft, '.2f')}{_met(ft, 1.5)}")
+    return (f"`moshray_vs_raytrain` {fmt(f.get('moshray_vs_raytrain'), '.2f')}, {torchft}, "
             f"`moshray_vs_ideal` {fmt(f.get('moshray_vs_ideal'), '.3f')}, held-out loss "
             f"{fmt(f.get('moshray_eval_loss'), '.2f')} vs Ray Train's "
-            f"{fmt(f.get('raytrain_eval_loss'), '.2f')}")
+            f"{fmt(f.get('raytrain_eval_loss'), '.2f')} and torchft's "
+            f"{fmt(f.get('raytrain_torchft_eval_loss'), '.2f')}")
 
 
 def _goodput_rows(f: Mapping) -> Rows:
     ideal, rt = f.get("moshray_vs_ideal"), f.get("moshray_vs_raytrain")
+    ft = f.get("moshray_vs_raytrain_torchft")
     steady = f.get("steady_state_vs_raytrain")
     return [
         ("trace, nodes, length", f"{f.get('trace')}, {f.get('max_nodes')} nodes, "
                                  f"{fmt(f.get('duration_s'), '.0f', ' s')} at "
                                  f"{fmt(f.get('time_scale'), '.0f')}x"),
-        ("useful samples: moshray / Ray Train / ideal",
+        ("useful samples: moshray / Ray Train / Ray Train + torchft / ideal",
          f"{fmt(f.get('moshray_samples'), ',')} / {fmt(f.get('raytrain_samples'), ',')} / "
+         f"{fmt(f.get('raytrain_torchft_samples'), ',')} / "
          f"{fmt(f.get('ideal_samples'), ',.0f')}"),
         ("`moshray_vs_raytrain` (target >= 2)", fmt(rt, ".2f") + _met(rt, 2.0)),
+        ("`moshray_vs_raytrain_torchft` (target >= 1.5)",
+         fmt(ft, ".2f") + _met(ft, 1.5) if ft is not None else
+         f"not run: {f.get('raytrain_torchft_missing') or 'no figure in this result file'}"),
+        ("Ray Train + torchft: replica restarts, steps its quorum discarded",
+         f"{fmt(f.get('raytrain_torchft_replica_restarts'), 'd')}, "
+         f"{fmt(f.get('raytrain_torchft_discarded_steps'), 'd')}"),
         ("`moshray_vs_ideal` (target >= 0.9)", fmt(ideal, ".3f") + _met(ideal, 0.9)),
         ("failure-free / ideal, elasticity",
          f"{fmt(f.get('moshray_failure_free_vs_ideal'), '.3f')}, "
@@ -170,8 +182,9 @@ def _goodput_rows(f: Mapping) -> Rows:
         ("`steady_state_vs_raytrain` (target >= 0.9)", fmt(steady, ".3f") + _met(steady, 0.9)),
         ("scaling 2 -> 4 nodes, moshray vs DDP",
          f"{fmt(f.get('moshray_scaling'), '.3f')} vs {fmt(f.get('raytrain_scaling'), '.3f')}"),
-        ("held-out loss, moshray vs Ray Train",
-         f"{fmt(f.get('moshray_eval_loss'), '.2f')} vs {fmt(f.get('raytrain_eval_loss'), '.2f')}"),
+        ("held-out loss, moshray vs Ray Train vs Ray Train + torchft",
+         f"{fmt(f.get('moshray_eval_loss'), '.2f')} vs {fmt(f.get('raytrain_eval_loss'), '.2f')}"
+         f" vs {fmt(f.get('raytrain_torchft_eval_loss'), '.2f')}"),
         ("moshray preemptions survived, replicas consistent",
          f"{fmt(f.get('moshray_preemptions'), 'd')}, {fmt(f.get('moshray_replicas_consistent'))}"),
         ("Ray Train restarts", fmt(f.get("raytrain_restarts"), "d")),
@@ -212,20 +225,38 @@ def _compare_layouts(f: Mapping) -> str:
                      for name, l in (f.get("layouts") or {}).items())
 
 
+def _baseline_of(f: Mapping) -> tuple[str, float | None, float | None, float]:
+    """``(best baseline, its time to the target, the best mode's time over it, the goal)``:
+    a result file made before the stronger baselines has DDP's with the 1/3 goal."""
+    if "best_baseline" in f:
+        return (f["best_baseline"], f.get("best_baseline_time_to_target_s"),
+                f.get("time_to_target_vs_best_baseline"), 1 / 2)
+    return "ddp", f.get("ddp_time_to_target_s"), f.get("time_to_target_vs_ddp"), 1 / 3
+
+
+def _check_of(check: Mapping) -> tuple[str, float | None, float | None]:
+    """``(baseline, time over it, its held-out loss)`` of a held-out check (older files:
+    DDP's keys)."""
+    return (check.get("baseline", "ddp"), check.get("time_vs_baseline", check.get("time_vs_ddp")),
+            check.get("baseline_held_out_loss", check.get("ddp_held_out_loss")))
+
+
 def _time_to_loss_line(f: Mapping) -> str:
-    ratio = f.get("time_to_target_vs_ddp")
-    verdict = "" if ratio is None else (" (met)" if ratio <= 1 / 3 else " (missed)")
-    line = (f"to DDP's final loss {fmt(f.get('target_loss'), '.3f')}: "
+    base, base_t, ratio, goal = _baseline_of(f)
+    verdict = "" if ratio is None else (" (met)" if ratio <= goal else " (missed)")
+    whose = (f"the best baseline's ({base})" if "best_baseline" in f else
+             "DDP's (a file from before the stronger baselines)")
+    line = (f"to {whose} final loss {fmt(f.get('target_loss'), '.3f')}: "
             f"{f.get('moshray_mode')} {fmt(f.get('moshray_time_to_target_s'), '.1f', ' s')}, "
-            f"DDP {fmt(f.get('ddp_time_to_target_s'), '.1f', ' s')}: "
-            f"`time_to_target_vs_ddp` {fmt(ratio, '.3f')}{verdict} (target <= 1/3)")
+            f"{base} {fmt(base_t, '.1f', ' s')}: {fmt(ratio, '.3f')} of its time{verdict} "
+            f"(target <= 1/{round(1 / goal)})")
     check = f.get("held_out_check")
     if check:
         held = {True: " (met)", False: " (missed)"}.get(check.get("met"), "")
-        line += (f"; held out: {check.get('mode')} stopped at "
-                 f"{fmt(check.get('time_vs_ddp'), '.3f')} of DDP's time, "
-                 f"{fmt(check.get('held_out_loss'), '.3f')} vs DDP's final "
-                 f"{fmt(check.get('ddp_held_out_loss'), '.3f')}{held}")
+        name, part, loss = _check_of(check)
+        line += (f"; held out: {check.get('mode')} stopped at {fmt(part, '.3f')} of {name}'s "
+                 f"time, {fmt(check.get('held_out_loss'), '.3f')} vs {name}'s final "
+                 f"{fmt(loss, '.3f')}{held}")
     return line
 
 
@@ -233,8 +264,10 @@ def _time_to_loss_rows(f: Mapping) -> Rows:
     rows: Rows = [("profile, nodes, links (Mbit/s), seconds per run",
                    f"{f.get('profile')}, {f.get('nodes')}, {f.get('link_mbit')}, "
                    f"{f.get('seconds_per_run')}"),
-                  ("target: DDP's final smoothed training loss (its held-out loss)",
-                   f"{fmt(f.get('target_loss'), '.3f')} ({fmt(f.get('ddp_held_out_loss'), '.3f')})")]
+                  ("target: the best baseline's final smoothed training loss (its "
+                   "held-out loss)",
+                   f"{_baseline_of(f)[0]}: {fmt(f.get('target_loss'), '.3f')} "
+                   f"({fmt(f.get('best_baseline_held_out_loss', f.get('ddp_held_out_loss')), '.3f')})")]
     for name, m in (f.get("modes") or {}).items():
         mb = m.get("bytes_per_node_to_target")
         rows.append((name, f"to target {fmt(m.get('time_to_target_s'), '.1f', ' s')} "
@@ -245,12 +278,14 @@ def _time_to_loss_rows(f: Mapping) -> Rows:
     check = f.get("held_out_check")
     if check:
         verdict = {True: " (met)", False: " (missed)"}.get(check.get("met"), "")
-        rows.append(("held-out check: the best mode stopped at a third of DDP's time",
+        name, part, loss = _check_of(check)
+        rows.append((f"held-out check: the best mode stopped at {fmt(check.get('fraction'), '.2f')}"
+                     f" of the baseline's time",
                      f"{check.get('mode')}, {check.get('steps')} steps in "
                      f"{fmt(check.get('wall_s'), '.1f', ' s')} "
-                     f"({fmt(check.get('time_vs_ddp'), '.3f')} of DDP's): held-out loss "
-                     f"{fmt(check.get('held_out_loss'), '.3f')} against DDP's "
-                     f"{fmt(check.get('ddp_held_out_loss'), '.3f')}{verdict}"))
+                     f"({fmt(part, '.3f')} of {name}'s): held-out loss "
+                     f"{fmt(check.get('held_out_loss'), '.3f')} against {name}'s "
+                     f"{fmt(loss, '.3f')}{verdict}"))
     return rows
 
 
@@ -426,7 +461,8 @@ def _overlap_rows(f: Mapping) -> Rows:
 
 
 HEADLINES: tuple[Headline, ...] = (
-    Headline("goodput", "goodput under a real AWS spot trace, against Ray Train",
+    Headline("goodput", "goodput under a real AWS spot trace, against Ray Train and Ray Train "
+             "+ torchft",
              "moshray bench goodput --trace aws-g4dn-xlarge-us-east-1c-2020-11-20 "
              "--max-nodes 4 --duration 600 --calib-seconds 40 --json",
              _goodput_line, _goodput_rows, takes=lambda command: "--links" not in command),
@@ -450,9 +486,9 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("chaos", "the storm on separate hosts (partitions, slow links)",
              "moshray bench chaos --schedule long --hosts netns", _chaos_line, _chaos_rows,
              key="chaos-netns", takes=lambda command: "netns" in command),
-    Headline("links", "time to DDP's loss over slow links, moshray's best mode vs Ray Train DDP",
-             "moshray bench links --profile slow --short --nodes 2 --seconds 60 --systems "
-             "ddp,collaborative,diloco8,diloco4,diloco_overlap --json",
+    Headline("links", "time to the best baseline's loss over slow links: moshray's best mode "
+             "vs DDP (fp32, fp16 hook, PowerSGD) and torchft's DiLoCo / Streaming DiLoCo",
+             "moshray bench links --profile slow --short --nodes 2 --seconds 60 --json",
              _time_to_loss_line, _time_to_loss_rows, key="links-time-to-loss",
              takes=lambda command: "--compare" not in command),
     Headline("links", "one node on a 10x slower link: step time, moshray vs DDP",

@@ -115,3 +115,38 @@ def test_a_missing_torchft_is_one_line_and_its_figures_are_none(monkeypatch):
     assert figures["raytrain_torchft_missing"] == why
     assert figures["moshray_vs_raytrain_torchft"] is None
     assert all(v is None for k, v in figures.items() if k != "raytrain_torchft_missing")
+
+
+def test_a_fit_that_fails_mid_run_is_called_again_until_the_deadline(monkeypatch):
+    """``fit_until_deadline``: a ``fit()`` that raised after running a while is called again
+    (a job-level retry), one that failed at once or near the deadline is not."""
+    import time
+    from types import SimpleNamespace
+
+    outcomes = [RuntimeError("ControllerError: node gone"), RuntimeError("again"),
+                SimpleNamespace(checkpoint=SimpleNamespace(path="/ck"))]
+    calls = []
+
+    def fake_run(cfg):
+        calls.append(cfg.name)
+        out = outcomes[len(calls) - 1]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    monkeypatch.setattr(rb, "run_baseline", fake_run)
+    monkeypatch.setattr(rb, "FIT_RETRY_MIN_S", 0.0)
+    cfg = _config(deadline_unix=time.time() + 3600)
+    error, errors, path = rb.fit_until_deadline(cfg)
+    assert error is None and path == os.path.join("/ck", rb.STATE_FILE)
+    assert errors == ["RuntimeError: ControllerError: node gone", "RuntimeError: again"]
+    assert calls == [cfg.name] * 3  # the same run: the next attempt resumes its checkpoint
+
+    calls.clear()
+    near = _config(deadline_unix=time.time() + rb.FIT_RETRY_MARGIN_S / 2)
+    error, errors, path = rb.fit_until_deadline(near)
+    assert error == "RuntimeError: ControllerError: node gone" and len(calls) == 1
+    monkeypatch.setattr(rb, "FIT_RETRY_MIN_S", 3600.0)  # failed at once: a bad setup
+    calls.clear()
+    error, _, _ = rb.fit_until_deadline(cfg)
+    assert error is not None and len(calls) == 1

@@ -404,6 +404,7 @@ def run(args: argparse.Namespace) -> dict:
         "raytrain_first_step_s": rt.records[0].t_s if rt.records else None,
         "raytrain_samples_processed": raytrain.samples_processed,
         "raytrain_restarts": max(len(rt.rewinds) - 1, 0),
+        "raytrain_fit_errors": [e.splitlines()[0][:200] for e in rt.fit_errors],
         "raytrain_error": rt.error,
         "moshray_preemptions": m_summary.get("preemptions"),
         "moshray_replicas_consistent": m_summary.get("replicas_consistent"),
@@ -455,7 +456,8 @@ def run(args: argparse.Namespace) -> dict:
         print(f"moshray / Ray Train + torchft {fmt(result['moshray_vs_raytrain_torchft'])}; "
               f"torchft replica starts {ft.replica_starts} (restarts "
               f"{result['raytrain_torchft_replica_restarts']}), steps the quorum discarded "
-              f"{ft.discarded}, lost samples "
+              f"{ft.discarded}, fit() called again after {len(ft.fit_errors)} failure(s), "
+              f"lost samples "
               f"{ft_result.samples_processed - ft_result.samples}", flush=True)
     for name, cpu in (("moshray", m_cpu.result), ("Ray Train", rt_cpu.result),
                       ("Ray Train + torchft", ft_cpu and ft_cpu.result)):
@@ -482,7 +484,7 @@ def torchft_figures(moshray, ft, run, eval_loss, cpu, missing: str | None) -> di
     if ft is None:
         keys = ("samples", "goodput", "final_loss", "eval_loss", "stall_s", "steps",
                 "first_step_s", "samples_processed", "replica_starts", "replica_restarts",
-                "discarded_steps", "error", "cpu")
+                "discarded_steps", "error", "fit_errors", "cpu")
         return {"moshray_vs_raytrain_torchft": None, "raytrain_torchft_missing": missing,
                 **{f"raytrain_torchft_{k}": None for k in keys}}
     first_world = run.worlds[0] if run.worlds else 0
@@ -498,6 +500,9 @@ def torchft_figures(moshray, ft, run, eval_loss, cpu, missing: str | None) -> di
         "raytrain_torchft_replica_restarts": max(run.replica_starts - first_world, 0),
         "raytrain_torchft_discarded_steps": run.discarded,
         "raytrain_torchft_error": run.error,
+        # fit() calls that raised and were called again (ControllerError: a node lost while
+        # Ray Train replaced a replica group), each first line
+        "raytrain_torchft_fit_errors": [e.splitlines()[0][:200] for e in run.fit_errors],
         "raytrain_torchft_cpu": cpu.result and cpu.result.to_json(),
     }
 

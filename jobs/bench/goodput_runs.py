@@ -104,6 +104,7 @@ class RayTrainRun:
     worlds: tuple[int, ...] = ()  # the worker group's size (torchft: participants) per record
     replica_starts: int = 0  # torchft: worker starts (the first group's included)
     discarded: int = 0  # torchft: replica steps the quorum did not commit
+    fit_errors: tuple[str, ...] = ()  # each fit() that raised before the last attempt's end
 
     def to_json(self) -> dict:
         """The records as plain JSON (``raytrain-records.json`` next to the driver's log), so
@@ -112,7 +113,8 @@ class RayTrainRun:
                           zip(self.records, self.worlds or (None,) * len(self.records))],
                 "rewinds": [list(r) for r in self.rewinds],
                 "node_log": [list(e) for e in self.node_log], "error": self.error,
-                "replica_starts": self.replica_starts, "discarded": self.discarded}
+                "replica_starts": self.replica_starts, "discarded": self.discarded,
+                "fit_errors": list(self.fit_errors)}
 
 
 def _raytrain_command(duration_s: float, options: RayTrainOptions, address: str,
@@ -233,7 +235,8 @@ def run_raytrain(config, events, duration_s: float, options: RayTrainOptions,
             rewinds=tuple((g[0] - t0, int(g[2])) for g in raw["groups"]),
             checkpoint=checkpoint, error=finished.get("error"),
             node_log=tuple(node_log), worlds=tuple(int(s[4]) for s in raw["steps"]),
-            replica_starts=len(raw.get("replicas", ())), discarded=len(raw.get("discards", ())))
+            replica_starts=len(raw.get("replicas", ())), discarded=len(raw.get("discards", ())),
+            fit_errors=tuple(finished.get("fit_errors") or ()))
         (out_dir / "raytrain-records.json").write_text(json.dumps(run.to_json()))
         return run
     finally:

@@ -997,13 +997,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"bench links: {why}", file=sys.stderr)
         return 2
     seconds = args.seconds or (60.0 if args.short else 300.0)
+    # absolute: each run's driver works in its own folder, and a relative --out (the
+    # result file's command keeps it as typed) would be read from there
+    out_dir = Path(args.out).expanduser().resolve()
     try:
         if args.compare:
-            result = run_compare(args.profile, nodes, seconds, args.short, Path(args.out),
+            result = run_compare(args.profile, nodes, seconds, args.short, out_dir,
                                  systems, args.local_steps, args.zone_b)
         else:
             result = run(args.profile, nodes, seconds, args.short, args.local_steps,
-                         Path(args.out), systems, args.held_out_fraction)
+                         out_dir, systems, args.held_out_fraction)
     except LinksBenchError as exc:
         print(f"bench links: {exc}", file=sys.stderr)
         return 1

@@ -44,7 +44,9 @@ quorum discarded (``should_commit`` False).
 Run as a driver against a running cluster (``ray job submit -- python -m
 moshray.jobs.bench.raytrain_baseline ...`` or ``--address``); ``moshray bench goodput`` starts it in
 a subprocess. Stdout: one ``{"event": "started", "t0": <unix>}`` line right before
-``TorchTrainer.fit()``, and at the end one JSON summary line.
+``TorchTrainer.fit()``, a ``{"event": "fit_failed", ...}`` line per ``fit()`` that raised
+and is called again (``fit_until_deadline``), and at the end one JSON summary line
+(``fit_attempts``, ``fit_errors``).
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ COMM_HOOKS = ("none", "fp16", "powersgd")
 POWERSGD_RANK = 2
 POWERSGD_START_ITER = 10
 TORCHFT_MODES = ("ddp", "diloco", "streaming_diloco")
+FIT_RETRY_MARGIN_S = 30.0  # fit() is called again only this far or more before the deadline
+FIT_RETRY_MIN_S = 10.0  # a fit() that fails this soon is a bad setup: not retried
 
 
 @dataclass(frozen=True)
@@ -587,6 +591,33 @@ def run_baseline(cfg: BaselineConfig):
     return trainer.fit()
 
 
+def fit_until_deadline(cfg: BaselineConfig) -> tuple[str | None, list[str], str | None]:
+    """``run_baseline(cfg)``, called again after a failure while the deadline is
+    ``FIT_RETRY_MARGIN_S`` or more away, as a job-level retry would (``fit()`` raises
+    ``ControllerError`` when Ray Train's controller fails, e.g. a worker's node gone while
+    it replaces a torchft replica group; ``FailureConfig`` retries only worker failures).
+    The same run name and storage: the next attempt resumes from the run's newest
+    checkpoint. Returns ``(the last attempt's error or None, every failed attempt's
+    error, the final checkpoint's state file or None)``; a fit that fails within
+    ``FIT_RETRY_MIN_S`` of its start is not retried (a bad setup, not a lost node)."""
+    errors: list[str] = []
+    while True:
+        started = time.time()
+        try:
+            result = run_baseline(cfg)
+        except Exception as exc:  # noqa: BLE001 - reported in the summary; the records stand
+            errors.append(f"{type(exc).__name__}: {exc}")
+            print(json.dumps({"event": "fit_failed", "unix": time.time(),
+                              "error": errors[-1].splitlines()[0][:300]}), flush=True)
+            if (time.time() - started < FIT_RETRY_MIN_S
+                    or cfg.deadline_unix - time.time() < FIT_RETRY_MARGIN_S):
+                return errors[-1], errors, None
+            continue
+        path = (None if result.checkpoint is None else
+                os.path.join(result.checkpoint.path, STATE_FILE))
+        return None, errors, path
+
+
 def gpus_in_cluster() -> bool:
     """True if the connected cluster has any GPU (``use_gpu`` auto)."""
     import ray
@@ -693,17 +724,11 @@ def main(args: argparse.Namespace) -> int:
         outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         lighthouse_host=args.address.rsplit(":", 1)[0] if args.torchft else None)
     print(json.dumps({"event": "started", "t0": t0, "recorder": recorder}), flush=True)
-    error = None
-    checkpoint_path = None
-    try:
-        result = run_baseline(cfg)
-        if result.checkpoint is not None:
-            checkpoint_path = os.path.join(result.checkpoint.path, STATE_FILE)
-    except Exception as exc:  # noqa: BLE001 - reported in the summary; the records stand
-        error = f"{type(exc).__name__}: {exc}"
+    error, errors, checkpoint_path = fit_until_deadline(cfg)
     records = read_recorder(recorder)
     summary: dict[str, Any] = {
         "event": "finished", "t0": t0, "wall_s": time.time() - t0, "error": error,
+        "fit_attempts": len(errors) + (error is None), "fit_errors": errors,
         "checkpoint": checkpoint_path, "steps": len(records["steps"]),
         "restarts": max(len(records["groups"]) - 1, 0), "records": records,
         "replica_starts": len(records.get("replicas", ())),

@@ -618,6 +618,14 @@ def fit_until_deadline(cfg: BaselineConfig) -> tuple[str | None, list[str], str 
         return None, errors, path
 
 
+def _head_host(address: str) -> str | None:
+    """The head's host in a ``host:port`` GCS address (the Lighthouse runs there), else
+    None (``auto``, a ``ray://`` URL: torchft's workers then dial the name it advertises)."""
+    if "://" in address or ":" not in address:
+        return None
+    return address.rsplit(":", 1)[0]
+
+
 def gpus_in_cluster() -> bool:
     """True if the connected cluster has any GPU (``use_gpu`` auto)."""
     import ray
@@ -722,7 +730,7 @@ def main(args: argparse.Namespace) -> int:
         gloo_ifname=args.gloo_ifname, torchft=args.torchft, comm_hook=args.comm_hook,
         torchft_mode=args.torchft_mode, sync_every=args.sync_every,
         outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-        lighthouse_host=args.address.rsplit(":", 1)[0] if args.torchft else None)
+        lighthouse_host=_head_host(args.address) if args.torchft else None)
     print(json.dumps({"event": "started", "t0": t0, "recorder": recorder}), flush=True)
     error, errors, checkpoint_path = fit_until_deadline(cfg)
     records = read_recorder(recorder)

@@ -3,8 +3,9 @@
 * ``jobs/configs/{local,aws,gcp}.toml`` load through :func:`moshray.jobs.config.load_config`
   (validated: unknown keys and bad values raise), found through the installed package
   (``importlib.resources``), not through the checkout.
-* The cloud configs checkpoint to durable, shared storage (``s3://`` / ``gs://``, the
-  ``checkpoint_uri`` output of ``infra/``): a spot node's disk goes away with the node.
+* The cloud configs checkpoint to durable, shared storage: the cluster's own
+  (``MOSHRAY_CHECKPOINT_URI``, the ``checkpoint_uri`` output of ``infra/``), never a
+  placeholder bucket of their own; without one the job refuses to start on several machines.
 * pyproject declares the configs as package data and ``tomli`` for Python < 3.11, and a wheel
   built from the checkout carries the configs.
 """
@@ -50,12 +51,16 @@ def test_each_shipped_config_loads_and_validates(name):
 
 
 @pytest.mark.parametrize("cloud", sorted(DURABLE))
-def test_cloud_configs_checkpoint_to_the_clouds_object_storage(cloud):
+def test_cloud_configs_checkpoint_to_the_clusters_object_storage(cloud):
+    from moshray.jobs.controller.durability import Stop, Switch, decide_durability
+
     config = load_config(str(shipped(cloud)))
-    uri = config.checkpoint.uri
-    assert uri and uri.startswith(DURABLE[cloud]), uri
-    bucket, _, prefix = uri.removeprefix(DURABLE[cloud]).partition("/")
-    assert bucket and prefix == "moshray"  # infra's storage_prefix default
+    assert config.checkpoint.uri is None and config.checkpoint.optional is False
+    # On a cluster the job takes the cluster's durable location (infra/ sets it on the
+    # head), and refuses to start on several machines without one.
+    cluster_uri = f"{DURABLE[cloud]}bucket-of-infra/moshray"
+    assert decide_durability(config, 3, cluster_uri) == Switch(cluster_uri)
+    assert isinstance(decide_durability(config, 3, None), Stop)
     # On a real cluster the job attaches to it; it never starts an embedded one.
     assert config.cluster.address == "auto"
     for path in config.data.paths:

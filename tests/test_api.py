@@ -221,7 +221,29 @@ def test_a_state_that_does_not_fit_the_model_is_refused():
     torch.manual_seed(0)
     wider = torch.nn.Linear(4, 3)
     target = TrainState(wider, torch.optim.Adam(wider.parameters()), {}, Feed(), {})
-    with pytest.raises(UserError, match="does not fit this model"):
+    before = {k: v.clone() for k, v in wider.state_dict().items()}
+    with pytest.raises(UserError) as err:
+        target.load(snap, from_donor=False)
+    # one line naming the first tensor that differs; nothing of the state was copied in
+    assert str(err.value) == ("model: the checkpoint's model is not this one: 'weight' is "
+                              "[2, 4] float32 in the stored model but [3, 4] float32 in this "
+                              "one (train the model it was saved from, or start a new run: "
+                              "another checkpoint.run_id)")
+    assert all(torch.equal(before[k], v) for k, v in wider.state_dict().items())
+
+
+def test_a_users_other_model_of_another_dtype_or_names_is_refused_by_name():
+    """Two users' models differ in what config_mismatch cannot see (their own modules): the
+    fingerprint (names, shapes, dtypes) tells, also where torch's load would cast or pass."""
+    snap = _state().snapshot()
+    half = torch.nn.Linear(4, 2).to(torch.float64)  # same names and shapes, other dtype
+    target = TrainState(half, torch.optim.SGD(half.parameters(), lr=0.1), {}, Feed(), {})
+    with pytest.raises(UserError, match="'weight' is \\[2, 4\\] float32 in the stored model "
+                                        "but \\[2, 4\\] float64 in this one"):
+        target.load(snap, from_donor=True)
+    renamed = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    target = TrainState(renamed, torch.optim.SGD(renamed.parameters(), lr=0.1), {}, Feed(), {})
+    with pytest.raises(UserError, match="'weight' is in the stored model but not in this one"):
         target.load(snap, from_donor=False)
 
 

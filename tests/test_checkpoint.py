@@ -19,6 +19,7 @@ import torch
 from moto_s3 import s3_uri
 
 from moshray.actors.replica.checkpoint import (CheckpointStore, SaveResult, config_mismatch,
+                                               fingerprint_mismatch, model_fingerprint,
                                                decode_state, encode_state, run_location)
 from moshray.jobs.examples.lm.model import ModelConfig, build_model
 
@@ -295,6 +296,30 @@ def test_config_mismatch_names_what_differs_in_one_line():
     assert "model.d_model 16 -> 32" in line and "model.n_layers 1 -> 3" in line
     assert "\n" not in line and "checkpoint.run_id" in line
     assert config_mismatch(None, other) is None and config_mismatch({}, other) is None
+
+
+def test_the_manifest_records_the_models_fingerprint_and_differences_are_named(tmp_path):
+    """A checkpoint's manifest records its model's tensors (name, shape, dtype; no values);
+    ``fingerprint_mismatch`` names the first difference in one line."""
+    model = {"emb.weight": torch.zeros(10, 4), "head.bias": torch.zeros(10, dtype=torch.bfloat16),
+             "steps": torch.tensor(3)}
+    CheckpointStore(str(tmp_path), run_id="fp").save({"model": model, "epoch": 1}, 1)
+    manifest = json.loads(next((tmp_path / "fp").glob("*.manifest.json")).read_text())
+    assert manifest["fingerprint"] == [["emb.weight", [10, 4], "float32"],
+                                       ["head.bias", [10], "bfloat16"], ["steps", [], "int64"]]
+    assert manifest["fingerprint"] == model_fingerprint(model)
+    same = model_fingerprint({k: v.clone() for k, v in model.items()})
+    assert fingerprint_mismatch(manifest["fingerprint"], same) is None
+    wider = model_fingerprint({**model, "emb.weight": torch.zeros(10, 8)})
+    assert fingerprint_mismatch(manifest["fingerprint"], wider) == (
+        "'emb.weight' is [10, 4] float32 in the stored model but [10, 8] float32 in this one")
+    extra = model_fingerprint({**model, "lora.a": torch.zeros(2)})
+    assert fingerprint_mismatch(manifest["fingerprint"], extra) == (
+        "'lora.a' is in this model but not in the stored one")
+    # a state without a model dict records none
+    CheckpointStore(str(tmp_path), run_id="plain").save({"x": 1}, 1)
+    plain = json.loads(next((tmp_path / "plain").glob("*.manifest.json")).read_text())
+    assert "fingerprint" not in plain
 
 
 def test_bad_arguments_are_rejected(tmp_path):

@@ -217,6 +217,42 @@ def _storage_kind(exc: OSError) -> str:
     return "no_space" if full else "io"
 
 
+def model_fingerprint(model_state) -> list[list]:
+    """The fingerprint of a model's state dict: ``[name, shape, dtype]`` of every tensor in
+    its order (``dtype`` as torch names it, without ``torch.``). What a checkpoint's manifest
+    records of the user's model (``fingerprint``) and what a load compares; it holds no
+    values. Entries that are not tensors are left out."""
+    return [[name, list(t.shape), str(t.dtype).removeprefix("torch.")]
+            for name, t in model_state.items() if isinstance(t, torch.Tensor)]
+
+
+def fingerprint_mismatch(stored, current) -> str | None:
+    """The first difference between two ``model_fingerprint``s, as one line naming the
+    tensor (a tensor only one side has, then one whose shape or dtype differs, in the
+    stored order); None when they agree. Pure."""
+    then = {name: (shape, dtype) for name, shape, dtype in stored}
+    now = {name: (shape, dtype) for name, shape, dtype in current}
+    for name, _, _ in stored:
+        if name not in now:
+            return f"{name!r} is in the stored model but not in this one"
+    for name, _, _ in current:
+        if name not in then:
+            return f"{name!r} is in this model but not in the stored one"
+    for name, _, _ in stored:
+        if then[name] != now[name]:
+            (s1, d1), (s2, d2) = then[name], now[name]
+            return f"{name!r} is {s1} {d1} in the stored model but {s2} {d2} in this one"
+    return None
+
+
+def _fingerprint_entry(model_state) -> dict:
+    """The manifest's ``fingerprint`` entry (``model_fingerprint`` of the state's model),
+    or nothing when the state carries no model dict."""
+    if not isinstance(model_state, dict):
+        return {}
+    return {"fingerprint": model_fingerprint(model_state)}
+
+
 def config_mismatch(stored: dict | None, current: dict) -> str | None:
     """One line naming the model settings that decide parameter shapes and differ between
     a checkpoint's config (``stored``, a ``TrainConfig.to_dict()``) and this job's; None if
@@ -435,7 +471,8 @@ class CheckpointStore:
                               "sha256": hashlib.sha256(chunk).hexdigest()})
             manifest = {"format": FORMAT, "version": FORMAT_VERSION, "run_id": self.run_id,
                         "step": step, "write_id": write_id, "written_at": self.clock(),
-                        "parts": parts, **_config_entry(state.get("config"))}
+                        "parts": parts, **_config_entry(state.get("config")),
+                        **_fingerprint_entry(state.get("model"))}
             final = f"{self._dir}/{stem}.manifest.json"
             self._write_visible(final, json.dumps(manifest, indent=1).encode(), written)
         except BaseException:

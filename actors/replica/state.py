@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from moshray.actors.errors import UserError
+from moshray.actors.replica.checkpoint import fingerprint_mismatch, model_fingerprint
 
 STATE_VERSION = 2
 
@@ -231,9 +232,24 @@ class TrainState:
         }
 
     def load(self, state: dict, from_donor: bool) -> None:
-        """Put ``state`` (a ``snapshot``) into the user's objects. ``from_donor``: refuse a
-        model built with other initial parameters (the replicas would train different
-        models; a checkpoint may come from other code and is not checked)."""
+        """Put ``state`` (a ``snapshot``) into the user's objects. Refuses (``UserError``, one
+        line, nothing copied in) a state of another model: a tensor only one side has, or
+        of another shape or dtype (``fingerprint_mismatch``: the first difference).
+        ``from_donor``: also refuse a model built with other initial parameters (the
+        replicas would train different models; a checkpoint may come from other code and
+        is not checked for that)."""
+        loaded = state.get("model")
+        if isinstance(loaded, dict):  # before any tensor is copied: the model stays as built
+            diff = fingerprint_mismatch(model_fingerprint(loaded),
+                                        model_fingerprint(self.model.state_dict()))
+            if diff and from_donor:
+                raise UserError("model", f"the donor's model is not this one: {diff} (every "
+                                f"replica must build the same model: the same code and "
+                                f"settings on every node)")
+            if diff:
+                raise UserError("model", f"the checkpoint's model is not this one: {diff} "
+                                f"(train the model it was saved from, or start a new run: "
+                                f"another checkpoint.run_id)")
         if from_donor and state.get("init_digest") not in (None, self.init_digest):
             raise UserError("model", "its initial parameters differ between replicas "
                             f"({self.init_digest} here, {state['init_digest']} on the donor): "

@@ -1,5 +1,4 @@
-"""Shared fixtures: one multi-node Ray cluster on 127.0.0.1 for the session's tests that use
-it (their files run first; the cluster stops after the last of them), moto's
+"""Shared fixtures: one multi-node Ray cluster on 127.0.0.1 for the whole session, moto's
 EC2 server (tests/fake_ec2.py), one per test that asks for it, and moto's S3 server
 (tests/moto_s3.py), one per module that asks for it.
 
@@ -40,21 +39,11 @@ _STARTED = time.monotonic()
 _GUARD = Path(tempfile.mkdtemp(prefix="mr-guard-", dir="/tmp"))
 
 
-def _uses_session_cluster(item) -> bool:
-    return "local_cluster" in getattr(item, "fixturenames", ())
-
-
 def pytest_collection_modifyitems(config, items):
-    """A test that uses the session's cluster is a cluster test, marked or not. The files
-    with such tests run first (each file's tests in their own order, the other files after
-    them in theirs), so the session's cluster is shut down after its last test
-    (``pytest_runtest_teardown``) instead of idling beside every later test's own clusters."""
-    users = set()
+    """A test that uses the session's cluster is a cluster test, marked or not."""
     for item in items:
-        if _uses_session_cluster(item):
+        if "local_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
-            users.add(item.path)
-    items.sort(key=lambda item: item.path not in users)  # stable: order within kept
 
 
 def _ray_sessions() -> set[str]:
@@ -94,36 +83,16 @@ def pytest_unconfigure(config):
     shutil.rmtree(_GUARD, ignore_errors=True)
 
 
-_SESSION_CLUSTER: dict = {}  # "cluster": the running session cluster, while it runs
-
-
 @pytest.fixture(scope="session")
 def local_cluster():
-    """A head plus 4 spot raylets (slots 0-3); tests may add and remove other slots. Shut
-    down after the last test that uses it (``pytest_runtest_teardown``), else at the end."""
+    """A head plus 4 spot raylets (slots 0-3); tests may add and remove other slots."""
     from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig
 
     cluster = LocalCluster(LocalClusterConfig(spot_nodes=SPOT_NODES, cpus_per_node=4))
     cluster.connect()
-    _SESSION_CLUSTER["cluster"] = cluster
     try:
         yield cluster
     finally:
-        if _SESSION_CLUSTER.pop("cluster", None) is not None:
-            cluster.shutdown()
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_runtest_teardown(item, nextitem):
-    """After the last test of the run that uses the session's cluster, shut it down: the
-    tests after it start clusters of their own, and two clusters share two cores badly."""
-    cluster = _SESSION_CLUSTER.get("cluster")
-    if cluster is None or not _uses_session_cluster(item):
-        return
-    items = item.session.items
-    later = items[items.index(item) + 1:] if item in items else []
-    if not any(_uses_session_cluster(other) for other in later):
-        _SESSION_CLUSTER.pop("cluster", None)
         cluster.shutdown()
 
 

@@ -110,6 +110,7 @@ def ship_by_value(*objects: Any) -> None:
                                                     "platstdlib")}
     for obj in objects:
         fn = getattr(obj, "fn", obj)  # a FunctionSource carries the user's function
+        fn = getattr(fn, "dataset", fn)  # a TorchSource, the user's Dataset (or its factory)
         while isinstance(fn, functools.partial):  # the user's function behind a partial
             fn = fn.func
         name = getattr(fn, "__module__", None)
@@ -139,12 +140,15 @@ def _job(loop, data, batch_size: int):
 def _group_job(loop, data):
     """The ``LoopTask`` of a job of replica groups (``cluster.replica = "node"``): the loop
     and ``moshray.data.by_step`` data; ``UserError`` for other data."""
-    from moshray.actors.replica.data_sources import StepBatches
+    from moshray.actors.replica.data_sources import StepBatches, TorchSource, by_step
     from moshray.actors.replica.group_loop import LoopTask
 
+    if isinstance(data, TorchSource):
+        data = by_step(data)
     if not isinstance(data, StepBatches):
         raise UserError("data", "replica groups (cluster.replica = \"node\") take "
                         "moshray.data.by_step(fn), fn(step) -> the global batch of that step, "
+                        "or moshray.data.from_torch(dataset, global_batch), "
                         f"got {type(data).__name__}")
     ship_by_value(loop, data)
     return LoopTask(loop, data)

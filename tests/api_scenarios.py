@@ -4,7 +4,8 @@ script: ``python tests/api_scenarios.py SCENARIO TMP_DIR``); prints one JSON lin
 - ``extra-state``: a user model with extra state (a step counter and an EMA copy of the
   weights) and a data function that yields sample ids; a third node joins mid-run; then a
   second run resumes from the first one's checkpoint.
-- ``bad-loss``: a loop whose loss is not a scalar.
+- ``bad-loss``: a loop whose loss is not a scalar (its data a torch ``Dataset`` of the
+  script's own, which travels to the replicas and is read there through a ``DataLoader``).
 - ``quickstart``: the README's example (jobs/examples/quickstart.py), 15 s.
 - ``dataset``: data given as a Ray Dataset (made once the driver is connected).
 """
@@ -30,6 +31,17 @@ def sample_ids(shard: int, num_shards: int, seed: int):
         ids = index[i : i + 4] + seed * 10_000
         x = torch.stack([ids.float().sin(), ids.float().cos()], dim=1)
         yield x, x.sum(dim=1, keepdim=True), ids
+
+
+class SampleIds(torch.utils.data.Dataset):
+    """The user's own torch Dataset: sample i is (features of i, their sum, i)."""
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, i: int):
+        x = torch.tensor([float(i)]).sin().repeat(2)
+        return x, x.sum(dim=0, keepdim=True), i
 
 
 def make_loop(seen_dir: Path, run: str):
@@ -86,8 +98,8 @@ def bad_loss(tmp: Path) -> dict:
             opt.step(model(x) - 1.0)  # not reduced to a scalar
 
     try:
-        moshray.fit(loop, moshray.data.from_fn(sample_ids, num_shards=4), local_nodes=2,
-                    max_nodes=2, max_seconds=60, run_dir=str(tmp / "run"), metrics_port=0)
+        moshray.fit(loop, SampleIds(), batch_size=4, local_nodes=2, max_nodes=2,
+                    max_seconds=60, run_dir=str(tmp / "run"), metrics_port=0)
     except moshray.UserError as exc:
         return {"error": str(exc), "type": type(exc).__name__}
     return {"error": None}

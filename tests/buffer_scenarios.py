@@ -45,7 +45,7 @@ def make_loop(log_dir: Path):
         with open(log_dir / f"{session.peer_id}.txt", "a") as log:
             for x, y in session.batches():
                 if opt.step(torch.nn.functional.mse_loss(model(x), y)):  # a global step
-                    log.write(f"{session.epoch} {buffer_digest(model)}\n")
+                    log.write(f"{session.global_step} {buffer_digest(model)}\n")
                     log.flush()
     return loop
 

@@ -40,10 +40,16 @@ def _norm(model) -> float:
                                                        for g in grads])))
 
 
+LR_GAMMA = 0.97  # the idiom loop's StepLR: lr = 1e-2 * LR_GAMMA ** global_step
+
+
 def idiom_loop(tmp: Path):
     def loop(session):
         model = _net()
         opt = session.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+        # torch's scheduler on the optimizer prepare returns, stepped after every opt.step()
+        # without looking at its value: it moves once per global step
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=LR_GAMMA)
         scaler = torch.amp.GradScaler(session.device.type)
         g = torch.Generator().manual_seed(12345)
         x_val = torch.randn(128, 8, generator=g)
@@ -75,17 +81,19 @@ def idiom_loop(tmp: Path):
                 stepped, norm = opt.step(loss), 0.0  # the older shorthand
                 counts["old_form"] += 1
             opt.zero_grad()
+            sched.step()
             if norm == norm and norm != float("inf"):
                 counts["max_norm_after_clip"] = max(counts["max_norm_after_clip"], norm)
             session.report({"loss": loss.float()})
-            if stepped and session.epoch % 2 == 0 and session.is_leader:
+            if stepped and session.global_step % 2 == 0 and session.is_leader:
                 with torch.no_grad():
                     logits = model(x_val)
                 session.report({
                     "val_loss": torch.nn.functional.cross_entropy(logits, y_val),
                     "val_accuracy": (logits.argmax(1) == y_val).float().mean()})
                 with open(tmp / f"eval-{session.peer_id}.txt", "a") as f:
-                    f.write(f"{session.epoch}\n")
+                    f.write(f"{session.global_step}\n")
+        counts["lr"], counts["global_step"] = opt.param_groups[0]["lr"], session.global_step
         (tmp / f"counts-{session.peer_id}.json").write_text(json.dumps(counts))
     return loop
 
@@ -152,8 +160,8 @@ def leader_loss(tmp: Path) -> dict:
             lost = marker.exists()
             lead = session.is_leader
             with open(tmp / f"leader-{session.peer_id}.txt", "a") as f:
-                f.write(f"{session.epoch} {int(lead)} {int(lost)}\n")
-            if lead and session.epoch >= 4 and not lost:
+                f.write(f"{session.global_step} {int(lead)} {int(lost)}\n")
+            if lead and session.global_step >= 4 and not lost:
                 marker.write_text(session.peer_id)
                 raise RuntimeError("the leader is lost")
 

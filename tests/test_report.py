@@ -179,6 +179,13 @@ def test_torch_idiom_amp_clipping_reports_evaluation_and_max_epochs(tmp_path: Pa
                           for c in counts.values())
     # the user's clip held on every micro-batch (moshray clipped nothing itself)
     assert max(c["max_norm_after_clip"] for c in counts.values()) <= 0.5 + 1e-4
+    # torch's StepLR on the optimizer prepare returns, stepped after every micro-batch,
+    # moved once per global step on every replica (several micro-batches per step)
+    from idiom_scenarios import LR_GAMMA
+
+    for c in counts.values():
+        assert c["global_step"] >= 3
+        assert c["lr"] == pytest.approx(1e-2 * LR_GAMMA ** c["global_step"]), c
     reported = summary["reported"]
     assert reported["loss"]["value"] > 0 and 0 <= reported["loss"]["step"] <= summary["steps"]
     assert "val_loss" in reported and reported["val_loss"]["step"] % 2 == 0

@@ -125,6 +125,93 @@ def test_the_wrapper_is_what_grad_scaler_expects():
     assert all(p.default is None for name, p in params.items() if name != "self")
 
 
+def _stepping(global_step: int = 0):
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    session = SimpleNamespace(global_step=global_step)
+    return session, inner, ElasticOptimizer(session, inner)
+
+
+def test_the_wrapper_is_a_torch_optimizer_over_the_wrapped_ones_state():
+    session, inner, opt = _stepping()
+    assert isinstance(opt, torch.optim.Optimizer) and opt.optimizer is inner
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state
+    assert opt.defaults is inner.defaults and opt.state_dict() == inner.state_dict()
+    with pytest.raises(UserError, match="add_param_group after prepare"):
+        opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+
+
+def test_a_scheduler_built_on_it_steps_once_per_global_step():
+    """StepLR on the optimizer prepare returns, stepped after every ``opt.step()`` without
+    checking its value (3 micro-batches per global step): once per global step."""
+    session, inner, opt = _stepping()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    opt._opt_called = True  # (as after the loop's first opt.step())
+    lrs = []
+    for micro in range(12):
+        if micro % 3 == 2:
+            session.global_step += 1  # this opt.step() took a global step
+        sched.step()
+        lrs.append(inner.param_groups[0]["lr"])
+    assert lrs == [1, 1, 1, 1, 1, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.25]
+    assert sched.last_epoch == 4 == session.global_step
+    # a rollback to the checkpoint of step 1 (its learning rate came back with its state)
+    session.global_step, inner.param_groups[0]["lr"] = 1, 1.0
+    sched.step()
+    assert inner.param_groups[0]["lr"] == 1.0  # nothing new since the state it holds
+    session.global_step = 2
+    sched.step()
+    assert inner.param_groups[0]["lr"] == 0.5 and sched.last_epoch == 2
+
+
+@pytest.mark.parametrize("kind", ["step", "lambda"])
+def test_a_joiners_scheduler_continues_from_the_step_it_joined_at(kind):
+    """A replica joining at global step 7 holds the swarm's learning rate (it came with the
+    optimizer's state); the scheduler it builds after prepare keeps it and steps on from 7,
+    to the learning rate of a replica that ran from the start."""
+    def build(opt):
+        if kind == "step":
+            return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 / (1 + k))
+
+    session, inner, opt = _stepping()
+    first = build(opt)
+    opt._opt_called = True
+    for _ in range(8):
+        session.global_step += 1
+        first.step()
+    expected = inner.param_groups[0]["lr"]
+    joiner_session, joiner_inner, joiner = _stepping(global_step=7)
+    donor = {**inner.state_dict()}
+    joiner_inner.load_state_dict(donor)  # (the optimizer's state as of step 8 ...)
+    joiner_inner.param_groups[0]["lr"] = ({"step": 0.125, "lambda": 1 / 8})[kind]  # (... of 7)
+    sched = build(joiner)
+    assert joiner_inner.param_groups[0]["lr"] == ({"step": 0.125, "lambda": 1 / 8})[kind]
+    assert sched.last_epoch == 7
+    joiner._opt_called = True
+    joiner_session.global_step = 8
+    sched.step()
+    assert joiner_inner.param_groups[0]["lr"] == pytest.approx(expected)
+
+
+def test_session_epoch_is_global_step_under_its_old_name(caplog):
+    from moshray.actors.replica import session as session_module
+    from moshray.actors.replica.session import Session
+
+    session = Session("p0", TrainConfig(), torch.device("cpu"), None, None, None, None)
+    session.state = SimpleNamespace(epoch=3)
+    assert session.global_step == 3
+    session_module._EPOCH_WARNED.clear()
+    with pytest.warns(DeprecationWarning, match="renamed session.global_step"):
+        assert session.epoch == 3
+    # a scheduler built on the raw optimizer before prepare: one line says so
+    model = _model()
+    raw = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(raw, 1)
+    session_module.warn_early_scheduler(raw)
+    assert "before session.prepare" in caplog.text
+
+
 class _ErroringCollaborative(Collaborative):
     """Collaborative steps whose averaging errors (a fault wrapper around the real one)."""
 

@@ -69,28 +69,45 @@ def test_streaming_diloco_fragments_cover_every_parameter_once():
     assert set(seen) == {id(p) for p in model.parameters()}  # embedding), none left out
 
 
+HOOK_STEPS = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from moshray.jobs.bench import raytrain_baseline as rb
+from moshray.jobs.examples.lm.model import ModelConfig, build_model
+
+store = dist.FileStore(sys.argv[2], 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+model = torch.nn.parallel.DistributedDataParallel(build_model(ModelConfig(
+    vocab_size=256, d_model=16, n_heads=2, n_layers=3, d_ff=32, seq_len=8), seed=0))
+rb._register_comm_hook(model, sys.argv[1])
+x = torch.randint(0, 256, (4, 8))
+for _ in range(rb.POWERSGD_START_ITER + 2):  # past PowerSGD's plain warm-up steps
+    model.zero_grad()
+    logits = model(x)
+    F.cross_entropy(logits.reshape(-1, logits.size(-1)), x.reshape(-1)).backward()
+grads = [p.grad for p in model.parameters() if p.grad is not None]
+print(json.dumps({"grads": len(grads), "finite": all(bool(torch.isfinite(g).all())
+                                                     for g in grads)}), flush=True)
+os._exit(0)  # (no teardown of the group: see the test's docstring)
+"""
+
+
 @pytest.mark.parametrize("hook", ["fp16", "powersgd"])
 def test_ddp_comm_hooks_train_a_step_of_the_bench_model(hook, tmp_path):
-    """The hook is registered on a real DDP model (a gloo group of one, in this process)
-    and a backward through it yields finite gradients."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
+    """The hook is registered on a real DDP model (a gloo group of one) and a backward
+    through it yields finite gradients. In a process of its own, which ends without
+    tearing the group down: torch's gloo group, freed by the DDP reducer while a hook's
+    callback still waits for the GIL on a gloo thread, can deadlock in its destructor (a
+    run of the fast tier hung there)."""
+    import json
 
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        model = torch.nn.parallel.DistributedDataParallel(_small_model())
-        rb._register_comm_hook(model, hook)
-        x = torch.randint(0, 256, (4, 8))
-        for _ in range(rb.POWERSGD_START_ITER + 2):  # past PowerSGD's plain warm-up steps
-            model.zero_grad()
-            logits = model(x)
-            F.cross_entropy(logits.reshape(-1, logits.size(-1)), x.reshape(-1)).backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        assert grads and all(torch.isfinite(g).all() for g in grads)
-    finally:
-        dist.destroy_process_group()
+    done = subprocess.run([sys.executable, "-c", HOOK_STEPS, hook, str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["grads"] > 0 and result["finite"] is True
 
 
 def test_the_baseline_driver_refuses_a_hook_with_torchft_in_one_line():

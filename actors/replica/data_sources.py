@@ -11,11 +11,15 @@ the driver can open.
   pyarrow opens), one shard per row group, streamed in record batches, never read whole.
   Local files only on one machine: the job refuses them once it sees a second one.
 - ``from_dataset(ds, batch_size)``: a Ray Data ``Dataset``, its blocks in the object store.
+- ``from_torch(dataset, batch_size)``: a map-style torch ``Dataset`` (or a function that
+  builds one on the replica), shards of contiguous index ranges read through torch's
+  ``DataLoader``; for replica groups its ``by_step`` batches walk a seeded permutation.
 - ``by_step(fn)``: for replica groups (``cluster.replica = "node"``) only, not a source:
   ``fn(step)`` is the global batch of each step, which the swarm splits among the groups
   and their ranks (``actors/replica/group_loop.py``).
 
-``as_source`` turns what a user passes (a source, a function, URIs, a Dataset) into one.
+``as_source`` turns what a user passes (a source, a function, URIs, a Ray Dataset, a torch
+Dataset or DataLoader) into one.
 """
 
 from __future__ import annotations
@@ -215,6 +219,131 @@ def from_dataset(ds, batch_size: int, num_shards: int | None = None,
     return ArrowRefsSource((refs,), int(batch_size), transform or record_batch_to_tensors)
 
 
+_LOADER_KEYS = frozenset({"collate_fn", "num_workers", "pin_memory", "drop_last",
+                          "persistent_workers", "prefetch_factor", "worker_init_fn", "timeout"})
+
+
+@dataclass(frozen=True)
+class TorchSource:
+    """``from_torch``: a map-style torch ``Dataset`` of ``size`` samples in ``num_shards``
+    shards of contiguous index ranges; ``open(shard, seed)`` reads one through a torch
+    ``DataLoader`` (its order permuted by ``seed`` when ``shuffle``). The shard ledger hands
+    every shard out once per data epoch, so no sample is read twice in an epoch. ``dataset``
+    is the Dataset itself or a function of no argument that builds it (called once per
+    process that reads it: a replica builds its own, e.g. opening files by URI)."""
+
+    dataset: Any
+    size: int
+    batch_size: int
+    num_shards: int
+    shuffle: bool = True
+    loader: tuple = ()  # DataLoader keyword arguments, as (name, value) pairs
+
+    def _built(self):
+        built = self.__dict__.get("_built_dataset")
+        if built is None:
+            import torch.utils.data as tud
+
+            built = self.dataset if isinstance(self.dataset, tud.Dataset) else self.dataset()
+            if len(built) != self.size:
+                raise UserError("data", f"from_torch: the dataset built here has {len(built)} "
+                                f"samples, the driver's {self.size}: build the same dataset "
+                                f"everywhere")
+            object.__setattr__(self, "_built_dataset", built)
+        return built
+
+    def __getstate__(self):  # (the dataset built in one process never travels)
+        return {k: v for k, v in self.__dict__.items() if k != "_built_dataset"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def bounds(self, shard: int) -> tuple[int, int]:
+        """The index range ``[start, stop)`` of ``shard`` (sizes differ by at most one)."""
+        return (shard * self.size // self.num_shards,
+                (shard + 1) * self.size // self.num_shards)
+
+    def open(self, shard: int, seed: int) -> Iterator[Any]:
+        import torch
+        import torch.utils.data as tud
+
+        start, stop = self.bounds(shard)
+        indices = list(range(start, stop))
+        if self.shuffle:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + shard)
+            indices = [indices[i] for i in torch.randperm(len(indices), generator=g).tolist()]
+        loader = tud.DataLoader(tud.Subset(self._built(), indices),
+                                batch_size=self.batch_size, shuffle=False, **dict(self.loader))
+        return iter(loader)
+
+    def step_batch(self, step: int) -> Any:
+        """The global batch of ``step`` for replica groups (``by_step``): ``batch_size``
+        samples at ``step * batch_size`` of the walk through a permutation per data epoch
+        (seeded by the epoch), so each epoch reads every sample once before the next
+        starts, the same on every rank."""
+        import torch
+        import torch.utils.data as tud
+
+        data, picked, at = self._built(), [], step * self.batch_size
+        while len(picked) < self.batch_size:
+            epoch, offset = divmod(at, self.size)
+            order = (torch.randperm(self.size, generator=torch.Generator().manual_seed(epoch))
+                     if self.shuffle else torch.arange(self.size))
+            take = order[offset:offset + self.batch_size - len(picked)].tolist()
+            picked += take
+            at += len(take)
+        collate = dict(self.loader).get("collate_fn") or tud.default_collate
+        return collate([data[i] for i in picked])
+
+
+def from_torch(dataset: Any, batch_size: int | None = None, num_shards: int | None = None,
+               shuffle: bool = True, size: int | None = None, **loader: Any) -> TorchSource:
+    """A source over a map-style torch ``Dataset`` (``__getitem__`` and ``__len__``), or a
+    ``DataLoader`` (its dataset, batch size and collate function are taken), or a function
+    of no argument that builds the Dataset where it is read (``size``: its length, else it
+    is built once here to read it). ``batch_size``: the micro-batch of one replica (for
+    replica groups, ``by_step``'s global batch of a step); a DataLoader's own by default.
+    ``num_shards``: default ``size // batch_size`` (whole batches per shard), at most 64.
+    ``loader``: ``DataLoader`` settings (``collate_fn``, ``num_workers``, ``pin_memory``,
+    ``drop_last``, ...). ``UserError`` (one line) for an
+    ``IterableDataset``, an empty dataset or bad sizes."""
+    import torch.utils.data as tud
+
+    if isinstance(dataset, tud.DataLoader):
+        loader = {"collate_fn": dataset.collate_fn, "drop_last": dataset.drop_last, **loader}
+        batch_size = batch_size if batch_size is not None else dataset.batch_size
+        dataset = dataset.dataset
+    if isinstance(dataset, tud.IterableDataset):
+        raise UserError("data", "from_torch: an IterableDataset cannot be split into shards: "
+                        "pass a map-style Dataset, or moshray.data.from_fn(fn) with fn "
+                        "yielding the batches of one shard")
+    unknown = sorted(set(loader) - _LOADER_KEYS)
+    if unknown:
+        raise UserError("data", f"from_torch: unknown DataLoader setting(s) {unknown}; "
+                        f"allowed: {sorted(_LOADER_KEYS)}")
+    if not isinstance(dataset, tud.Dataset):
+        if not callable(dataset):
+            raise UserError("data", f"from_torch: expected a torch Dataset, a DataLoader or a "
+                            f"function building a Dataset, got {type(dataset).__name__}")
+        if size is None:
+            size = len(dataset())
+    elif size is None:
+        try:
+            size = len(dataset)
+        except TypeError:
+            raise UserError("data", "from_torch: the Dataset has no __len__: give size=") \
+                from None
+    if int(size) < 1 or not batch_size or int(batch_size) < 1:
+        raise UserError("data", f"from_torch: needs at least one sample and batch_size >= 1, "
+                        f"got {size} samples and batch_size {batch_size}")
+    shards = (int(num_shards) if num_shards
+              else max(1, min(DEFAULT_SHARDS, int(size) // int(batch_size))))
+    if not 1 <= shards <= int(size):
+        raise UserError("data", f"from_torch: num_shards must be in [1, {size}], got {shards}")
+    return TorchSource(dataset, int(size), int(batch_size), shards, bool(shuffle),
+                       tuple(sorted(loader.items())))
+
+
 @dataclass(frozen=True)
 class StepBatches:
     """``by_step(fn)``: the global batch of every step for replica groups; calling it with a
@@ -236,7 +365,10 @@ class StepBatches:
 def by_step(fn: Callable[[int], Any]) -> StepBatches:
     """The global batch of each step, ``fn(step) -> (tensor, ...)``, for replica groups
     (``cluster.replica = "node"``): step ``s``'s rows divide among the groups x ranks that
-    train it. ``UserError`` if ``fn`` is no function of one argument."""
+    train it. ``fn`` may be a ``from_torch`` source (``TorchSource.step_batch``).
+    ``UserError`` if ``fn`` is no function of one argument."""
+    if isinstance(fn, TorchSource):
+        return StepBatches(fn.step_batch)
     if not callable(fn):
         raise UserError("data", f"by_step: expected a function step -> batch, got "
                         f"{type(fn).__name__}")
@@ -263,7 +395,18 @@ def as_source(data: Any, batch_size: int | None = None) -> DataSource:
     if isinstance(data, str) or (isinstance(data, (list, tuple)) and data
                                  and all(isinstance(u, str) for u in data)):
         return parquet(data, batch_size or 32)
+    if _is_torch_data(data):  # (a DataLoader keeps its own batch size)
+        import torch.utils.data as tud
+
+        return from_torch(data, None if isinstance(data, tud.DataLoader) else batch_size or 32)
     if callable(data):
         return from_fn(data)
     raise UserError("data", f"expected a function (shard, num_shards, seed) -> batches, "
-                    f"Parquet URIs or a Ray Dataset, got {type(data).__name__}")
+                    f"Parquet URIs, a Ray Dataset or a torch Dataset / DataLoader, got "
+                    f"{type(data).__name__}")
+
+
+def _is_torch_data(data: Any) -> bool:
+    import torch.utils.data as tud
+
+    return isinstance(data, (tud.Dataset, tud.DataLoader))

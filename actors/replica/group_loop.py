@@ -64,6 +64,7 @@ from moshray.actors.replica.group_averaging import (
     BatchPart, GradReport, LocalReport, rank_rows,
 )
 from moshray.actors.replica.group_spec import GroupError, rank_slice
+from moshray.actors.replica.session import SwarmOptimizer, _warn_epoch_once
 
 if TYPE_CHECKING:
     from moshray.actors.replica.group_rank import GroupRank
@@ -328,17 +329,21 @@ class LoopHost:
         self.applied = applied
 
 
-class GroupOptimizer:
-    """What ``GroupSession.prepare`` returns: torch's idiom (``step``, ``zero_grad``,
-    ``param_groups``, ``state_dict``); ``optimizer`` is the rank's own optimizer over its
-    shard (for learning-rate schedulers)."""
+class GroupOptimizer(SwarmOptimizer):
+    """What ``GroupSession.prepare`` returns: a ``torch.optim.Optimizer`` in torch's idiom
+    (``session.SwarmOptimizer``: ``param_groups``, ``state_dict``, schedulers tied to the
+    group's steps); ``optimizer`` is the rank's own optimizer over its shard."""
 
     def __init__(self, host: LoopHost):
+        super().__init__()
         self._host = host
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self._host.rank.opt
+
+    def global_step(self) -> int:
+        return self._host.rank.step
 
     def step(self, loss: torch.Tensor | float | None = None) -> bool:
         """After ``loss.backward()``. Collaborative: hand the gradients to the swarm and wait
@@ -348,17 +353,8 @@ class GroupOptimizer:
         backpropagated here (``UserError`` after the loop's own backward); a number is only
         recorded. The swarm's loss figures take it, else the last ``session.report``.
         ``UserError`` when there are no gradients."""
+        self._opt_called = True
         return self._host.step(loss)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._host.rank.opt.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def param_groups(self):
-        return self._host.rank.opt.param_groups
-
-    def state_dict(self) -> dict:
-        return self._host.rank.opt.state_dict()
 
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
@@ -383,7 +379,8 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
 
 class GroupSession:
     """One rank's view of a loop-driven group (see module docstring). Attributes: ``rank``,
-    ``world_size``, ``device``, ``epoch`` (the group's optimizer steps so far)."""
+    ``world_size``, ``device``, ``global_step`` (the group's optimizer steps so far;
+    ``epoch`` is its old name)."""
 
     def __init__(self, host: LoopHost):
         self._host = host
@@ -393,8 +390,15 @@ class GroupSession:
         self._started = False
 
     @property
-    def epoch(self) -> int:
+    def global_step(self) -> int:
+        """The group's optimizer steps so far."""
         return self._host.rank.step
+
+    @property
+    def epoch(self) -> int:
+        """The old name of ``global_step``; warns once per process."""
+        _warn_epoch_once()
+        return self.global_step
 
     @property
     def is_leader(self) -> bool:
@@ -407,7 +411,7 @@ class GroupSession:
         shard it (``shard``) or replicate it over the group; returns the optimizer wrapper
         (see module docstring)."""
         from moshray.actors.replica.group_rank import shard_model
-        from moshray.actors.replica.session import check_optimizer
+        from moshray.actors.replica.session import check_optimizer, warn_early_scheduler
         import torch.distributed as dist
 
         rank = self._host.rank
@@ -420,6 +424,7 @@ class GroupSession:
         if not isinstance(model, torch.nn.Module):
             raise UserError("model", f"expected a torch.nn.Module, got {type(model).__name__}")
         check_optimizer(model, optimizer)
+        warn_early_scheduler(optimizer)
         names = {id(p): n for n, p in model.named_parameters()}
         model.to(rank.device)
         with torch.no_grad():

@@ -16,7 +16,9 @@ in torch's idiom::
 
 ``prepare`` moves the model to the replica's device, joins the swarm (the model, the
 optimizer, the user's extra state dict, the data position and the RNG states are copied
-from a live replica or the checkpoint) and returns the optimizer wrapper. ``batches()``
+from a live replica or the checkpoint) and returns the optimizer wrapper, a
+``torch.optim.Optimizer`` (``SwarmOptimizer``): a learning-rate scheduler built on it moves
+once per global step (``session.global_step``), however often the loop calls its ``step()``. ``batches()``
 yields the batches of the shards this replica is handed, on its device, until the job
 stops. Between ``loss.backward()`` and ``opt.step()`` the gradients are the user's:
 clip them, unscale them (``torch.amp.GradScaler``: ``scaler.step(opt)`` works), inspect
@@ -81,6 +83,16 @@ def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
                         f"model.parameters() (or set requires_grad=False on frozen ones)")
 
 
+def warn_early_scheduler(optimizer: torch.optim.Optimizer) -> None:
+    """Log one line if a learning-rate scheduler was built on ``optimizer`` before
+    ``prepare``: it would step each time it is called (per micro-batch), not per global
+    step as one built on the optimizer ``prepare`` returns does."""
+    if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        log.warning("a learning-rate scheduler was built on the optimizer before "
+                    "session.prepare: it steps on every call; build it on the optimizer "
+                    "prepare returns, which steps it once per global step")
+
+
 def check_loss(loss: Any) -> torch.Tensor:
     """``loss`` if it is a scalar tensor that depends on the parameters; else ``UserError``."""
     if callable(loss):
@@ -124,14 +136,129 @@ def _has_grad(model: torch.nn.Module) -> bool:
     return any(p.grad is not None for p in model.parameters())
 
 
-class ElasticOptimizer:
-    """Wraps the user's optimizer (see module docstring): ``loss.backward(); opt.step();
-    opt.zero_grad()`` once per micro-batch. ``param_groups`` and ``state_dict`` are the
-    wrapped optimizer's (``GradScaler.unscale_`` and ``step`` use them); ``optimizer`` is
-    the wrapped one itself (for learning-rate schedulers)."""
+_SCHEDULER_PATCH = "patch_track_step_called"  # torch's LRScheduler.__init__, wrapping opt.step
+
+
+def _scheduler_being_built(depth: int = 2):
+    """The ``torch.optim.lr_scheduler.LRScheduler`` whose constructor is wrapping an
+    optimizer's ``step`` right now (torch does that in ``LRScheduler.__init__``, through a
+    nested function whose ``self`` is the scheduler), read from the caller's caller's frame;
+    None if that is not what is happening (another torch, or another caller)."""
+    import sys
+
+    frame = sys._getframe(depth)
+    if frame.f_code.co_name != _SCHEDULER_PATCH:
+        return None
+    candidate = frame.f_locals.get("self")
+    scheduler = getattr(torch.optim.lr_scheduler, "LRScheduler", None)
+    return candidate if scheduler is not None and isinstance(candidate, scheduler) else None
+
+
+class SwarmOptimizer(torch.optim.Optimizer):
+    """What ``prepare`` returns (``ElasticOptimizer``, ``GroupOptimizer``): a
+    ``torch.optim.Optimizer`` whose ``param_groups``, ``state``, ``defaults`` and
+    ``state_dict`` are the wrapped optimizer's (``optimizer``), so ``lr_scheduler``s,
+    ``GradScaler`` and ``clip_grad_norm_`` work on it as on any optimizer. ``step()``
+    returns True when a global step happened.
+
+    A learning-rate scheduler built on it steps once per global step of the swarm, whether
+    the loop calls ``scheduler.step()`` after every ``opt.step()`` or only when it returned
+    True: its position (``last_epoch``) is the swarm's global step, so every replica holds
+    the same learning rate, a joiner (whose learning rate came with the swarm's state)
+    continues from the step it joined at, and a rollback to a checkpoint rewinds it.
+    ``scheduler.step(value)`` (ReduceLROnPlateau's metric, or an explicit epoch) is passed
+    through unchanged. Subclasses give ``optimizer`` and ``global_step``."""
+
+    def __init__(self) -> None:  # (not Optimizer's: the wrapped optimizer holds the state)
+        self._opt_called = False  # (what torch's schedulers read to check the call order)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    def global_step(self) -> int:
+        """Global steps the swarm's state has taken (as this replica holds it)."""
+        raise NotImplementedError
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise UserError("optimizer", "add_param_group after prepare(): every replica must "
+                        "hold the same parameters; build the optimizer over all of them "
+                        "before session.prepare")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "step" and getattr(value, "_wrapped_by_lr_sched", False):
+            scheduler = _scheduler_being_built()
+            if scheduler is None:
+                log.warning("a learning-rate scheduler built on moshray's optimizer could not "
+                            "be tied to global steps (torch %s): step it only when "
+                            "opt.step() returns True", torch.__version__)
+            else:
+                self._follow(scheduler)
+        object.__setattr__(self, name, value)
+
+    def _follow(self, scheduler) -> None:
+        """Tie ``scheduler.step()`` to the swarm's global steps (see the class docstring)."""
+        own_step = scheduler.step
+
+        def step(*args, **kwargs):
+            if args or kwargs:
+                return own_step(*args, **kwargs)
+            at = self.global_step()
+            if scheduler._step_count == 0:  # its first step, in its constructor
+                if at == 0:
+                    return own_step()
+                # Built after joining at step ``at``: the learning rate came with the state.
+                scheduler.last_epoch, scheduler._step_count = at, 1
+                scheduler._last_lr = [group["lr"] for group in self.param_groups]
+                return None
+            if at == scheduler.last_epoch:
+                return None  # no global step since its last one
+            scheduler.last_epoch = at - 1  # (also back, after a rollback)
+            return own_step()
+
+        scheduler.step = step
+
+
+class ElasticOptimizer(SwarmOptimizer):
+    """Wraps the user's optimizer (see module docstring and ``SwarmOptimizer``):
+    ``loss.backward(); opt.step(); opt.zero_grad()`` once per micro-batch; ``optimizer`` is
+    the wrapped one itself."""
 
     def __init__(self, session: "Session", optimizer: torch.optim.Optimizer):
-        self.session, self.optimizer = session, optimizer
+        super().__init__()
+        self.session, self._wrapped = session, optimizer
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._wrapped
+
+    def global_step(self) -> int:
+        return self.session.global_step
 
     def step(self, loss: torch.Tensor | None = None, samples: int | None = None) -> bool:
         """Hand this micro-batch's gradients (as the loop left them) to the step strategy
@@ -154,6 +281,7 @@ class ElasticOptimizer:
         elif not _has_grad(model):
             raise UserError("optimizer", "opt.step() found no gradients: call "
                             "loss.backward() before each opt.step()")
+        self._opt_called = True
         s.strategy.after_backward(model, self.optimizer)
         n = samples if samples is not None else s.last_batch_size
         return s.call(s.manager.after_micro_batch(n, value))
@@ -164,16 +292,18 @@ class ElasticOptimizer:
         inf) or nothing."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
 
-    @property
-    def state(self):
-        return self.optimizer.state
+_EPOCH_WARNED: list[bool] = []
 
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+
+def _warn_epoch_once() -> None:
+    if not _EPOCH_WARNED:
+        _EPOCH_WARNED.append(True)
+        import warnings
+
+        warnings.warn("session.epoch is renamed session.global_step: it counts global steps "
+                      "(training.max_epochs counts passes over the data)", DeprecationWarning,
+                      stacklevel=3)
 
 
 def _natural_key(peer_id: str) -> tuple:
@@ -227,8 +357,9 @@ class Session:
 
     Attributes: ``peer_id``, ``config`` (the ``TrainConfig``), ``device`` (the GPU Ray
     gave this replica, else the CPU; ``prepare`` moves the model there, ``batches`` the
-    data), ``seed``, ``coordinator`` (handle, for DMoE layers), ``epoch`` (global steps so
-    far), ``is_leader``. ``report(metrics)``: the loop's own metrics. ``autocast()``:
+    data), ``seed``, ``coordinator`` (handle, for DMoE layers), ``global_step`` (global
+    steps so far; ``epoch`` is its old name), ``is_leader``. ``report(metrics)``: the
+    loop's own metrics. ``autocast()``:
     mixed precision on that device."""
 
     def __init__(self, peer_id: str, config, device: torch.device, manager, source,
@@ -242,8 +373,16 @@ class Session:
         self._loop = loop
 
     @property
-    def epoch(self) -> int:
+    def global_step(self) -> int:
+        """Global steps the swarm has taken (as this replica holds its state)."""
         return self.state.epoch if self.state is not None else 0
+
+    @property
+    def epoch(self) -> int:
+        """The old name of ``global_step`` (it counts global steps, not passes over the
+        data); warns once per process."""
+        _warn_epoch_once()
+        return self.global_step
 
     @property
     def should_stop(self) -> bool:
@@ -268,6 +407,7 @@ class Session:
         if state is not None and not isinstance(state, dict):
             raise UserError("state", f"expected a dict, got {type(state).__name__}")
         check_optimizer(model, optimizer)
+        warn_early_scheduler(optimizer)
         model.to(self.device)  # in place: the optimizer keeps the same parameters
         coordinator, peer = self.coordinator, self.peer_id
         feed = ShardFeed(self.source, self.seed,
@@ -294,7 +434,7 @@ class Session:
 
     def report(self, metrics: dict) -> None:
         """Record the loop's own metrics (``{name: number or one-element tensor}``) at the
-        current global step (``epoch``): the last value of each name per step reaches the
+        current global step (``global_step``): the last value of each name per step reaches the
         run summary (``summary["reported"][name]`` = ``{"value", "step"}``, the newest
         step's), the Prometheus gauge ``moshray_reported{name=...}``, TensorBoard event
         files in the run directory and ``fit``'s ``on_report`` callback (on the driver).
@@ -304,7 +444,7 @@ class Session:
         ``UserError`` for a bad argument (see ``metric_values``)."""
         values = metric_values(metrics)
         if values:
-            self._loop.call_soon_threadsafe(self.manager.note_reported, values, self.epoch)
+            self._loop.call_soon_threadsafe(self.manager.note_reported, values, self.global_step)
 
     @property
     def is_leader(self) -> bool:

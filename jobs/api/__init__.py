@@ -13,16 +13,17 @@ The public API (this file is the ``moshray`` package itself)::
             stepped = opt.step()             # True when moshray took a global step
             opt.zero_grad()
             session.report({"loss": loss})   # summary, Prometheus, TensorBoard
-            if stepped and session.epoch % 100 == 0 and session.is_leader:
+            if stepped and session.global_step % 100 == 0 and session.is_leader:
                 evaluate(model)              # once per swarm, not once per replica
 
     result = moshray.fit(loop, moshray.data.from_fn(my_batches), max_nodes=4, max_epochs=3)
 
 - ``fit`` (``help(moshray.fit)``: every argument, its default and the stop rule),
   ``Result``, ``build_config``: ``moshray.jobs.fit``.
-- ``Session`` (``report``, ``is_leader``, ``autocast``), ``ElasticOptimizer``:
+- ``Session`` (``report``, ``is_leader``, ``autocast``, ``global_step``), ``ElasticOptimizer``:
   ``moshray.actors.replica.session``.
-- ``data``: sources (``from_fn``, ``parquet``, ``from_dataset``): ``moshray.actors.replica.data_sources``.
+- ``data``: sources (``from_fn``, ``parquet``, ``from_dataset``, ``from_torch``):
+  ``moshray.actors.replica.data_sources``.
 - ``TrainConfig``, ``ConfigError``, ``UserError``: settings and the two kinds of bad input.
 - ``moe``: Decentralized Mixture-of-Experts layers for your model (``moshray.actors.moe.layer``).
 - ``__version__``: this build's version, derived from git when the wheel was built; a

@@ -60,7 +60,7 @@ def loop(session) -> None:
         stepped = opt.step()  # True when a global step was applied
         opt.zero_grad()
         session.report({"loss": loss})
-        if stepped and session.epoch % EVAL_EVERY == 0 and session.is_leader:
+        if stepped and session.global_step % EVAL_EVERY == 0 and session.is_leader:
             session.report(evaluate(model, x_val, y_val))
 
 

@@ -395,18 +395,15 @@ def as_source(data: Any, batch_size: int | None = None) -> DataSource:
     if isinstance(data, str) or (isinstance(data, (list, tuple)) and data
                                  and all(isinstance(u, str) for u in data)):
         return parquet(data, batch_size or 32)
-    if _is_torch_data(data):  # (a DataLoader keeps its own batch size)
-        import torch.utils.data as tud
+    import torch.utils.data as tud
 
-        return from_torch(data, None if isinstance(data, tud.DataLoader) else batch_size or 32)
+    if isinstance(data, tud.DataLoader):  # (it keeps its own batch size)
+        return from_torch(data)
+    if isinstance(data, tud.Dataset):
+        return from_torch(data, batch_size or 32)
     if callable(data):
         return from_fn(data)
     raise UserError("data", f"expected a function (shard, num_shards, seed) -> batches, "
                     f"Parquet URIs, a Ray Dataset or a torch Dataset / DataLoader, got "
                     f"{type(data).__name__}")
 
-
-def _is_torch_data(data: Any) -> bool:
-    import torch.utils.data as tud
-
-    return isinstance(data, (tud.Dataset, tud.DataLoader))

@@ -204,7 +204,8 @@ class SwarmOptimizer(torch.optim.Optimizer):
                         "before session.prepare")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``."""
+        """The wrapped optimizer's ``zero_grad`` (after a step that took the gradients, it
+        clears only what a step skipped, e.g. where ``GradScaler`` found an inf)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __repr__(self) -> str:
@@ -285,12 +286,6 @@ class ElasticOptimizer(SwarmOptimizer):
         s.strategy.after_backward(model, self.optimizer)
         n = samples if samples is not None else s.last_batch_size
         return s.call(s.manager.after_micro_batch(n, value))
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``: ``step`` has taken the gradients it
-        counts already, so this clears only what a step skipped (``GradScaler`` found an
-        inf) or nothing."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
 
 
 _EPOCH_WARNED: list[bool] = []

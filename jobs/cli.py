@@ -26,6 +26,7 @@ class Command:
     words: tuple[str, ...]
     module: str
     help: str
+    entry: str = ""  # the module's functions: <entry>add_arguments / <entry>main
 
 
 COMMANDS: tuple[Command, ...] = (
@@ -57,6 +58,10 @@ COMMANDS: tuple[Command, ...] = (
             "write docs/settings.md's settings table from the config schema (--check: compare)"),
     Command(("watch",), "moshray.autoscaler.watch",
             "run the spot-notice watcher of this node"),
+    Command(("jobs",), "moshray.jobs.manage",
+            "list the training jobs of the cluster: name, state, step, nodes"),
+    Command(("stop",), "moshray.jobs.manage", "end one training job of the cluster cleanly",
+            entry="stop_"),
 )
 
 GROUP_HELP = {"bench": "benchmarks (figures side by side with a baseline)",
@@ -118,9 +123,10 @@ def build_parser(argv_hint: list[str] | None = None) -> argparse.ArgumentParser:
             parent = groups[group]
         child = parent.add_parser(command.words[-1], help=command.help,
                                   description=command.help, formatter_class=HelpFormatter)
-        child.set_defaults(module=command.module)
+        child.set_defaults(module=command.module, entry=command.entry)
         if hint[: len(command.words)] == command.words:
-            importlib.import_module(command.module).add_arguments(child)
+            module = importlib.import_module(command.module)
+            getattr(module, command.entry + "add_arguments")(child)
     return parser
 
 
@@ -141,12 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     args.argv = tuple(argv)  # the words as typed, for a bench's result file (bench/results.py)
-    return int(importlib.import_module(args.module).main(args) or 0)
+    module = importlib.import_module(args.module)
+    return int(getattr(module, args.entry + "main")(args) or 0)
 
 
 def run_module(module: str) -> int:
     """Entry point for ``python -m <module>``: the same arguments as its ``moshray`` command."""
-    command = next(c for c in COMMANDS if c.module == module)
+    command = next(c for c in COMMANDS if c.module == module and not c.entry)
     return main(list(command.words) + sys.argv[1:])
 
 

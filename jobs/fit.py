@@ -47,7 +47,7 @@ SHORTCUTS = {
     "seed": "training.seed", "round_timeout_s": "training.round_timeout_s",
     "max_failures": "training.max_failures",
     "checkpoint_uri": "checkpoint.uri", "checkpoint_every": "checkpoint.every_steps",
-    "metrics_port": "metrics.port", "run_dir": "run_dir", "json": "json",
+    "metrics_port": "metrics.port", "run_dir": "run_dir", "json": "json", "name": "name",
 }
 
 
@@ -159,6 +159,7 @@ def fit(
     data: Any,
     config: Any = None,
     *,
+    name: str | None = None,
     max_epochs: int | None = None,
     max_steps: int | None = None,
     max_seconds: float | None = None,
@@ -214,7 +215,7 @@ def fit(
     Outputs:
       checkpoint_uri / checkpoint_every: where and every how many steps to checkpoint.
       metrics_port: Prometheus port on the head node (0: any). run_dir: summary.json,
-        training.png and TensorBoard files of reported metrics [runs/latest].
+        training.png and TensorBoard files of reported metrics [runs/<name>].
       json: print the summary as JSON. on_report: ``fn(step, {name: value})`` on this
         driver for what loops report (``session.report``): the hook for MLflow / W&B
         (e.g. ``lambda step, m: mlflow.log_metrics(m, step=step)``).
@@ -233,7 +234,7 @@ def fit(
         mode=mode, target_batch_size=target_batch_size, batch_size=batch_size, seed=seed,
         round_timeout_s=round_timeout_s, max_failures=max_failures,
         checkpoint_uri=checkpoint_uri, checkpoint_every=checkpoint_every,
-        metrics_port=metrics_port, run_dir=run_dir, json=json)
+        metrics_port=metrics_port, run_dir=run_dir, json=json, name=name)
     cfg = with_stop_rule(build_config(config, **settings))
     if cfg.cluster.trace == "off":
         cfg = replace(cfg, cluster=replace(cfg.cluster, trace=None))

@@ -85,6 +85,7 @@ def run(config: TrainConfig, job=None, stop_when: StopWhen | None = None,
     ends the run early, as ``max_seconds`` would (replicas stopped, final checkpoint and
     summary); an exception it raises propagates and the replicas are killed, not stopped
     cleanly."""
+    config = config.named()  # its name on the cluster: Coordinator, lease, run, run_dir
     address = config.cluster.address or os.environ.get("RAY_ADDRESS")
     driver = run_job
     if config.cluster.replica == "node":  # replica groups: their own driver
@@ -179,7 +180,7 @@ def run_job(config: TrainConfig, address: str, job=None,
         resume = None  # the replicas read it from the store; the driver reads manifests
         if config.checkpoint.uri:
             c = config.checkpoint
-            found = resume_point(c.uri, job_run_id(c, config.run_dir), c.resume_from,
+            found = resume_point(c.uri, job_run_id(c, config.name), c.resume_from,
                                  config.to_dict())
             if found is not None:
                 resume, where = found
@@ -261,9 +262,11 @@ def _end_job(controller, coordinator, lease=None) -> None:
 
 def _claim_cluster(config: TrainConfig, out):
     """The Coordinator and the job's lease (``jobs/controller/lease.py``) for this driver:
-    ``(coordinator, lease, record, adopting)``. The running swarm of the same job whose
-    driver is gone is adopted (its Coordinator and replicas go on); any other is ended
-    first (one training job per cluster), and a fresh Coordinator and run id are made."""
+    ``(coordinator, lease, record, adopting)``. Jobs of other names are not touched. The
+    running swarm of this name whose driver is gone is adopted (its Coordinator and replicas
+    go on); one whose driver lives refuses this submission (``ConfigError`` on ``name``,
+    one line); one that was stopping or ran another config is ended first; then a fresh
+    Coordinator and swarm id are made."""
     import uuid
     from dataclasses import replace
 
@@ -273,7 +276,7 @@ def _claim_cluster(config: TrainConfig, out):
     from moshray.jobs.controller import lease as leases
 
     me = leases.current_job()
-    lease = leases.get_or_create()
+    lease = leases.get_or_create(config.name)
     record, holder_alive = ray.get(lease.get.remote(), timeout=60)
     fingerprint = leases.fingerprint(config.to_dict())
     if holder_alive and record.holder != me and record.fingerprint == fingerprint:
@@ -284,9 +287,11 @@ def _claim_cluster(config: TrainConfig, out):
             time.sleep(1.0)
             holder_alive = leases.job_alive(record.holder)
     claim = leases.decide_claim(record, me, fingerprint, holder_alive)
+    if isinstance(claim, leases.Refuse):
+        raise ConfigError("name", claim.reason)
     if isinstance(claim, leases.Adopt):
         try:
-            coordinator = ray.get_actor(placement.COORDINATOR_NAME,
+            coordinator = ray.get_actor(placement.coordinator_name(config.name),
                                         namespace=placement.NAMESPACE)
             ray.get(coordinator.metrics_address.remote(), timeout=60)
         except (ValueError, ray.exceptions.RayError, TimeoutError) as exc:
@@ -297,21 +302,22 @@ def _claim_cluster(config: TrainConfig, out):
             ray.get(lease.take.remote(record), timeout=60)
             return coordinator, lease, record, True
     if isinstance(claim, leases.Replace):
-        print(f"ending the job that holds this cluster: {claim.reason}", file=out, flush=True)
+        print(f"ending the earlier swarm of job {config.name}: {claim.reason}", file=out,
+              flush=True)
         ray.get(lease.end.remote(claim.reason), timeout=240)
     coordinator = _fresh_coordinator(config)
     record = leases.JobRecord(
         run_id=uuid.uuid4().hex[:8], fingerprint=leases.fingerprint(config.to_dict()),
         holder=me, lease_s=config.cluster.driver_lease_s,
-        checkpoint_uri=config.checkpoint.uri)
+        checkpoint_uri=config.checkpoint.uri, name=config.name)
     ray.get(lease.take.remote(record), timeout=60)
     return coordinator, lease, record, False
 
 
 def _fresh_coordinator(config: TrainConfig):
-    """This job's Coordinator, under the cluster's well-known name (node watchers started
-    with the nodes, ``moshray watch``, find it by that name). A Coordinator left by an
-    earlier job on the same cluster is replaced: one training job per cluster."""
+    """This job's Coordinator, named after the job (``placement.coordinator_name``; node
+    watchers tell every job's). A Coordinator left by an earlier job of the same name is
+    replaced; other jobs' are not touched. Its metrics carry ``job=<name>``."""
     import ray
 
     import moshray.cluster.coordinator.actor as coordinator_mod
@@ -320,27 +326,28 @@ def _fresh_coordinator(config: TrainConfig):
     from moshray.cluster.coordinator.membership import MembershipConfig
 
     t = config.training
+    name = placement.coordinator_name(config.name)
     try:
-        stale = ray.get_actor(placement.COORDINATOR_NAME, namespace=placement.NAMESPACE)
+        stale = ray.get_actor(name, namespace=placement.NAMESPACE)
     except ValueError:
         stale = None
     if stale is not None:
-        log.warning("replacing the Coordinator of an earlier job (%s)", placement.COORDINATOR_NAME)
+        log.warning("replacing the Coordinator of an earlier job (%s)", name)
         ray.kill(stale, no_restart=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
-                ray.get_actor(placement.COORDINATOR_NAME, namespace=placement.NAMESPACE)
+                ray.get_actor(name, namespace=placement.NAMESPACE)
             except ValueError:
                 break
             time.sleep(0.1)
-        coordinator_mod.forget_saved_states(placement.COORDINATOR_NAME)  # its saved state
+        coordinator_mod.forget_saved_states(name)  # its saved state
     # The exporter listens on the head node's loopback: Prometheus runs there too.
     coordinator = coordinator_mod.get_or_create(
         MembershipConfig(compression=t.wire_codec, peer_ttl_s=max(3.0, t.round_timeout_s),
                          max_group=t.max_group, min_part=t.min_part,
                          zone_aware=t.zone_aware),
-        target_batch_size=t.target_batch_size, name=placement.COORDINATOR_NAME,
+        target_batch_size=t.target_batch_size, name=name, job=config.name,
         metrics_port=config.metrics.port, step_grace_s=t.step_grace_s,
         local_steps=t.averaging_local_steps,
         prices=Prices(config.metrics.spot_price_per_hour, config.metrics.on_demand_price_per_hour))
@@ -484,7 +491,10 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
                 (t.max_seconds is not None and elapsed >= t.max_seconds) or STOP.is_set() \
                 or (t.max_epochs is not None and stats["data_epochs"] is not None
                     and stats["data_epochs"] >= t.max_epochs) \
-                or (stop_when is not None and stop_when(stats)):
+                or (stop_when is not None and stop_when(stats)) \
+                or controller.stop_requested:
+            if controller.stop_requested:
+                print(f"stopping: `moshray stop {config.name}`", file=out, flush=True)
             break
         STOP.wait(POLL_S)
     if STOP.is_set():  # `ray job stop`: SIGKILL follows in seconds (RAY_JOB_STOP_WAIT_TIME_S)

@@ -74,7 +74,7 @@ class Killer:
                 "preemptions": stats["preemptions"], "quarantines": stats["quarantines"],
                 "draining": stats["draining"], "committed": stats["committed"],
                 "incarnation": stats["incarnation"]})
-            coordinator = ray.get_actor(placement.COORDINATOR_NAME, namespace=placement.NAMESPACE)
+            coordinator = placement.sole_coordinator()
             ray.kill(coordinator, no_restart=False)
         return False
 

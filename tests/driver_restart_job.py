@@ -1,8 +1,8 @@
 """The training job that tests/test_driver_restart.py submits with `ray job submit` twice.
 
-``python driver_restart_job.py PID_FILE CHECKPOINT_URI MAX_STEPS RUN_DIR``: writes this
+``python driver_restart_job.py PID_FILE CHECKPOINT_URI MAX_STEPS RUN_DIR NAME``: writes this
 driver's pid to PID_FILE (the test SIGKILLs it), trains a small regression with
-``moshray.fit`` on an in-memory data function, and prints one JSON line: the summary's
+``moshray.fit`` as job NAME on an in-memory data function, and prints one JSON line: the summary's
 fields the test checks and the epochs of the step history (``RUN_DIR/summary.json``).
 """
 
@@ -35,14 +35,14 @@ def loop(session):
         opt.step(torch.nn.functional.mse_loss(model(x), y))
 
 
-def main(pid_file: str, checkpoint: str, max_steps: int, run_dir: str) -> None:
+def main(pid_file: str, checkpoint: str, max_steps: int, run_dir: str, name: str) -> None:
     Path(pid_file).write_text(str(os.getpid()))
     result = moshray.fit(
         loop, moshray.data.from_fn(pairs, num_shards=8),
         config={"training": {"target_batch_size": 8, "round_timeout_s": 5.0},
                 "checkpoint": {"uri": checkpoint, "every_steps": 5},
                 "cluster": {"driver_lease_s": 120.0}},
-        max_nodes=2, max_steps=max_steps, metrics_port=0, run_dir=run_dir)
+        max_nodes=2, max_steps=max_steps, metrics_port=0, run_dir=run_dir, name=name)
     s = result.summary
     history = json.loads((Path(run_dir) / "summary.json").read_text())["history"]
     print(json.dumps({"steps": s["steps"], "lost_steps": s["lost_steps"],
@@ -52,4 +52,4 @@ def main(pid_file: str, checkpoint: str, max_steps: int, run_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])

@@ -66,6 +66,15 @@ def _end(proc: subprocess.Popen, timeout: float = 300) -> None:
         proc.wait(timeout=30)
 
 
+def _nsentered(proc: subprocess.Popen) -> int:
+    """The pid of the command ``popen_beside`` started (nsenter forks it into the machine's
+    PID namespace and exits with its status)."""
+    pid = proc.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    assert children, f"nsenter {pid} has no child"
+    return int(children[0])
+
+
 def _summary(out: Path) -> dict:
     return json.loads([x for x in out.read_text().splitlines() if x.startswith("{")][-1])
 
@@ -188,12 +197,16 @@ def slow_link(tmp_path: Path) -> dict:
     joins on a 50 Mbit/s link and a second at full speed. The node-local path is refused
     the moment a second host is present (one line, exit 2, nothing left requested); a
     second job (checkpoints optional) trains on both with the slow replica in every step
-    and no round missing its deadline."""
+    and no round missing its deadline. Then the full-speed node goes as a Kubernetes pod
+    does (``infra/kuberay/``): its ``moshray watch --source sigterm --grace-s 8`` gets
+    SIGTERM, the node's replica leaves before the node is removed at the deadline, and
+    the slow node trains on alone: nothing lost, no hard loss."""
     from moshray.jobs.controller.elastic import capacity_requested
     from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig
 
     cluster = LocalCluster(LocalClusterConfig(spot_nodes=0, hosts="netns", cpus_per_node=2,
                                               object_store_bytes=150 * 1024 * 1024))
+    watch = None
     try:
         port = free_port()
         local_ckpt = tmp_path / "node-local-checkpoints"
@@ -217,7 +230,13 @@ def slow_link(tmp_path: Path) -> dict:
         import ray
 
         ray.shutdown()
-        cluster.add_node(1)
+        fast = cluster.add_node(1)
+        moshray_cli = str(Path(sys.executable).with_name("moshray"))
+        watch = cluster.run_on(fast, [moshray_cli, "watch", "--source", "sigterm",
+                                      "--grace-s", "8", "--address", cluster.address],
+                               str(tmp_path / "watch-fast.log"))
+        _wait("the fast node's own watcher", lambda: "watching node" in
+              (tmp_path / "watch-fast.log").read_text(), 120, None, None)
         port = free_port()
         (tmp_path / "second").mkdir()
         proc, out, err = _job(cluster, tmp_path / "second", port, "--max-seconds", "600",
@@ -230,6 +249,18 @@ def slow_link(tmp_path: Path) -> dict:
             _wait("20 steps with both", lambda: _metric(
                 port, "moshray_global_step{}") >= at + 20, 300, proc, err)
             last = _scrape(port)
+            # The pod's termination: SIGTERM to the node's watcher, the grace its deadline.
+            os.kill(_nsentered(watch), signal.SIGTERM)  # the watcher, not nsenter
+            _wait("the SIGTERM notice", lambda: _metric(
+                port, "moshray_preemption_notices_total{cloud=sigterm,pool=unknown}") >= 1,
+                60, proc, err)
+            assert watch.wait(timeout=60) == 0, (tmp_path / "watch-fast.log").read_text()
+            cluster.remove_node(fast)  # the deadline: the node goes
+            _wait("the fast node's loss counted as noticed", lambda: _metric(
+                port, "moshray_nodes_lost_total{notice=true}") >= 1, 120, proc, err)
+            at = _metric(port, "moshray_global_step{}")
+            _wait("steps on the slow node alone", lambda: _metric(
+                port, "moshray_global_step{}") >= at + 3, 120, proc, err)
             _end(proc)
         finally:
             if proc.poll() is None:
@@ -238,15 +269,20 @@ def slow_link(tmp_path: Path) -> dict:
         assert proc.returncode == 0, err.read_text()[-3000:]
         summary = _summary(out)
     finally:
+        if watch is not None and watch.poll() is None:
+            os.killpg(watch.pid, signal.SIGKILL)
+            watch.wait(timeout=30)
         cluster.shutdown()
     failed = sum(v for k, v in last.items()
                   if k.startswith("moshray_allreduce_failed_rounds_total"))
     sent = sum(v for k, v in last.items() if k.startswith("moshray_allreduce_sent_bytes_total"))
     assert failed == 0  # the slow replica never made a round miss its deadline
-    assert summary["replicas"] == 2 and summary["replicas_consistent"] is True
-    assert summary["lost_steps"] == 0
+    assert summary["replicas"] == 1 and summary["replicas_consistent"] is True
+    assert summary["lost_steps"] == 0 and summary["rollbacks"] == 0
+    assert summary["notices"] >= 1 and summary["hard_losses"] == 0
     return {"steps": summary["steps"], "failed_rounds": failed, "sent_mb": round(sent / 1e6, 1),
             "replicas": summary["replicas"], "lost_steps": summary["lost_steps"],
+            "notices": summary["notices"], "hard_losses": summary["hard_losses"],
             "replicas_consistent": summary["replicas_consistent"]}
 
 

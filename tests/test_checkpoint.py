@@ -457,14 +457,20 @@ def test_a_replica_checks_the_shapes_of_a_checkpoint_whose_manifest_names_no_con
     assert load_resumed(ref, mine) == (2, {"config": mine, "x": 1})
 
 
-def test_the_run_id_is_the_configs_or_the_run_dirs_name():
+def test_the_run_id_is_the_configs_or_the_jobs_name():
+    """A new job never continues another's run: its run id is its name, unique unless the
+    user named it (resubmitting the name resumes it), or ``checkpoint.run_id``."""
     from moshray.actors.replica.checkpoint import job_run_id
     from moshray.jobs.config import ConfigError, load_config
 
-    assert job_run_id(load_config(None, {}).checkpoint, "runs/exp-7/") == "exp-7"
-    named = load_config(None, {"checkpoint.run_id": "nightly"})
-    assert job_run_id(named.checkpoint, "runs/exp-7") == "nightly"
-    with pytest.raises(ConfigError, match="checkpoint.run_id"):
-        job_run_id(named.checkpoint.__class__(), "runs/has space")
+    first, second = load_config(None, {}).named(), load_config(None, {}).named()
+    assert job_run_id(first.checkpoint, first.name) == first.name != second.name
+    assert first.run_dir == f"runs/{first.name}"
+    exp = load_config(None, {"name": "exp-7"}).named()
+    assert job_run_id(exp.checkpoint, exp.name) == "exp-7" and exp.run_dir == "runs/exp-7"
+    named = load_config(None, {"checkpoint.run_id": "nightly", "name": "exp-7"})
+    assert job_run_id(named.checkpoint, named.name) == "nightly"
+    with pytest.raises(ConfigError, match="^name: "):
+        load_config(None, {"name": "has space"})
     with pytest.raises(ConfigError, match="checkpoint.run_id"):
         load_config(None, {"checkpoint.run_id": "../up"})

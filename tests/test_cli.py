@@ -85,7 +85,7 @@ def test_train_help_shows_the_config_defaults_and_trace_off():
     text = " ".join(_help_of(("train",)).split())
     assert "cluster.local_nodes: embedded cluster's spot nodes when no trace is replayed " \
            "(default: 2)" in text
-    assert "(default: 9450)" in text  # metrics.port, from the schema
+    assert "(default: 0)" in text  # metrics.port, from the schema
     assert "off (nodes never go)" in text and "--dashboard" in text
 
 

@@ -36,7 +36,7 @@ def test_defaults_are_valid_and_match_the_brief():
     assert cfg.training.mode == "collaborative"
     assert cfg.training.target_batch_size == 256 and cfg.training.batch_size == 16
     assert cfg.cluster.local_nodes == 2 and cfg.cluster.time_scale == 60.0
-    assert cfg.metrics.port == 9450 and cfg.run_dir == "runs/latest" and cfg.json is False
+    assert cfg.metrics.port == 0 and cfg.run_dir is None and cfg.name is None and cfg.json is False
 
 
 def test_model_section_mirrors_model_config():

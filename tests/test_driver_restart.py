@@ -1,6 +1,6 @@
 """Issue 44: the swarm outlives its driver. On a cluster started with the real `ray start`
 CLI, a job submitted with `ray job submit` has its driver SIGKILLed mid-run; the same job
-submitted again adopts the running replicas and Coordinator (jobs/controller/lease.py) and
+submitted again under its name adopts the running replicas and Coordinator (jobs/controller/lease.py) and
 trains on: no committed step lost, replicas identical, nothing left behind at the end."""
 
 from __future__ import annotations
@@ -74,9 +74,9 @@ def test_a_driver_killed_mid_run_is_resubmitted_and_adopts_the_swarm(tmp_path: P
     checkpoint = tmp_path / "ckpt"
     with RayStartCluster(workers=2) as cluster:
         def entry(name: str, max_steps: int = MAX_STEPS, ckpt: Path = checkpoint,
-                  run: str = "run") -> list[str]:
+                  run: str = "run", job: str = "lm") -> list[str]:
             return ["python", str(JOB), str(tmp_path / f"{name}.pid"), str(ckpt),
-                    str(max_steps), str(tmp_path / run)]
+                    str(max_steps), str(tmp_path / run), job]
 
         first = _ray(cluster, "submit", "--no-wait", "--submission-id", "first", "--",
                      *entry("first"))
@@ -102,7 +102,7 @@ def test_a_driver_killed_mid_run_is_resubmitted_and_adopts_the_swarm(tmp_path: P
         # with a checkpoint of the step it had reached, and leaves no actor behind.
         stopped_ckpt = tmp_path / "ckpt-stopped"
         third = _ray(cluster, "submit", "--no-wait", "--submission-id", "third", "--",
-                     *entry("third", 100_000, stopped_ckpt, "run-stopped"))
+                     *entry("third", 100_000, stopped_ckpt, "run-stopped", "lm-stopped"))
         assert third.returncode == 0, third.stdout + third.stderr
         _wait(lambda: _steps_seen(_ray(cluster, "logs", "third").stdout) >= 8, 400,
               "the third driver to train 8 steps", every_s=3.0)

@@ -29,8 +29,7 @@ KILL_COORDINATOR = """
 import os, ray
 from moshray.cluster import placement
 ray.init(address=os.environ["RAY_ADDRESS"], namespace=placement.NAMESPACE)
-ray.kill(ray.get_actor(placement.COORDINATOR_NAME, namespace=placement.NAMESPACE),
-         no_restart=False)
+ray.kill(placement.sole_coordinator(), no_restart=False)
 """
 
 

@@ -13,7 +13,9 @@ from moshray.jobs.controller.lease import (
     Fresh,
     JobRecord,
     JobState,
+    STOP_REQUESTED,
     LeaseKeeper,
+    Refuse,
     Replace,
     decide_claim,
     fingerprint,
@@ -25,7 +27,7 @@ from moshray.jobs.controller.lease import (
 
 CONFIG = TrainConfig().to_dict()
 RECORD = JobRecord(run_id="r1", fingerprint=fingerprint(CONFIG), holder="01000000",
-                   lease_s=60.0)
+                   lease_s=60.0, name="alice-lm")
 
 
 def test_the_same_job_adopts_a_swarm_whose_driver_is_gone():
@@ -36,15 +38,43 @@ def test_the_same_job_adopts_a_swarm_whose_driver_is_gone():
         == Adopt(RECORD)
 
 
-def test_another_job_a_live_driver_or_a_stopping_swarm_is_replaced():
+def test_a_live_drivers_job_is_refused_never_ended():
+    """Jobs of other names never meet (each name has its own record); a submission of a
+    name whose driver lives is refused in one line naming the way out."""
+    refused = decide_claim(RECORD, "02000000", RECORD.fingerprint, True)
+    assert isinstance(refused, Refuse) and "\n" not in refused.reason
+    assert "'alice-lm' is running" in refused.reason and "moshray stop alice-lm" in \
+        refused.reason and "01000000" in refused.reason
+    other = fingerprint({**CONFIG, "model": {**CONFIG["model"], "d_model": 32}})
+    assert isinstance(decide_claim(RECORD, "02000000", other, True), Refuse)
+    stopping = JobRecord(**{**RECORD.__dict__, "stopping": True})
+    assert isinstance(decide_claim(stopping, "02000000", RECORD.fingerprint, True), Refuse)
+
+
+def test_a_gone_drivers_swarm_of_another_config_or_stopping_is_replaced():
     assert decide_claim(None, "02000000", RECORD.fingerprint, False) == Fresh()
     other = fingerprint({**CONFIG, "model": {**CONFIG["model"], "d_model": 32}})
     assert decide_claim(RECORD, "02000000", other, False) == \
-        Replace("a job with another config holds the cluster")
-    assert isinstance(decide_claim(RECORD, "02000000", RECORD.fingerprint, True), Replace)
+        Replace("the previous job of this name ran another config")
     stopping = JobRecord(**{**RECORD.__dict__, "stopping": True})
     assert decide_claim(stopping, "02000000", RECORD.fingerprint, False) == \
-        Replace("the previous job was stopping")
+        Replace("the previous job of this name was stopping")
+
+
+def test_a_stop_request_reaches_the_keeper():
+    """``moshray stop``: the lease answers a renewal with STOP_REQUESTED; the keeper says
+    so and goes on renewing (the driver ends the job as at its time limit)."""
+    answers = iter([True, STOP_REQUESTED])
+    keeper = LeaseKeeper(lambda state: next(answers, STOP_REQUESTED), interval_s=0.01)
+    try:
+        assert not keeper.stop_requested
+        keeper.publish(JobState())
+        deadline = time.monotonic() + 10
+        while not keeper.stop_requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert keeper.stop_requested and not keeper.ended
+    finally:
+        keeper.stop()
 
 
 def test_the_fingerprint_ignores_the_runs_bounds_and_outputs():

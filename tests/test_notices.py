@@ -296,7 +296,7 @@ def test_notice_validation_and_make_source():
     assert isinstance(make_source("gcp", NODE, metadata_url="http://127.0.0.1:9"),
                       GCPMetadataSource)
     assert isinstance(make_source("simulated", NODE), SimulatedSource)
-    with pytest.raises(ValueError, match="one of aws, gcp, simulated, none"):
+    with pytest.raises(ValueError, match="one of aws, gcp, simulated, sigterm, none"):
         make_source("azure", NODE)
 
 

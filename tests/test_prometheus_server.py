@@ -168,13 +168,19 @@ def test_renderer_keeps_the_shipped_structure():
 
     shipped = yaml.safe_load(SHIPPED.read_text())
     jobs = {j["job_name"]: j for j in shipped["scrape_configs"]}
-    assert jobs["moshray"]["static_configs"][0]["targets"] == [f"localhost:{9450}"]
+    # every job's Coordinator announces its exporter in a file; its series keep job=<name>
+    assert jobs["moshray"]["file_sd_configs"][0]["files"] == ["/tmp/moshray/prometheus/*.json"]
+    assert jobs["moshray"]["honor_labels"] is True
     assert jobs["ray"]["file_sd_configs"][0]["files"] == [f"/tmp/ray/{SD_FILE}"]
     out = yaml.safe_load(render(SHIPPED.read_text(), ["127.0.0.1:1234"], ["/x/sd.json"], "2s"))
     jobs = {j["job_name"]: j for j in out["scrape_configs"]}
     assert jobs["moshray"]["static_configs"] == [{"targets": ["127.0.0.1:1234"]}]
+    assert "file_sd_configs" not in jobs["moshray"]
     assert jobs["ray"]["file_sd_configs"][0]["files"] == ["/x/sd.json"]
     assert out["global"]["scrape_interval"] == "2s"
+    out = yaml.safe_load(render(SHIPPED.read_text(), moshray_sd_files=["/y/*.json"]))
+    jobs = {j["job_name"]: j for j in out["scrape_configs"]}
+    assert jobs["moshray"]["file_sd_configs"][0]["files"] == ["/y/*.json"]
     with pytest.raises(ValueError, match="host:port"):
         render(SHIPPED.read_text(), ["no-port"])
     with pytest.raises(ValueError, match="no scrape job named 'ray'"):
@@ -196,15 +202,25 @@ def test_shipped_config_passes_promtool(tmp_path: Path):
 
 
 def test_prometheus_scrapes_moshray_and_ray(local_cluster, tmp_path: Path):
+    """Two jobs' Coordinators side by side: Prometheus finds each through the file it
+    writes, and every series of each carries its job's name."""
     import ray
 
     import moshray.cluster.coordinator.actor as coord
     from moshray.cluster.coordinator.progress import ProgressReport
 
-    c = coord.get_or_create(target_batch_size=16, name=f"prom-test-{time.time_ns()}",
-                            metrics_port=0)
+    job, other = f"prom-a-{time.time_ns()}", f"prom-b-{time.time_ns()}"
+    c = coord.get_or_create(target_batch_size=16, name=f"prom-test-{job}", metrics_port=0,
+                            job=job)
+    c2 = coord.get_or_create(target_batch_size=16, name=f"prom-test-{other}", metrics_port=0,
+                             job=other)
     try:
         address = ray.get(c.metrics_address.remote(), timeout=60)
+        other_address = ray.get(c2.metrics_address.remote(), timeout=60)
+        # the Coordinators run on the head: this machine, where Prometheus runs
+        files = [coord.sd_file(job), coord.sd_file(other)]
+        assert json.loads(Path(files[0]).read_text()) == \
+            [{"targets": [address], "labels": {"job": job}}]
         # a short job: two peers commit global steps, report rounds and a preemption
         for i in range(2):
             ray.get(c.register.remote(f"p{i}", None, f"node-{i}"), timeout=30)
@@ -224,21 +240,26 @@ def test_prometheus_scrapes_moshray_and_ray(local_cluster, tmp_path: Path):
         sd_file = ray_service_discovery_file(local_cluster, tmp_path)
         ray_targets = json.loads(sd_file.read_text())[0]["targets"]
         assert ray_targets, "Ray's service-discovery file lists no node"
-        config = render(SHIPPED.read_text(), [address], [str(sd_file)], "1s")
+        config = render(SHIPPED.read_text(), None, [str(sd_file)], "1s", files)
         with prometheus_server(config, tmp_path) as base:
-            up = wait_for(base, 'up{job="moshray"} == 1')
+            up = wait_for(base, f'up{{job="{job}"}} == 1')
             assert up[0]["metric"]["instance"] == address
-            step = wait_for(base, "moshray_global_step >= 2")
+            assert wait_for(base, f'up{{job="{other}"}} == 1')[0]["metric"]["instance"] \
+                == other_address
+            step = wait_for(base, f'moshray_global_step{{job="{job}"}} >= 2')
             assert float(step[0]["value"][1]) >= 2
-            rounds = wait_for(base, "moshray_allreduce_round_duration_seconds_count")
+            assert float(query(base, f'moshray_global_step{{job="{other}"}}')[0]["value"][1]) \
+                == 0
+            rounds = wait_for(base, f'moshray_allreduce_round_duration_seconds_count{{job="{job}"}}')
             assert float(rounds[0]["value"][1]) == 6
-            late = query(base, 'moshray_allreduce_rejected_contributions_total{reason="late"}')
+            late = query(base, f'moshray_allreduce_rejected_contributions_total{{job="{job}",'
+                                f'reason="late"}}')
             assert float(late[0]["value"][1]) == 3
-            assert float(query(base, "moshray_training_loss")[0]["value"][1]) == \
+            assert float(query(base, f'moshray_training_loss{{job="{job}"}}')[0]["value"][1]) == \
                 pytest.approx(1.0)
-            lost = query(base, 'moshray_nodes_lost_total{notice="true"}')
+            lost = query(base, f'moshray_nodes_lost_total{{job="{job}",notice="true"}}')
             assert float(lost[0]["value"][1]) == 1
-            spot = query(base, 'moshray_nodes{market="spot"}')
+            spot = query(base, f'moshray_nodes{{job="{job}",market="spot"}}')
             assert float(spot[0]["value"][1]) == len(local_cluster.live_slots())
             # Ray's own metrics, scraped from the nodes listed in the discovery file
             ray_up = wait_for(base, 'up{job="ray"} == 1')
@@ -266,4 +287,6 @@ def test_prometheus_scrapes_moshray_and_ray(local_cluster, tmp_path: Path):
                           "Cost"):
                 assert f"panel {title!r} A" in with_data, f"{title}: no data"
     finally:
-        ray.kill(c)
+        for handle in (c, c2):
+            coord.remove(handle)  # its job file too
+    assert not any(os.path.exists(f) for f in files)

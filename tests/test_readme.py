@@ -63,7 +63,7 @@ def test_every_setting_has_a_row_with_its_default_and_description():
     assert by_key["training.lr"][0] == "0.0003"
     assert by_key["training.max_steps"][0] == "none"
     assert by_key["model.moe_grid"][0] == "[4, 4]"
-    assert by_key["run_dir"][0] == '"runs/latest"'
+    assert by_key["run_dir"][0] == "none" and by_key["name"][0] == "none"
     assert all(doc.strip() for _, doc in by_key.values())
     modes = typing.get_args(typing.get_type_hints(sections.TrainingSection)["mode"])
     assert by_key["training.mode"][1].endswith(  # a Literal's choices, generated

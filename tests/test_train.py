@@ -57,7 +57,8 @@ def test_bad_config_exits_2_with_one_line():
 
 
 def _scrape(port: int) -> dict | None:
-    """The job's metrics as ``{sample name + labels: value}``; None while it is not serving."""
+    """The job's metrics as ``{sample name + labels (but ``job``): value}``; None while it is
+    not serving. Every sample must carry the ``job`` label."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -68,7 +69,10 @@ def _scrape(port: int) -> dict | None:
     out = {}
     for family in text_string_to_metric_families(text):  # raises on bad exposition format
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            # every series of a job's exporter carries job=<its name>: keys leave it out
+            assert sample.labels.get("job"), f"{sample.name} has no job label"
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                              if k != "job")
             out[f"{sample.name}{{{labels}}}"] = sample.value
     return out
 

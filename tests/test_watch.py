@@ -317,6 +317,76 @@ def test_moshray_watch_cli_on_a_node(local_cluster, coordinator):
             _replace_node(local_cluster, slot)
 
 
+def test_a_sigterm_source_needs_its_grace_period():
+    import subprocess
+    import sys
+
+    for args, says in ((["--source", "sigterm"], "--source sigterm needs --grace-s"),
+                       (["--grace-s", "0"], "--grace-s must be positive")):
+        proc = subprocess.run([sys.executable, "-m", "moshray.autoscaler.watch", *args],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.cluster
+def test_moshray_watch_sigterm_is_a_notice_due_in_the_grace_period(local_cluster, tmp_path):
+    """A pod's termination (``infra/kuberay/``): ``moshray watch --source sigterm --grace-s 3``
+    gets SIGTERM; its node is noticed with the grace period as the deadline, every job's
+    Coordinator on the cluster is told (two jobs here), Ray drains the node, and the command
+    stays until the deadline, then exits 0."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import moshray.cluster.coordinator.actor as coordinator_mod
+    from moshray.cluster import placement
+
+    jobs = [f"watch-{uuid.uuid4().hex[:6]}" for _ in range(2)]
+    coords = [coordinator_mod.get_or_create(MembershipConfig(peer_ttl_s=600),
+                                            name=placement.coordinator_name(j)) for j in jobs]
+    slot = 0
+    node = local_cluster.node_id(slot)
+    err_path = tmp_path / "watch.err"
+    try:
+        ray.get([c.stats.remote() for c in coords], timeout=60)
+        with open(err_path, "w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "moshray.autoscaler.watch", "--source", "sigterm",
+                 "--grace-s", "3", "--address", local_cluster.address, "--node-id", node,
+                 "--json", "--max-seconds", "120"],
+                stdout=subprocess.PIPE, stderr=err, text=True, env=dict(os.environ))
+        try:
+            _wait(lambda: f"watching node {node}" in err_path.read_text()
+                  or proc.poll() is not None, 120, "the watcher to start")
+            assert proc.poll() is None, err_path.read_text()
+            assert "sigterm (the watcher's SIGTERM is the notice)" in err_path.read_text()
+            signaled = time.time()
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=90)
+            ended = time.time()
+            assert proc.returncode == 0, err_path.read_text()
+            doc = json.loads(out.strip().splitlines()[-1])
+            notice = doc["notice"]
+            assert notice["node_id"] == node and notice["cloud"] == "sigterm"
+            assert notice["action"] == "terminate" and notice["source"] == "SIGTERM"
+            assert notice["deadline_unix_s"] == pytest.approx(notice["received_unix_s"] + 3)
+            assert doc["ray"]["accepted"] is True and doc["coordinator_ok"] is True
+            for c in coords:  # every job's Coordinator heard it
+                assert node in ray.get(c.notice_stats.remote(), timeout=30)
+            assert ended - signaled >= 2.5  # it stayed until the deadline
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+            _replace_node(local_cluster, slot)
+    finally:
+        for c in coords:
+            ray.kill(c, no_restart=True)
+
+
 def _remove(watcher, node: str) -> None:
     """Stop and kill ``watcher`` as its owner would, and wait until its name is free."""
     from moshray.autoscaler.watch import get_watcher

@@ -129,7 +129,7 @@ class ReplicaActor:
         floor = state["data"].get("position", 0)
         state["data"] = {**state["data"],
                          "position": await self.coordinator.data_position.remote(floor)}
-        run_id = job_run_id(self.config.checkpoint, self.config.run_dir)
+        run_id = job_run_id(self.config.checkpoint, self.config.name)
         moving = _Move(time.monotonic())
         self._move = moving
 

@@ -121,19 +121,18 @@ def run_location(location: str) -> tuple[str, str]:
     return base, check_run_id(run_id)
 
 
-def job_run_id(checkpoint, run_dir: str) -> str:
-    """The run id of a job: ``checkpoint.run_id`` (a ``CheckpointSection``), else the name
-    of ``run_dir``. Raises ``ConfigError`` if ``run_dir``'s name is not a usable run id."""
+def job_run_id(checkpoint, name: str | None) -> str:
+    """The run id of a job: ``checkpoint.run_id`` (a ``CheckpointSection``), else the job's
+    ``name`` (``TrainConfig.named``: unique unless the user named the job, so a new job
+    never continues another's run; resubmitting a name resumes that job's run). Raises
+    ``ConfigError`` if neither is set (a config that was not ``named``)."""
     if checkpoint.run_id:
         return checkpoint.run_id
-    name = os.path.basename(os.path.normpath(os.path.expanduser(run_dir)))
-    try:
-        return check_run_id(name)
-    except ValueError:
+    if not name:
         from moshray.jobs.config.fields import ConfigError
 
-        raise ConfigError("checkpoint.run_id", f"run_dir's name {name!r} cannot name the "
-                          f"run's checkpoints: set checkpoint.run_id") from None
+        raise ConfigError("name", "the job has no name to name its checkpoints' run by")
+    return check_run_id(name)
 
 
 def resume_point(uri: str, run_id: str, resume_from: str | None,

@@ -76,12 +76,14 @@ class SilentSource(NoticeSource):
 
     cloud = "none"
 
-    def __init__(self, node_id: str, *, pool: str = "", **_options):
+    def __init__(self, node_id: str, *, pool: str = "", description: str = "none",
+                 **_options):
         self.node_id, self.pool, self.errors = node_id, pool, 0
+        self.description = description
         self._closed_event = threading.Event()
 
     def describe(self) -> str:
-        return "none"
+        return self.description
 
     def close(self) -> None:
         super().close()

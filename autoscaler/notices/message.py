@@ -27,14 +27,17 @@ PREEMPT = "preempt"
 REBALANCE = "rebalance"
 ACTIONS = AWS_ACTIONS + (PREEMPT, REBALANCE)
 SIMULATED = "simulated"  # the cloud of a notice that SimulatedSource delivered
+SIGTERM = "sigterm"  # a notice from the watcher process's SIGTERM (a pod's grace period)
 
 
 def notice_clouds() -> tuple[str, ...]:
-    """The clouds a notice may name: every registered cloud (``autoscaler/clouds``) and
-    ``simulated``. Read from the registry when called (the clouds import this module)."""
+    """The clouds a notice may name: every registered cloud (``autoscaler/clouds``),
+    ``simulated`` and ``sigterm`` (the watcher's SIGTERM: a Kubernetes pod's termination,
+    whatever the cloud). Read from the registry when called (the clouds import this
+    module)."""
     from moshray.autoscaler.clouds.base import cloud_names
 
-    return (*cloud_names(), SIMULATED)
+    return (*cloud_names(), SIMULATED, SIGTERM)
 
 
 @dataclass(frozen=True)

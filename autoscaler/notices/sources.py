@@ -2,7 +2,8 @@
 ``AutoSource``, the source ``auto`` picked, which says how its cloud was found.
 
 A source's name is a registered cloud's (``autoscaler/clouds``: that cloud's bundle builds
-it), ``simulated`` or ``none``; ``auto`` is resolved by the watcher's config, which detects
+it), ``simulated``, ``sigterm`` (no polling: the watcher process's SIGTERM is the notice,
+``moshray watch --grace-s``; a pod that cannot reach the metadata service) or ``none``; ``auto`` is resolved by the watcher's config, which detects
 the cloud and then asks here. The names are read from the registry when asked, so a cloud
 registered later is accepted without edits here.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from moshray.autoscaler.clouds.base import cloud_names, get_cloud
 from moshray.autoscaler.clouds.detect import Detection
 from moshray.autoscaler.notices.local import SilentSource, SimulatedSource
-from moshray.autoscaler.notices.message import SIMULATED, NoticeSource, PreemptionNotice
+from moshray.autoscaler.notices.message import SIGTERM, SIMULATED, NoticeSource, PreemptionNotice
 
 AUTO = "auto"
 NONE = "none"
@@ -19,9 +20,10 @@ NONE = "none"
 
 def source_names(*, auto: bool = True, simulated: bool = True) -> tuple[str, ...]:
     """The names a notice source may be given: ``auto`` (if ``auto``), every registered
-    cloud, ``simulated`` (if ``simulated``: local clusters and tests) and ``none``."""
+    cloud, ``simulated`` (if ``simulated``: local clusters and tests), ``sigterm`` and
+    ``none``."""
     return ((AUTO,) if auto else ()) + cloud_names() + ((SIMULATED,) if simulated else ()) \
-        + (NONE,)
+        + (SIGTERM, NONE)
 
 
 class AutoSource(NoticeSource):
@@ -76,8 +78,9 @@ def make_source(kind: str, node_id: str, *, metadata_url: str | None = None, poo
     ``WatcherConfig.make_source`` detects the cloud, then calls this. Raises ``ValueError``
     for an unknown kind (naming the known ones) or a metadata URL given to ``simulated``.
     """
-    if kind == NONE:
-        return SilentSource(node_id, pool=pool)
+    if kind in (NONE, SIGTERM):  # sigterm: notices come through the watcher's ``notify``
+        return SilentSource(node_id, pool=pool, description=kind if kind == NONE else
+                            "sigterm (the watcher's SIGTERM is the notice)")
     if kind == SIMULATED:
         if metadata_url:
             raise ValueError("the simulated source takes no metadata URL")

@@ -13,6 +13,10 @@ job's controller started it before ``moshray watch`` ran), it says so and uses t
 never stopping it; when its owner removes it (the job ended), ``moshray watch`` starts the
 node's own at once and goes on. A job that finds the node's watcher never stops it, so on
 an ``infra/`` node, where ``moshray watch`` starts at boot, one watcher serves every job.
+With ``--grace-s S`` its own SIGTERM is a termination notice due in S seconds (a Kubernetes
+pod being deleted: ``infra/kuberay/`` runs it as a sidecar, the Ray container's preStop hook
+keeping the node up meanwhile): every job's Coordinator is told and the node drained in Ray,
+as for a cloud's notice; ``--source sigterm`` makes that SIGTERM the only source.
 ``add_arguments`` / ``main`` are what the ``moshray`` CLI calls (through
 ``moshray.autoscaler.watch``, which re-exports them).
 """
@@ -22,7 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict
 
@@ -33,6 +39,7 @@ from moshray.cluster import placement
 from moshray.autoscaler.clouds.base import clouds
 from moshray.autoscaler.clouds.detect import LINK_LOCAL_URL
 from moshray.autoscaler.clouds.gcp.notices import GCP_NOTICE_S
+from moshray.autoscaler.notices.message import SIGTERM
 from moshray.autoscaler.notices.sources import source_names
 from moshray.autoscaler.watch.config import WatcherConfig
 from moshray.autoscaler.watch.drain import DrainOutcome, check_node_id
@@ -47,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"named in {named}, "
                              "else the cloud the DMI vendor strings name, else a short probe "
                              f"of {LINK_LOCAL_URL}; none, with a warning, if nothing answers); "
-                             "a cloud's name names it, simulated and none are for tests")
+                             "a cloud's name names it; sigterm: only this process's SIGTERM "
+                             "(with --grace-s: a pod that cannot reach the metadata service); "
+                             "simulated and none are for tests")
     parser.add_argument("--metadata-url", default=None,
                         help=f"metadata server base URL (default {defaults}; for auto, where "
                              "a detected cloud's service is and where the probe looks, "
@@ -62,10 +71,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop watching after this long (default: until the node is noticed "
                              "and its deadline has passed)")
-    parser.add_argument("--coordinator-name", default=placement.COORDINATOR_NAME,
-                        help="name of the training job's Coordinator actor "
-                             f"(default {placement.COORDINATOR_NAME})")
+    parser.add_argument("--coordinator-name", default=None,
+                        help="tell only the Coordinator actor of this name (default: every "
+                             "training job's Coordinator on the cluster)")
     parser.add_argument("--json", action="store_true", help="print each outcome as a JSON line")
+    parser.add_argument("--grace-s", type=float, default=None,
+                        help="this process's SIGTERM is a termination notice due in this many "
+                             "seconds (a Kubernetes pod's grace period minus a margin: the "
+                             "node termination handler, GKE's graceful node shutdown); "
+                             "required by --source sigterm (default: SIGTERM just stops "
+                             "watching)")
 
 
 def _finite(x):
@@ -92,6 +107,11 @@ def main(args: argparse.Namespace) -> int:
             check_node_id(args.node_id)
         if args.max_seconds is not None and not args.max_seconds > 0:
             raise ValueError(f"--max-seconds must be positive, got {args.max_seconds}")
+        if args.grace_s is not None and not args.grace_s > 0:
+            raise ValueError(f"--grace-s must be positive, got {args.grace_s}")
+        if args.source == SIGTERM and args.grace_s is None:
+            raise ValueError("--source sigterm needs --grace-s (the seconds a SIGTERM leaves "
+                             "before the node goes)")
     except ValueError as e:
         print(f"moshray watch: {e}", file=sys.stderr)
         return 2
@@ -103,11 +123,17 @@ def main(args: argparse.Namespace) -> int:
     opened = _open(node_id, config)
     end = math.inf if args.max_seconds is None else time.monotonic() + args.max_seconds
     seen = 0
+    terminated = _notice_on_sigterm(args.grace_s)
     try:
         while time.monotonic() < end:
+            if terminated is not None and terminated.is_set():
+                terminated.clear()  # one notice; the outcome is awaited below
+                notice = ray.get(opened.actor.notify.remote(args.grace_s), timeout=60)
+                print(f"SIGTERM: termination notice due in {args.grace_s:g} s for node "
+                      f"{notice.node_id}", file=sys.stderr, flush=True)
             try:
                 outcome = ray.get(opened.actor.wait_outcome.remote(
-                    min(config.poll_s * 5, 10.0), seen))
+                    1.0 if terminated is not None else min(config.poll_s * 5, 10.0), seen))
             except ray.exceptions.RayActorError as exc:
                 if opened.created:
                     print(f"moshray watch: the watcher of node {node_id} died ({exc!r:.200})",
@@ -139,6 +165,17 @@ def main(args: argparse.Namespace) -> int:
             except ray.exceptions.RayError:
                 pass  # the node (and its watcher) may already be gone
     return 0
+
+
+def _notice_on_sigterm(grace_s: float | None) -> threading.Event | None:
+    """With ``grace_s``: SIGTERM sets the returned event (the watch loop turns it into a
+    notice due in ``grace_s`` seconds, then stays until that deadline); else None and
+    SIGTERM keeps its default (the process ends)."""
+    if grace_s is None:
+        return None
+    event = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: event.set())
+    return event
 
 
 def _open(node_id: str, config: WatcherConfig, budget_s: float = 30.0) -> OpenedWatcher:

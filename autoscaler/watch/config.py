@@ -14,7 +14,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from moshray.cluster import placement
 
 import moshray.autoscaler.clouds.detect as cloud_detect
 from moshray.autoscaler.clouds.base import cloud_names, get_cloud
@@ -55,7 +54,7 @@ class WatcherConfig:
     aws_interval_s: float = 1.0
     gcp_notice_s: float = GCP_NOTICE_S
     rpc_timeout_s: float = 5.0
-    coordinator_name: str = placement.COORDINATOR_NAME
+    coordinator_name: str | None = None  # None: every job's Coordinator on the cluster
     detect: DetectConfig = DetectConfig()
 
     def __post_init__(self) -> None:

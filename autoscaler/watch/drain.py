@@ -154,19 +154,29 @@ def tell_coordinator(coordinator, notice: PreemptionNotice, *, timeout_s: float 
     return True, tuple(peers), ""
 
 
-def drain_for_notice(notice: PreemptionNotice, coordinator, *, gcs_client=None,
+def drain_for_notice(notice: PreemptionNotice, coordinators, *, gcs_client=None,
                      timeout_s: float = 5.0, clock: Callable[[], float] = time.time) -> DrainOutcome:
-    """Both steps for a termination notice: Coordinator first, then Ray's DrainNode.
+    """Both steps for a termination notice: every job's Coordinator first, then Ray's
+    DrainNode.
 
-    ``coordinator`` may be None (no training job running): only Ray is told.
+    ``coordinators``: ``{job name: Coordinator}`` of the jobs on the cluster (a single
+    handle counts as one job; None or empty: no training job runs, only Ray is told).
+    ``coordinator_ok`` is True when every one was told; ``peers`` are all their draining
+    peers; ``error`` names each that could not be told.
     """
     if notice.is_rebalance:
         raise ValueError("a rebalance recommendation is not drained; pass a termination notice")
-    if coordinator is not None:
-        ok, peers, error = tell_coordinator(coordinator, notice, timeout_s=timeout_s, clock=clock)
-    else:
-        ok, peers, error = False, (), "no Coordinator"
+    if coordinators is not None and not isinstance(coordinators, dict):
+        coordinators = {"": coordinators}
+    oks, peers, errors = [], [], []
+    for job, coordinator in (coordinators or {}).items():
+        ok, told, error = tell_coordinator(coordinator, notice, timeout_s=timeout_s, clock=clock)
+        oks.append(ok)
+        peers.extend(told)
+        if error:
+            errors.append(f"{job}: {error}" if job else error)
+    error = "; ".join(errors) if oks else "no Coordinator"
     reason = f"spot {notice.action} notice from {notice.source}"
     ray_drain = drain_node(notice.node_id, notice.deadline_unix_s, reason,
                            gcs_client=gcs_client, timeout_s=timeout_s, clock=clock)
-    return DrainOutcome(notice, ok, peers, ray_drain, clock(), error)
+    return DrainOutcome(notice, bool(oks) and all(oks), tuple(peers), ray_drain, clock(), error)

@@ -34,7 +34,7 @@ from moshray.cluster import placement
 from moshray.autoscaler.watch.drain import DrainOutcome, check_node_id, drain_for_notice
 from moshray.autoscaler.watch.lifecycle import NodeLifecycle, NodeState
 from moshray.autoscaler.notices.local import SimulatedSource
-from moshray.autoscaler.notices.message import PreemptionNotice
+from moshray.autoscaler.notices.message import SIGTERM, PreemptionNotice
 from moshray.autoscaler.watch.config import WatcherConfig, watcher_name
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,6 @@ class NoticeWatcher:
         self._errors: list[str] = []
         self._targets: list[tuple[str, object]] = []  # (name, actor) told on a notice
         self._handoffs: list[tuple[str, object]] = []  # (name, ObjectRef of on_notice)
-        self._coordinator = None
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="notice-watcher", daemon=True)
@@ -104,7 +103,7 @@ class NoticeWatcher:
             self.life.to(NodeState.NOTICED, notice.received_unix_s)
         log.warning("node %s: %s notice, %.1f s left", self.node_id[:12], notice.action,
                     notice.seconds_left(time.time()))
-        outcome = drain_for_notice(notice, self._find_coordinator(),
+        outcome = drain_for_notice(notice, self._find_coordinators(),
                                    timeout_s=self.config.rpc_timeout_s)
         with self._cond:
             if outcome.coordinator_ok or outcome.ray.accepted:
@@ -126,14 +125,17 @@ class NoticeWatcher:
             self._outcomes.append(outcome)
             self._cond.notify_all()
 
-    def _find_coordinator(self):
-        if self._coordinator is None:
-            try:
-                self._coordinator = ray.get_actor(self.config.coordinator_name,
-                                                  namespace=placement.NAMESPACE)
-            except ValueError:
-                log.error("no Coordinator named %s: only Ray will be told", self.config.coordinator_name)
-        return self._coordinator
+    def _find_coordinators(self) -> dict:
+        """The Coordinators to tell: the one named in the config, else every job's on the
+        cluster, looked up at each notice (jobs come and go)."""
+        name = self.config.coordinator_name
+        try:
+            if name is not None:
+                return {name: ray.get_actor(name, namespace=placement.NAMESPACE)}
+            return placement.job_coordinators()
+        except (ValueError, ray.exceptions.RayError) as exc:
+            log.error("no Coordinator found (%s): only Ray will be told", exc)
+            return {}
 
     # -- methods --------------------------------------------------------------------------------
 
@@ -155,6 +157,20 @@ class NoticeWatcher:
             with self._cond:
                 self._handoffs.append((name, ref))
         return len(self._targets)
+
+    def notify(self, notice_s: float, source: str = "SIGTERM") -> PreemptionNotice:
+        """A termination notice from outside the node's source, due in ``notice_s`` seconds:
+        the watcher process's SIGTERM (``moshray watch --grace-s``: a pod being deleted, its
+        grace period the deadline), whatever source the watcher polls. Handled as a polled
+        notice (every job's Coordinator told, the node drained in Ray, hand-offs started)
+        before this returns; a second one is counted as a duplicate."""
+        if not notice_s >= 0:
+            raise ValueError(f"notice_s must be >= 0, got {notice_s}")
+        now = time.time()
+        notice = PreemptionNotice(self.node_id, SIGTERM, "terminate", now + notice_s, now,
+                                  source, getattr(self.source, "pool", ""))
+        self._handle(notice)
+        return notice
 
     def deliver(self, notice_s: float, action: str = "terminate") -> PreemptionNotice:
         """Simulated source only: a notice for this node due in ``notice_s`` seconds."""

@@ -2,8 +2,11 @@
 notices, data-shard and expert services) plus the metrics sink (``metrics_sink.py``), plan
 pushes and the state kept in Ray's GCS (``durable.py``), on the head node.
 
-A named, detached actor (``placement.COORDINATOR_NAME`` in namespace ``moshray``) that holds
-the ``Membership`` and publishes ``RoundPlan``s. It keeps no tensors. It may die: Ray
+A named, detached actor (``placement.coordinator_name(job)`` in namespace ``moshray``, one per
+training job) that holds the ``Membership`` and publishes ``RoundPlan``s. Its metrics carry
+``job=<name>`` and, when served, are announced to the head's Prometheus by a file-based
+service-discovery target (``<MOSHRAY_PROMETHEUS_SD_DIR>/<job>.json``, default
+``/tmp/moshray/prometheus``; ``infra/prometheus/prometheus.yml`` reads that directory). It keeps no tensors. It may die: Ray
 restarts it (``max_restarts=-1``) with the same constructor arguments, among them the key
 of its state in the GCS key-value store, from which it restores what the summary, the
 plans and the quarantine need; the replicas rebuild membership and the epoch.
@@ -13,7 +16,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import logging
+import os
 import threading
 import uuid
 import warnings
@@ -29,6 +34,37 @@ from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport
 from moshray.cluster.messages import RoundPlan
 
 log = logging.getLogger(__name__)
+SD_DIR_ENV = "MOSHRAY_PROMETHEUS_SD_DIR"
+SD_DIR = "/tmp/moshray/prometheus"
+
+
+def sd_file(job: str) -> str:
+    """Where job ``job``'s Coordinator announces its exporter to Prometheus (file_sd)."""
+    return os.path.join(os.environ.get(SD_DIR_ENV, SD_DIR), f"{job}.json")
+
+
+def write_sd_target(job: str, address: tuple[str, int]) -> str | None:
+    """``[{"targets": ["host:port"], "labels": {"job": job}}]`` to ``sd_file(job)``,
+    atomically (Prometheus may read it at any time); returns the path, or None (logged) if
+    it cannot be written (metrics are still served)."""
+    path = sd_file(job)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump([{"targets": [f"{address[0]}:{address[1]}"], "labels": {"job": job}}], f)
+        os.replace(tmp, path)
+        return path
+    except OSError as exc:
+        log.warning("Prometheus target of job %s not written (%s)", job, exc)
+        return None
+
+
+def remove_sd_target(job: str) -> None:
+    try:
+        os.unlink(sd_file(job))
+    except OSError:
+        pass
 
 
 def _serialized(cls):
@@ -88,10 +124,12 @@ class Coordinator(CoordinatorCore):
 
     def __init__(self, *args, metrics_port: int | None = None,
                  metrics_host: str = metrics.LOOPBACK, prices: metrics.Prices | None = None,
-                 state_key: str | None = None, **kwargs):
+                 state_key: str | None = None, job: str | None = None, **kwargs):
         """``metrics_port`` None: events are counted but not served; 0: the OS picks.
         ``state_key``: where the state is kept in the GCS (None: nowhere, a restart
-        forgets). Ray tells whether this process replaces one that died (``restarted``)."""
+        forgets). ``job``: the training job's name (the ``job`` label of every series, and
+        its Prometheus target file). Ray tells whether this process replaces one that died
+        (``restarted``)."""
         with warnings.catch_warnings():  # Ray 2.60 warns about its own deprecated actor_id
             warnings.simplefilter("ignore")
             kwargs.setdefault("restarted",
@@ -103,7 +141,9 @@ class Coordinator(CoordinatorCore):
         self.push_plan = self._plans.append
         self._zones: dict[str, str] = {}
         self.zone_of = self._node_zone
-        self.sink = MetricsSink(prices or metrics.Prices(), self.metrics_state)
+        self.job = job
+        self.sink = MetricsSink(prices or metrics.Prices(), self.metrics_state,
+                                labels={"job": job} if job else None)
         if self.store is not None:
             snap = self.store.load_record("sink")
             if snap is not None:
@@ -113,6 +153,8 @@ class Coordinator(CoordinatorCore):
         self._after_call()
         if metrics_port is not None:
             self.sink.serve(metrics_host, metrics_port)
+            if job:
+                write_sd_target(job, self.sink.address)
 
     def _after_call(self) -> None:
         """Save what the call changed, then push the plans it made: a plan never reaches a
@@ -203,8 +245,10 @@ class Coordinator(CoordinatorCore):
             live_experts=len(self.experts.locations()))
 
     def forget_state(self) -> None:
-        """Delete the state kept in the GCS (the job is over; a restart after this
-        starts empty)."""
+        """Delete the state kept in the GCS and the Prometheus target file (the job is over;
+        a restart after this starts empty)."""
+        if self.job:
+            remove_sd_target(self.job)
         if self.store is not None:
             self.store.clear()
             self.store = None
@@ -214,7 +258,7 @@ def get_or_create(
     config: MembershipConfig | None = None, target_batch_size: int = 256, name: str | None = None,
     metrics_port: int | None = None, metrics_host: str = metrics.LOOPBACK,
     prices: metrics.Prices | None = None, step_grace_s: float = 2.0,
-    local_steps: int | None = None,
+    local_steps: int | None = None, job: str | None = None,
 ) -> ray.actor.ActorHandle:
     """The cluster's Coordinator: created detached on the head node on first call.
     ``local_steps``: local SGD's local steps between averages (None: collaborative steps of
@@ -238,7 +282,8 @@ def get_or_create(
         **placement.on_head(),
     ).remote(config or MembershipConfig(), target_batch_size=target_batch_size,
              metrics_port=metrics_port, metrics_host=metrics_host, prices=prices,
-             step_grace_s=step_grace_s, local_steps=local_steps, state_key=f"{name}/{uuid.uuid4().hex}")
+             step_grace_s=step_grace_s, local_steps=local_steps, job=job,
+             state_key=f"{name}/{uuid.uuid4().hex}")
 
 
 def remove(coordinator, timeout_s: float = 10.0) -> None:

@@ -27,8 +27,9 @@ class MetricsSink:
     """``state`` returns the run's ``TrainingState`` at scrape time (the core's stats)."""
 
     def __init__(self, prices: metrics.Prices, state: Callable[[], metrics.TrainingState],
-                 profile_keep: int = 4000, reported_keep: int = 100_000):
-        self.exporter = metrics.MetricsExporter(prices, state)
+                 profile_keep: int = 4000, reported_keep: int = 100_000,
+                 labels: dict[str, str] | None = None):
+        self.exporter = metrics.MetricsExporter(prices, state, labels)
         self.profile = StepProfile(profile_keep)
         self.profiled = 0  # StepPhases ever added (the profile keeps the last ``keep``)
         self.nodes_lost = 0  # NodeLostEvents received

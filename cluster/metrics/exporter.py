@@ -131,20 +131,44 @@ class _DerivedCollector(Collector):
                                 value=per_sample)
 
 
+class _Labelled:
+    """A view of ``registry`` whose every sample carries ``labels`` as well (the job's name,
+    so that several jobs' series stay apart in one Prometheus); what is rendered and served."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]):
+        self.registry, self.labels = registry, labels
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+
+        for family in self.registry.collect():
+            if not self.labels:
+                yield family
+                continue
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                out.add_sample(s.name, {**s.labels, **self.labels}, s.value, s.timestamp,
+                               s.exemplar)
+            yield out
+
+
 class MetricsExporter:
     """Applies events to metrics in a private registry and serves them over HTTP.
 
     ``state`` (optional) is called first in every scrape, from the HTTP thread, and returns a
     ``TrainingState``; if it raises, the scrape still succeeds with zeros for those gauges.
-    ``apply`` is thread-safe.
+    ``apply`` is thread-safe. ``labels`` (e.g. ``{"job": name}``) are added to every series
+    rendered and served.
     ``serve`` starts a daemon HTTP thread; ``close`` stops it. Nothing here talks to Ray.
     """
 
     def __init__(self, prices: Prices = Prices(),
-                 state: Callable[[], TrainingState] | None = None):
+                 state: Callable[[], TrainingState] | None = None,
+                 labels: dict[str, str] | None = None):
         self.prices = prices
         self.state = state
         self.registry = CollectorRegistry(auto_describe=True)
+        self.view = _Labelled(self.registry, dict(labels or {}))
         self._lock = threading.Lock()
         self._nodes = (0, 0)
         self._node_prices: tuple[tuple[str, float, str], ...] = ()
@@ -317,7 +341,7 @@ class MetricsExporter:
 
     def render(self) -> str:
         """The registry in Prometheus text exposition format."""
-        return generate_latest(self.registry).decode()
+        return generate_latest(self.view).decode()
 
     def metric_names(self) -> frozenset[str]:
         """Every sample name this exporter can export (with _bucket/_count/_sum/_total)."""
@@ -343,7 +367,7 @@ class MetricsExporter:
             raise RuntimeError(f"metrics exporter already serving on {self.address}")
         if not (isinstance(port, int) and 0 <= port <= 65535):
             raise ValueError(f"metrics port must be an integer in 0..65535, got {port!r}")
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.view)
         self.address = (host, self._server.server_port)
         return self.address
 

@@ -143,11 +143,9 @@ class Injector:
         self.raised_at: dict[str, float] = {}  # user_error targets: when their loop raised
 
     def _coordinator(self):
-        import ray
-
         from moshray.cluster import placement
 
-        return ray.get_actor(placement.COORDINATOR_NAME, namespace=placement.NAMESPACE)
+        return placement.sole_coordinator()
 
     def _get(self, ref):
         import ray

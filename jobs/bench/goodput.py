@@ -340,7 +340,7 @@ def run(args: argparse.Namespace) -> dict:
             finish_timeout_s=args.finish_timeout, links=links)
     moshray = summarize("moshray", m_records, duration, args.stall_gap)
     # (the driver ran with run_dir=m_dir: its saved model and checkpoints are that run's)
-    m_state = moshray_final_state(replace(config, run_dir=str(m_dir)))
+    m_state = moshray_final_state(replace(config, run_dir=str(m_dir), name=m_dir.name))
     moshray_eval = held_out_loss(config, files, m_state)
     probe("after_moshray")
 

@@ -118,7 +118,7 @@ def run_moshray_driver(config, run_dir: Path, steady: tuple[int, float] | None =
     then SIGTERM and, ``TERM_GRACE_S`` later, SIGKILL of the driver's process group. Raises
     ``BenchError`` (one line naming the log) if the driver ends without a result."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    config = replace(config, run_dir=str(run_dir))
+    config = replace(config, run_dir=str(run_dir), name=run_dir.name)  # its checkpoints' run
     (run_dir / "summary.json").unlink(missing_ok=True)  # only this run's may be read back
     config_file, out_file = run_dir / "moshray-config.json", run_dir / "moshray-result.json"
     config_file.write_text(json.dumps(config.to_dict()))

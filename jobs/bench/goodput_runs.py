@@ -308,7 +308,7 @@ def moshray_final_state(config) -> dict | None:
         return None
     from moshray.actors.replica.checkpoint import CheckpointStore, job_run_id
 
-    run_id = job_run_id(config.checkpoint, config.run_dir)
+    run_id = job_run_id(config.checkpoint, config.name)
     found = CheckpointStore(config.checkpoint.uri, run_id=run_id).load_latest()
     return None if found is None else found[1]["model"]
 

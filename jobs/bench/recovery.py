@@ -198,12 +198,10 @@ def _run_job(cluster, config, args, log_fn, body) -> tuple[object, dict | None]:
 
 def _current_coordinator():
     """The Coordinator left on the cluster (None), so a new job's is told apart from it."""
-    import ray
-
     from moshray.cluster import placement
 
     try:
-        return ray.get_actor(placement.COORDINATOR_NAME, namespace=placement.NAMESPACE)
+        return placement.sole_coordinator()
     except ValueError:
         return None
 

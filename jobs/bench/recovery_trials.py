@@ -127,7 +127,7 @@ class CloudTrials:
         def find():
             self.job.check()
             try:
-                actor = ray.get_actor(placement.COORDINATOR_NAME, namespace=placement.NAMESPACE)
+                actor = placement.sole_coordinator()
             except ValueError:
                 return None
             if previous_coordinator is not None and \

@@ -24,6 +24,7 @@ from moshray.jobs.config.sections import TrainConfig
 
 # argparse dest -> dotted config key for the convenience flags.
 _FLAG_KEYS = {
+    "name": "name",
     "local_nodes": "cluster.local_nodes",
     "trace": "cluster.trace",
     "time_scale": "cluster.time_scale",
@@ -69,6 +70,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         help="override one setting, e.g. --set training.lr=1e-3 (repeatable; docs/settings.md "
              "lists every key)",
     )
+    group.add_argument("--name", metavar="NAME",
+                       help="name: the job's name on the cluster; resubmitting a name resumes "
+                            "(or adopts) that job, and no two running jobs share one (default: "
+                            "a unique name, job-<UTC time>-<hex>)")
     group.add_argument("--local-nodes", metavar="N",
                        help=key_help("cluster.local_nodes",
                                      "embedded cluster's spot nodes when no trace is replayed"))

@@ -3,7 +3,7 @@
 Contract: one frozen dataclass per section (``model``, ``training``, ``data``, ``cluster``,
 ``checkpoint``, ``metrics``), each coercing and validating its fields on construction
 (:class:`ConfigError` naming the field otherwise), plus :class:`TrainConfig`, the whole run
-configuration: the sections and the top-level keys (``run_dir``, ``json``).
+configuration: the sections and the top-level keys (``name``, ``run_dir``, ``json``).
 ``TrainConfig.from_dict(config.to_dict())`` gives an equal config; :func:`valid_keys` lists
 every dotted key. ``_SECTIONS`` and ``_TOP_LEVEL`` name what a file or an override may set
 (``jobs/config/load.py``). Every field has a docstring, the string right under it: its line
@@ -505,8 +505,10 @@ class MetricsSection(_Section):
 
     _section = "metrics"
 
-    port: int = 9450
-    """Port of the Coordinator's Prometheus metrics on the head; 0: a free one."""
+    port: int = 0
+    """Port of the job's Prometheus metrics on the head; 0: a free one (each job has its
+    own; Prometheus finds them in the files the Coordinators write,
+    ``/tmp/moshray/prometheus/<job>.json``)."""
     spot_price_per_hour: float = 0.16
     """US$ per spot node-hour when neither the cloud nor the price table has one."""
     on_demand_price_per_hour: float = 0.526
@@ -526,7 +528,9 @@ _SECTIONS: dict[str, type[_Section]] = {
     "checkpoint": CheckpointSection,
     "metrics": MetricsSection,
 }
-_TOP_LEVEL: dict[str, Any] = {"run_dir": str, "json": bool, "save_model": bool}  # outside sections
+_TOP_LEVEL: dict[str, Any] = {"name": str, "run_dir": str, "json": bool,
+                               "save_model": bool}  # outside sections
+_UNSET_UNTIL_NAMED = ("name", "run_dir")  # None until ``TrainConfig.named``
 
 
 @dataclass(frozen=True)
@@ -544,8 +548,12 @@ class TrainConfig:
     cluster: ClusterSection = field(default_factory=ClusterSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
-    run_dir: str = "runs/latest"
-    """Where the run writes ``summary.json`` and ``training.png``."""
+    name: str | None = None
+    """The job's name on its cluster: its own Coordinator, lease, capacity request, metrics
+    (``job`` label) and checkpoint run; resubmitting a name resumes (or adopts) that job;
+    none: a unique one (``job-<UTC time>-<hex>``)."""
+    run_dir: str | None = None
+    """Where the run writes ``summary.json`` and ``training.png``; none: ``runs/<name>``."""
     json: bool = False  # machine-readable (JSON lines) output instead of text
     """Machine-readable output (JSON lines) instead of text."""
     save_model: bool = False
@@ -558,12 +566,35 @@ class TrainConfig:
             if not isinstance(value, cls):
                 raise ConfigError(name, f"must be a {cls.__name__}, got {type(value).__name__}")
         for name, tp in _TOP_LEVEL.items():
+            if getattr(self, name) is None and name in _UNSET_UNTIL_NAMED:
+                continue
             value = _coerce(name, getattr(self, name), tp, from_string=False)
             object.__setattr__(self, name, value)
-        _non_empty("run_dir", self.run_dir)
+        if self.name is not None:
+            from moshray.actors.replica.checkpoint import check_run_id
+
+            try:
+                check_run_id(self.name)
+            except ValueError as exc:
+                raise ConfigError("name", str(exc).replace("run id", "a job's name")) from None
+        if self.run_dir is not None:
+            _non_empty("run_dir", self.run_dir)
         _check(not (self.save_model and self.cluster.replica == "node"), "save_model",
                "replica groups keep their model as sharded checkpoints (checkpoint.uri), not "
                "one model.pt; leave save_model off", self.save_model)
+
+    def named(self, clock=None) -> TrainConfig:
+        """This config with its job's ``name`` (a unique one if none: ``job-<UTC
+        time>-<6 hex>``) and ``run_dir`` (``runs/<name>`` if none) set; what a job runs
+        with. Idempotent."""
+        import time
+        import uuid
+
+        name = self.name
+        if name is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(clock() if clock else None))
+            name = f"job-{stamp}-{uuid.uuid4().hex[:6]}"
+        return replace(self, name=name, run_dir=self.run_dir or f"runs/{name}")
 
     def to_dict(self) -> dict[str, Any]:
         """Nested plain dict (JSON-able); ``from_dict(to_dict())`` gives an equal config."""

@@ -55,6 +55,12 @@ from moshray.jobs.controller.reconcile import (
     StopReplica,
     decide,
 )
+from moshray.jobs.controller.lease import (
+    mark_job_watcher,
+    release_watchers,
+    request_capacity,
+    withdraw_capacity,
+)
 from moshray.jobs.controller.replica_launch import ReplicaSpec, launch_replica
 from moshray.jobs.controller.replica_states import ReplicaRecord, ReplicaState
 
@@ -125,6 +131,7 @@ class ElasticController:
                  clock: Callable[[], float] = time.monotonic, lease=None):
         c = config.cluster
         self.config, self.spec, self.experts, self.out = config, spec, experts, out
+        self.job = config.name or "unnamed"  # the job's name on the cluster
         self.coordinator = spec.coordinator
         t = config.training
         self.policy = Policy(c.min_nodes, c.max_nodes, c.replicas_per_node,
@@ -216,6 +223,11 @@ class ElasticController:
         return JobState(replicas + tuple(launching), self._count,
                         tuple(sorted(self.own_watchers)), self.last_checkpoint,
                         self.checkpoint_uri)
+
+    @property
+    def stop_requested(self) -> bool:
+        """``moshray stop`` asked this job to end (heard at a lease renewal)."""
+        return self.keeper is not None and self.keeper.stop_requested
 
     def stop_renewing(self) -> None:
         """End the lease's keeper (before the driver releases the lease). Idempotent."""
@@ -318,14 +330,13 @@ class ElasticController:
             count, _ = self.failures.get(action.node_id, (0, 0.0))
             self.failures[action.node_id] = (count + 1, obs.now_s)
         elif isinstance(action, RequestCapacity):
-            from ray.autoscaler.sdk import request_resources
-
             from moshray.cluster.placement import SPOT_RESOURCE
 
             # One bundle per wanted worker node: every worker declares the spot market
-            # resource (1000 units), so no two bundles fit on one node.
+            # resource (1000 units), so no two bundles fit on one node. Ray is asked for
+            # every job's bundles together (request_capacity).
             self._asked = True  # withdrawn at the end (release_capacity), even if this fails
-            request_resources(bundles=[{SPOT_RESOURCE: 1000}] * action.nodes)
+            request_capacity(self.job, [{SPOT_RESOURCE: 1000}] * action.nodes)
             self.requested = action.nodes
 
     def _start(self, action: StartReplica, obs: Observation) -> None:
@@ -348,7 +359,6 @@ class ElasticController:
     def _joined(self, node_id: str, obs: Observation) -> None:
         from moshray.autoscaler.watch.watcher import open_watcher
         from moshray.autoscaler.watch.config import WatcherConfig
-        from moshray.cluster import placement
 
         self.known_nodes[node_id] = obs.now_s
         if self._ticks > 0:  # nodes there at the first look are the start, not joins
@@ -361,11 +371,13 @@ class ElasticController:
         # watcher fleet's): it is used, never stopped by this job (see stop_watchers).
         opened = open_watcher(node_id, WatcherConfig(
             source=self.config.cluster.notice_source, poll_s=0.25,
-            rpc_timeout_s=RPC_TIMEOUT_S, coordinator_name=placement.COORDINATOR_NAME))
+            rpc_timeout_s=RPC_TIMEOUT_S))
         watcher = opened.actor
         self.watchers[node_id] = watcher
         if opened.created:
             self.own_watchers.add(node_id)
+            if self.lease is not None:
+                mark_job_watcher(node_id)
         if self.experts is not None:
             watcher.register.remote(self.experts, "experts")
 
@@ -513,28 +525,33 @@ class ElasticController:
 
     def stop_watchers(self, timeout_s: float = 10.0) -> None:
         """Stop and remove the watchers this controller started (their names are free for
-        the next job); a watcher it found on a node (the node's own ``moshray watch``, an
-        earlier or other driver's) keeps running. Bounded by ``timeout_s``; each failure is
+        the next job) unless another job runs (with a lease, jobs share them:
+        ``lease.release_watchers``); a watcher it found on a node (the node's own ``moshray
+        watch``, an earlier or other driver's) keeps running. Bounded by ``timeout_s``; each failure is
         logged."""
         from moshray.autoscaler.watch.watcher import close_watchers
 
         own = {n: w for n, w in self.watchers.items() if n in self.own_watchers}
-        close_watchers(own, timeout_s)
+        if self.lease is None:
+            close_watchers(own, timeout_s)
+        else:  # jobs share the watchers they start: the last job to end removes them
+            try:
+                release_watchers(self.job, own, timeout_s)
+            except Exception as exc:  # noqa: BLE001 - on every exit path: logged
+                log.warning("watchers not released: %r", exc)
         for node_id in own:
             self.watchers.pop(node_id, None)
         self.own_watchers.clear()
 
     def release_capacity(self) -> None:
-        """Withdraw this job's request to Ray's autoscaler (``request_resources`` with no
-        bundles replaces it), so Ray keeps no node for a job that ended. Does nothing if this
-        controller never asked; idempotent. A failure is logged, never raised (it runs on
-        every exit path, errors included)."""
+        """Withdraw this job's share of the request to Ray's autoscaler (Ray is asked for the
+        other jobs' bundles only, ``withdraw_capacity``), so Ray keeps no node for a job that
+        ended. Does nothing if this controller never asked; idempotent. A failure is logged,
+        never raised (it runs on every exit path, errors included)."""
         if not self._asked:
             return
-        from ray.autoscaler.sdk import request_resources
-
         try:
-            request_resources(bundles=[])
+            withdraw_capacity(self.job)
         except Exception as exc:  # noqa: BLE001 - on an error path: never hide the first error
             log.warning("capacity request not withdrawn (%r); Ray's autoscaler may keep up to "
                         "%s nodes until the next job asks", exc, self.requested)

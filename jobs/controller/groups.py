@@ -6,7 +6,7 @@ each on GPU nodes), the model sharded inside by FSDP2 as the user's loop asks
 
 What it does, in order: connects (``jobs/train.connect``), turns the ``TrainConfig`` into a
 ``SwarmConfig`` (``swarm_config``, pure, against the nodes it sees), asks Ray's autoscaler
-for ``cluster.max_nodes`` nodes that each fit a group (``request_resources``), runs the
+for ``cluster.max_nodes`` nodes that each fit a group (``lease.request_capacity``), runs the
 swarm until ``training.max_steps`` or ``training.max_seconds`` (then the swarm ends after
 the step in flight, consistency checked), or a SIGTERM (``ray job stop``), and writes the
 summary (``<run_dir>/summary.json``; ``moshray train --json`` prints it).
@@ -123,14 +123,12 @@ class _Watchers:
     def open_new(self) -> None:
         from moshray.autoscaler.watch.config import WatcherConfig
         from moshray.autoscaler.watch.watcher import open_watcher
-        from moshray.cluster import placement
 
         for node_id in set(_spot_nodes()) - self.seen:
             self.seen.add(node_id)
             try:
                 opened = open_watcher(node_id, WatcherConfig(
-                    source=self.config.cluster.notice_source, poll_s=0.25,
-                    coordinator_name=placement.COORDINATOR_NAME))
+                    source=self.config.cluster.notice_source, poll_s=0.25))
             except Exception as exc:  # noqa: BLE001 - a node gone meanwhile; logged
                 log.warning("no notice watcher on node %s: %r", node_id[:12], exc)
                 continue
@@ -172,7 +170,7 @@ class _Checkpoints:
         if c.uri is None:
             self.base = None
             return
-        self.base = child(c.uri, job_run_id(c, config.run_dir), "groups")
+        self.base = child(c.uri, job_run_id(c, config.name), "groups")
         if not read_start:
             return
         self.start, self.last = None, 0
@@ -277,8 +275,8 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
     (``ConfigError``). ``on_step(SwarmProgress)``: after every swarm step, on this
     thread. ``node_labels``: see ``swarm_config`` (a harness sharing a cluster)."""
     import ray
-    from ray.autoscaler.sdk import request_resources
 
+    from moshray.jobs.controller.lease import request_capacity, withdraw_capacity
     from moshray.jobs.train import STOP, connect
 
     if on_report is not None:
@@ -309,7 +307,7 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
         swarm_cfg = swarm_config(config, list(nodes.values()), node_labels)
         if job is None:
             job = _builtin_lm(config, swarm_cfg.group.world_size)
-        request_resources(bundles=[swarm_cfg.need] * config.cluster.max_nodes)
+        request_capacity(config.name, [swarm_cfg.need] * config.cluster.max_nodes)
         asked = True
         print(f"replica groups: {swarm_cfg.group.world_size} rank(s) each, up to "
               f"{config.cluster.max_nodes} group(s), {swarm_cfg.mode}", file=out, flush=True)
@@ -373,7 +371,7 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
             timer.cancel()
         if asked:
             try:
-                request_resources(bundles=[])
+                withdraw_capacity(config.name)
             except Exception as exc:  # noqa: BLE001 - never hide the error being handled
                 log.warning("capacity request not withdrawn: %r", exc)
         if owned:

@@ -8,12 +8,18 @@ of everything it owns. So nothing the run needs is owned by it:
 - the replicas are *detached* named actors (``moshray-replica:<run id>:<replica id>`` in
   the ``moshray`` namespace), so they keep training through the driver's death (their
   ``run()`` goes on; a later driver awaits it with ``wait_run``);
-- the Coordinator already is detached and named (``placement.COORDINATOR_NAME``), and keeps
-  the step history the summary is made from;
+- the Coordinator already is detached and named after the job
+  (``placement.coordinator_name``), and keeps the step history the summary is made from;
 - the job's own state (run id, config fingerprint, the replicas and their nodes, the
-  watchers it started, the newest checkpoint's step) lives in ``JobLease``, a detached actor
-  on the head node, mirrored into Ray's GCS key-value store (a restarted ``JobLease`` reads
+  watchers it started, the newest checkpoint's step) lives in the job's ``JobLease``
+  (``moshray-job-lease:<job name>``), a detached actor on the head node, mirrored into Ray's
+  GCS key-value store under ``moshray/job-record/<job name>`` (a restarted ``JobLease`` reads
   it back).
+
+Jobs run side by side: every name has its own lease, Coordinator, replicas and share of the
+capacity asked of Ray's autoscaler (``request_capacity``: Ray keeps one request per
+cluster, so each job's bundles are kept under ``moshray/capacity/<job name>`` and Ray is
+asked for their sum). ``list_jobs`` reads every job's record (``moshray jobs``).
 
 The driver renews the lease from a thread of its own (``LeaseKeeper``), every quarter of
 ``cluster.driver_lease_s`` (at most every 5 s), with the job's state as the controller last
@@ -21,8 +27,10 @@ published it: a supervision tick that blocks (a checkpoint save of gigabytes, a 
 end of a run) delays no renewal. A resubmitted driver with the same config
 (``fingerprint``) finds the record and, when the driver holding it is dead (Ray's job
 table says so), *adopts* the swarm: the same Coordinator, the same replicas, no step lost
-(``decide_claim``). Anything else (another config, a swarm that is stopping) is ended first,
-as one training job per cluster always was. Nothing leaks, and a live job is never reaped:
+(``decide_claim``). A job of the same name whose driver lives is never touched: the new
+submission is refused (``Refuse``, one line). A swarm of the same name that was stopping, or
+ran another config, is ended first. No job ever ends a job of another name. Nothing leaks,
+and a live job is never reaped:
 ``JobLease`` ends the swarm by itself (``reap_reason``) when its driver is dead (Ray's job
 table) and has not renewed the lease for ``cluster.driver_lease_s`` (the window in which a
 resubmitted driver adopts it), or at once when a driver that said it is stopping (SIGTERM,
@@ -51,9 +59,16 @@ import ray
 from moshray.cluster import placement
 
 log = logging.getLogger("moshray.lease")
-LEASE_NAME = "moshray-job-lease"
-KV_KEY = b"moshray/job-record"
+LEASE_PREFIX = "moshray-job-lease"
+KV_PREFIX = "moshray/job-record/"
+CAPACITY_PREFIX = "moshray/capacity/"
+WATCHERS_PREFIX = "moshray/job-watchers/"
 REPLICA_PREFIX = "moshray-replica"
+
+
+def lease_name(job: str) -> str:
+    """The Ray actor name (namespace ``placement.NAMESPACE``) of job ``job``'s lease."""
+    return f"{LEASE_PREFIX}:{job}"
 
 
 def replica_actor_name(run_id: str, replica_id: str) -> str:
@@ -62,10 +77,9 @@ def replica_actor_name(run_id: str, replica_id: str) -> str:
 
 
 def fingerprint(config_dict: dict) -> str:
-    """What makes a resubmission the same job: the model, training (but its bounds), data
-    and checkpoint sections and ``run_dir`` (whose name is the run's identity in the
-    checkpoints' path, ``actors/replica/checkpoint.py``); not its address or output
-    format. Pure."""
+    """What makes a resubmission of a name the same job: the model, training (but its
+    bounds), data and checkpoint sections and ``run_dir``; not its address or output format.
+    Pure."""
     same = {k: config_dict.get(k)
             for k in ("model", "training", "data", "checkpoint", "run_dir")}
     # How long or how many steps it runs may change between submissions of the same job.
@@ -80,7 +94,9 @@ class JobRecord:
     driver holding the lease; ``replicas``: ``(replica_id, node_id, num_gpus)`` of every
     replica not gone; ``count``: replicas started so far (ids go on from it);
     ``own_watchers``: nodes whose watcher the job started; ``last_checkpoint``: the newest
-    checkpoint's step; ``stopping``: the driver was told to stop (SIGTERM)."""
+    checkpoint's step; ``stopping``: the driver was told to stop (SIGTERM);
+    ``name``: the job's name; ``stop_requested``: ``moshray stop`` asked the driver to end the
+    job (it ends as at its time limit)."""
 
     run_id: str
     fingerprint: str
@@ -92,6 +108,8 @@ class JobRecord:
     own_watchers: tuple[str, ...] = ()
     last_checkpoint: int = 0
     stopping: bool = False
+    name: str = ""
+    stop_requested: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,23 +128,34 @@ class Replace:
 
 @dataclass(frozen=True)
 class Fresh:
-    """No job holds the cluster."""
+    """No job of this name runs."""
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """A job of this name runs with a live driver: the new submission stops (``reason``,
+    one line) and touches nothing."""
+
+    reason: str
 
 
 def decide_claim(record: JobRecord | None, me: str, fingerprint_: str,
-                 holder_alive: bool) -> Adopt | Replace | Fresh:
+                 holder_alive: bool) -> Adopt | Replace | Fresh | Refuse:
     """What a driver (Ray job id ``me``) starting a job of ``fingerprint_`` does with the
-    cluster's ``record``. Pure. Adopt only the same job whose driver is gone (or is this
-    very driver, e.g. a second ``fit`` in one process after an error left it) and that was
-    not told to stop."""
+    ``record`` of the job of its name. Pure. A live driver's job is never ended: refused.
+    Adopt only the same job whose driver is gone (or is this very driver, e.g. a second
+    ``fit`` in one process after an error left it) and that was not told to stop; a
+    stopping swarm, or one of another config, is replaced."""
     if record is None:
         return Fresh()
-    if record.stopping:
-        return Replace("the previous job was stopping")
-    if record.fingerprint != fingerprint_:
-        return Replace("a job with another config holds the cluster")
     if holder_alive and record.holder != me:
-        return Replace(f"its driver (Ray job {record.holder}) is still alive")
+        return Refuse(f"a job named {record.name or record.run_id!r} is running (its driver "
+                      f"is Ray job {record.holder}): end it with `moshray stop "
+                      f"{record.name or record.run_id}`, or give this job another name")
+    if record.stopping:
+        return Replace("the previous job of this name was stopping")
+    if record.fingerprint != fingerprint_:
+        return Replace("the previous job of this name ran another config")
     return Adopt(record)
 
 
@@ -181,9 +210,11 @@ class LeaseKeeper:
     loop is doing (a checkpoint save, a drain or the end of a run may block it for minutes).
 
     ``renew(state)`` is one bounded renewal: True if the lease stands, False if it ended (its
-    reaper ended the swarm); an exception is a failed attempt (logged; a lease restarting is
-    renewed on the next). After a False, ``ended`` is True and the thread stops: the
-    controller raises ``JobFailed`` on its next tick. ``stop`` ends the thread (bounded);
+    reaper ended the swarm), ``STOP_REQUESTED`` if it stands and ``moshray stop`` asked the
+    job to end (``stop_requested`` turns True: the driver ends the run as at its time
+    limit); an exception is a failed attempt (logged; a lease restarting is renewed on the
+    next). After a False, ``ended`` is True and the thread stops: the controller raises
+    ``JobFailed`` on its next tick. ``stop`` ends the thread (bounded);
     the driver stops it before it releases the lease. Nothing is renewed before the first
     ``publish``."""
 
@@ -194,6 +225,7 @@ class LeaseKeeper:
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self.ended = False
+        self.stop_requested = False
         self.renewals = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name=name)
         self._thread.start()
@@ -214,12 +246,17 @@ class LeaseKeeper:
         if state is None or self.ended:
             return False
         try:
-            if self._renew(state):
+            if self._answer(self._renew(state)):
                 return True
             self.ended = True
         except Exception as exc:  # noqa: BLE001 - a lease restarting
             log.warning("lease not renewed: %r", exc)
         return False
+
+    def _answer(self, answer) -> bool:
+        if answer == STOP_REQUESTED:
+            self.stop_requested = True
+        return bool(answer)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopped.set()
@@ -231,7 +268,7 @@ class LeaseKeeper:
             state = self._state
             if state is not None:
                 try:
-                    if not self._renew(state):
+                    if not self._answer(self._renew(state)):
                         self.ended = True
                         return
                     self.renewals += 1
@@ -267,11 +304,16 @@ def current_job() -> str:
     return ray.get_runtime_context().get_job_id()
 
 
+STOP_REQUESTED = "stop"  # a renewal's answer: the lease stands, and the job is to end
+
+
 @ray.remote
 class JobLease:
-    """See the module docstring. Create with ``get_or_create``; every method is bounded."""
+    """See the module docstring. Create with ``get_or_create``; every method is bounded.
+    ``job``: the job's name (its record's key)."""
 
-    def __init__(self, poll_s: float = 0.5, clock=time.monotonic):
+    def __init__(self, job: str, poll_s: float = 0.5, clock=time.monotonic):
+        self.key = (KV_PREFIX + job).encode()
         self.clock = clock
         self.poll_s = poll_s
         self.lock = threading.RLock()
@@ -282,20 +324,19 @@ class JobLease:
 
     # -- the record ---------------------------------------------------------------------------
 
-    @staticmethod
-    def _load() -> JobRecord | None:
+    def _load(self) -> JobRecord | None:
         from ray.experimental.internal_kv import _internal_kv_get
 
-        raw = _internal_kv_get(KV_KEY)
+        raw = _internal_kv_get(self.key)
         return pickle.loads(raw) if raw else None
 
     def _store(self) -> None:
         from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
 
         if self.record is None:
-            _internal_kv_del(KV_KEY)
+            _internal_kv_del(self.key)
         else:
-            _internal_kv_put(KV_KEY, pickle.dumps(self.record), overwrite=True)
+            _internal_kv_put(self.key, pickle.dumps(self.record), overwrite=True)
 
     def get(self) -> tuple[JobRecord | None, bool]:
         """The record and whether its holder's driver is alive."""
@@ -309,9 +350,10 @@ class JobLease:
             self.record, self.renewed_at, self.ended = record, self.clock(), None
             self._store()
 
-    def renew(self, state: JobState) -> bool:
+    def renew(self, state: JobState) -> bool | str:
         """The holder is alive; the job's state as it is now. False if there is no record
-        (the lease ended the swarm: the driver should stop)."""
+        (the lease ended the swarm: the driver should stop); ``STOP_REQUESTED`` if
+        ``moshray stop`` asked the job to end; else True."""
         with self.lock:
             if self.record is None:
                 return False
@@ -320,6 +362,17 @@ class JobLease:
             if record != self.record:  # the GCS mirror is written when the state changed
                 self.record = record
                 self._store()
+            return STOP_REQUESTED if record.stop_requested else True
+
+    def request_stop(self) -> bool:
+        """``moshray stop``: the driver is to end the job as at its time limit (final
+        checkpoint, summary, everything released); it hears so at its next renewal.
+        Returns whether there was a job to stop."""
+        with self.lock:
+            if self.record is None:
+                return False
+            self.record = replace(self.record, stop_requested=True)
+            self._store()
             return True
 
     def stopping(self) -> None:
@@ -385,7 +438,8 @@ def end_swarm(record: JobRecord, reason: str, grace_s: float = 20.0) -> None:
         except ValueError:
             pass
     try:
-        coordinator = ray.get_actor(placement.COORDINATOR_NAME, namespace=placement.NAMESPACE)
+        coordinator = ray.get_actor(placement.coordinator_name(record.name),
+                                    namespace=placement.NAMESPACE)
     except ValueError:
         coordinator = None
     if record.checkpoint_uri:
@@ -408,16 +462,12 @@ def end_swarm(record: JobRecord, reason: str, grace_s: float = 20.0) -> None:
             log.warning("graceful stop failed: %r", exc)
     for handle in handles:
         _kill(handle)
-    from moshray.autoscaler.watch.watcher import get_watcher
-
-    for node_id in record.own_watchers:
-        watcher = get_watcher(node_id)
-        if watcher is not None:
-            _kill(watcher)
     try:
-        from ray.autoscaler.sdk import request_resources
-
-        request_resources(bundles=[])
+        release_watchers(record.name, {})
+    except Exception as exc:  # noqa: BLE001
+        log.warning("watchers not released: %r", exc)
+    try:
+        withdraw_capacity(record.name)
     except Exception as exc:  # noqa: BLE001
         log.warning("capacity request not withdrawn: %r", exc)
     if coordinator is not None:
@@ -436,18 +486,112 @@ def _kill(handle) -> None:
         log.info("not killed: %r", exc)
 
 
-def get_or_create(poll_s: float = 0.5):
-    """The cluster's ``JobLease`` (detached, on the head node, restarted by Ray if its
+def get_or_create(job: str, poll_s: float = 0.5):
+    """Job ``job``'s ``JobLease`` (detached, on the head node, restarted by Ray if its
     process dies)."""
     return JobLease.options(
-        name=LEASE_NAME, namespace=placement.NAMESPACE, lifetime="detached",
+        name=lease_name(job), namespace=placement.NAMESPACE, lifetime="detached",
         get_if_exists=True, max_restarts=-1, max_concurrency=8, **placement.on_head(),
-    ).remote(poll_s)
+    ).remote(job, poll_s)
 
 
-def find() -> object | None:
-    """The cluster's ``JobLease`` if one stands, else None."""
+def find(job: str) -> object | None:
+    """Job ``job``'s ``JobLease`` if one stands, else None."""
     try:
-        return ray.get_actor(LEASE_NAME, namespace=placement.NAMESPACE)
+        return ray.get_actor(lease_name(job), namespace=placement.NAMESPACE)
     except ValueError:
         return None
+
+
+# -- the cluster's jobs ------------------------------------------------------------------------
+
+def list_jobs() -> dict[str, JobRecord]:
+    """``{name: record}`` of every job whose lease holds a record (running, or its driver
+    gone and not yet reaped), from the GCS. Needs a connected driver."""
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
+
+    jobs = {}
+    for key in _internal_kv_list(KV_PREFIX.encode()):
+        raw = _internal_kv_get(key)
+        if raw:
+            jobs[key.decode()[len(KV_PREFIX):]] = pickle.loads(raw)
+    return dict(sorted(jobs.items()))
+
+
+def mark_job_watcher(node_id: str) -> None:
+    """A job started ``node_id``'s watcher (``open_watcher`` created it): jobs own it
+    together, and the last job to end removes it (``release_watchers``). A node's own
+    watcher (``moshray watch``) is never marked."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put((WATCHERS_PREFIX + node_id).encode(), b"1", overwrite=True)
+
+
+def release_watchers(job: str, own: dict, timeout_s: float = 10.0) -> int:
+    """Job ``job`` ends: the watchers jobs started serve every job (a watcher tells each
+    job's Coordinator), so while another job runs they stay; the last job to end stops and
+    removes them all (``own``: node id -> watcher handles this job holds; the rest are
+    looked up). Returns how many were removed. Raises what Ray raises on a failed read."""
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_list
+
+    from moshray.autoscaler.watch.watcher import close_watchers, get_watcher
+
+    others = set(list_jobs()) - {job}
+    if others:
+        log.info("job %s: watchers left to the jobs still running (%s)", job,
+                 ", ".join(sorted(others)))
+        return 0
+    watchers = dict(own)
+    for key in _internal_kv_list(WATCHERS_PREFIX.encode()):
+        node_id = key.decode()[len(WATCHERS_PREFIX):]
+        if node_id not in watchers:
+            handle = get_watcher(node_id)
+            if handle is not None:
+                watchers[node_id] = handle
+        _internal_kv_del(key)
+    close_watchers(watchers, timeout_s)
+    return len(watchers)
+
+
+def _capacity_sum() -> list[dict]:
+    import json as json_
+
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
+
+    bundles: list[dict] = []
+    for key in sorted(_internal_kv_list(CAPACITY_PREFIX.encode())):
+        raw = _internal_kv_get(key)
+        if raw:
+            bundles.extend(json_.loads(raw))
+    return bundles
+
+
+def request_capacity(job: str, bundles: list[dict]) -> list[dict]:
+    """Job ``job`` wants ``bundles`` (Ray resource dicts) from Ray's autoscaler. Ray keeps one
+    request per cluster (``request_resources`` replaces the last), so this job's share is
+    kept in the GCS and Ray is asked for every job's sum, which is returned. Two jobs asking
+    at once may each ask Ray for a sum without the other's newest share: each job asks again
+    whenever its own share changes and the last ask holds every share written before it.
+    Raises what Ray raises."""
+    import json as json_
+
+    from ray.autoscaler.sdk import request_resources
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put((CAPACITY_PREFIX + job).encode(), json_.dumps(list(bundles)),
+                     overwrite=True)
+    total = _capacity_sum()
+    request_resources(bundles=total)
+    return total
+
+
+def withdraw_capacity(job: str) -> list[dict]:
+    """Job ``job`` wants nothing more: its share is deleted and Ray is asked for the other
+    jobs' (returned). Idempotent. Raises what Ray raises."""
+    from ray.autoscaler.sdk import request_resources
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del((CAPACITY_PREFIX + job).encode())
+    total = _capacity_sum()
+    request_resources(bundles=total)
+    return total

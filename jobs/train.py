@@ -143,6 +143,7 @@ def run_job(config: TrainConfig, address: str, job=None,
     from moshray.jobs.examples.lm.corpus import resolve_data, ship_files
     from moshray.jobs.controller.elastic import ElasticController
 
+    config = config.named()  # a caller of this driver itself (a bench, a test) may not have
     # The run's outputs go where the working directory is now: a directory Ray unpacked
     # for the job can be replaced under the driver while it runs (raylets of one machine
     # share it), and the relative path with it.

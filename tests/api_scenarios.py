@@ -77,7 +77,7 @@ def extra_state(tmp: Path) -> dict:
     settings = dict(config={"training": {"target_batch_size": 16, "round_timeout_s": 5.0}},
                     local_nodes=2, max_nodes=3, time_scale=1.0, json=True, metrics_port=0,
                     checkpoint_uri=str(tmp / "ckpt"), checkpoint_every=5,
-                    run_dir=str(tmp / "run"))
+                    run_dir=str(tmp / "run"), name="extra-state")  # the name resumes it
     data = moshray.data.from_fn(sample_ids, num_shards=6)
     first = moshray.fit(make_loop(seen_dir, "a"), data, max_seconds=30, trace=str(trace),
                         **settings)

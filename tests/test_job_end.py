@@ -263,7 +263,7 @@ def test_a_checkpoint_save_slower_than_the_lease_does_not_end_the_job(local_clus
             {"training": {"target_batch_size": 8, "round_timeout_s": 5.0},
              "cluster": {"driver_lease_s": LEASE_S}},
             max_nodes=MAX_NODES, metrics_port=0, run_dir=str(tmp_path / "run"),
-            max_seconds=25, checkpoint_uri=uri, checkpoint_every=50)
+            max_seconds=25, checkpoint_uri=uri, checkpoint_every=50, name="run")
         sampler.start()
         try:
             summary = run_job(config, local_cluster.address,

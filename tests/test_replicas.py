@@ -32,9 +32,10 @@ _names = itertools.count()
 
 
 def small_config(*extra: str):
+    """The small LM's config, named as a job's driver names it (its checkpoints' run)."""
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
-    return config_from_args(parser.parse_args([*SMALL, *extra]))
+    return config_from_args(parser.parse_args([*SMALL, *extra])).named()
 
 
 class Swarm:

@@ -154,7 +154,8 @@ def test_trace_preempts_and_adds_nodes_while_training(tmp_path: Path):
 @pytest.mark.cluster
 def test_resume_from_checkpoint_skips_corrupt_file(tmp_path: Path):
     ckpt = tmp_path / "ckpt"
-    run = ("--set", f"run_dir={tmp_path / 'resume-test'}")  # the run id: run_dir's name
+    run = ("--name", "resume-test",  # the run id: the job's name
+           "--set", f"run_dir={tmp_path / 'resume-test'}")
     proc, first = train("--local-nodes", "2", "--checkpoint", str(ckpt), *run,
                         "--set", "checkpoint.every_steps=5", "--max-steps", "10")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -18,12 +18,14 @@ AUTO = "auto"
 NONE = "none"
 
 
-def source_names(*, auto: bool = True, simulated: bool = True) -> tuple[str, ...]:
+def source_names(*, auto: bool = True, simulated: bool = True,
+                 sigterm: bool = True) -> tuple[str, ...]:
     """The names a notice source may be given: ``auto`` (if ``auto``), every registered
-    cloud, ``simulated`` (if ``simulated``: local clusters and tests), ``sigterm`` and
-    ``none``."""
+    cloud, ``simulated`` (if ``simulated``: local clusters and tests), ``sigterm`` (if
+    ``sigterm``: a ``moshray watch`` process's own signal; a watcher a job starts gets none)
+    and ``none``."""
     return ((AUTO,) if auto else ()) + cloud_names() + ((SIMULATED,) if simulated else ()) \
-        + (SIGTERM, NONE)
+        + ((SIGTERM,) if sigterm else ()) + (NONE,)
 
 
 class AutoSource(NoticeSource):

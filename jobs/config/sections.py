@@ -442,7 +442,7 @@ class ClusterSection(_Section):
         _non_negative(self._path("notice_s"), self.notice_s)
         from moshray.autoscaler.notices.sources import source_names
 
-        sources = source_names(simulated=False)
+        sources = source_names(simulated=False, sigterm=False)
         _check(self.notice_source in sources, self._path("notice_source"),
                "must be one of " + ", ".join(repr(s) for s in sources), self.notice_source)
         _positive(self._path("driver_lease_s"), self.driver_lease_s)

@@ -73,7 +73,7 @@ def _registry_choices() -> dict[str, tuple[str, ...]]:
     from moshray.cluster.collective.codecs import codec_names
 
     return {"training.compression": ("auto", *codec_names()),
-            "cluster.notice_source": source_names(simulated=False)}
+            "cluster.notice_source": source_names(simulated=False, sigterm=False)}
 
 
 def _choices(tp: Any) -> tuple[str, ...]:

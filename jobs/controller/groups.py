@@ -285,6 +285,7 @@ def run_groups(config: TrainConfig, address: str, job: Any = None, stop_when=Non
     if job is not None and not isinstance(job, LoopTask):
         raise ConfigError("cluster.replica", "replica groups take a loop and data by step: "
                           "moshray.fit(loop, moshray.data.by_step(fn), ...)")
+    config = config.named()  # its name: checkpoint run, run_dir, capacity share
     out = sys.stderr if config.json else sys.stdout
     checkpoints = _Checkpoints(config)  # a bad checkpoint setting: before anything starts
     owned = connect(config, address)

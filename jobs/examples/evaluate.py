@@ -7,7 +7,7 @@ step the leader (``session.is_leader``: one live replica at a time, the next one
 over when it leaves) computes the loss and accuracy on a held-out set that no training
 shard contains and reports them as ``val_loss`` / ``val_accuracy``. They reach the run
 summary (``result.summary["reported"]``), the Prometheus gauge ``moshray_reported``,
-TensorBoard (``tensorboard --logdir runs/latest/tensorboard``) and ``on_report`` (here: a
+TensorBoard (``tensorboard --logdir runs/<name>/tensorboard``) and ``on_report`` (here: a
 print; ``mlflow.log_metrics`` or ``wandb.log`` fit there the same way).
 """
 

@@ -554,15 +554,13 @@ def release_watchers(job: str, own: dict, timeout_s: float = 10.0) -> int:
 
 
 def _capacity_sum() -> list[dict]:
-    import json as json_
-
     from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
 
     bundles: list[dict] = []
     for key in sorted(_internal_kv_list(CAPACITY_PREFIX.encode())):
         raw = _internal_kv_get(key)
         if raw:
-            bundles.extend(json_.loads(raw))
+            bundles.extend(json.loads(raw))
     return bundles
 
 
@@ -573,12 +571,10 @@ def request_capacity(job: str, bundles: list[dict]) -> list[dict]:
     at once may each ask Ray for a sum without the other's newest share: each job asks again
     whenever its own share changes and the last ask holds every share written before it.
     Raises what Ray raises."""
-    import json as json_
-
     from ray.autoscaler.sdk import request_resources
     from ray.experimental.internal_kv import _internal_kv_put
 
-    _internal_kv_put((CAPACITY_PREFIX + job).encode(), json_.dumps(list(bundles)),
+    _internal_kv_put((CAPACITY_PREFIX + job).encode(), json.dumps(list(bundles)),
                      overwrite=True)
     total = _capacity_sum()
     request_resources(bundles=total)

@@ -9,7 +9,7 @@ summary, and releases everything); a job whose driver is gone is ended by its le
 (final checkpoint through a replica, replicas, Coordinator and capacity request removed).
 Other jobs are not touched. Both connect to the cluster at ``--address`` (else
 ``RAY_ADDRESS``, else the local cluster ``ray start`` made). Exit codes: 0 done, 2 no such
-job (one line), 1 the job did not end within ``--timeout``.
+job or no cluster at the address (one line), 1 the job did not end within ``--timeout``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 STEP_TIMEOUT_S = 10.0
+PROBE_S = 5.0  # a head that does not accept a TCP connection in this long is not there
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,46 @@ def job_state(record, holder_alive: bool) -> str:
     return "running" if holder_alive else "driver gone"
 
 
+class NoCluster(RuntimeError):
+    """No Ray cluster answers at the address asked for (the message is the one line)."""
+
+
 def _connect(address: str | None) -> None:
+    """Connect to the cluster, or raise ``NoCluster`` within ``PROBE_S`` when none answers
+    (Ray's own client would retry for a minute and end in a traceback)."""
     import logging
+    import socket
 
     import ray
+    from ray._private.services import canonicalize_bootstrap_address
 
     from moshray.cluster import placement
 
-    ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto",
-             namespace=placement.NAMESPACE, logging_level=logging.WARNING,
+    asked = address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        resolved = canonicalize_bootstrap_address(asked)
+    except Exception as exc:  # Ray's own words for a malformed address
+        raise NoCluster(f"Ray address {asked!r}: {exc}") from None
+    if resolved is None:
+        raise NoCluster("no Ray cluster is running here: start one (ray start --head) or "
+                        "pass --address HOST:PORT")
+    host, _, port = resolved.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_S).close()
+    except (OSError, ValueError):
+        raise NoCluster(f"no Ray cluster answers at {resolved} (from --address/RAY_ADDRESS "
+                        f"or the last `ray start` here): pass the head's HOST:PORT") from None
+    ray.init(address=resolved, namespace=placement.NAMESPACE, logging_level=logging.WARNING,
              log_to_driver=False)
+
+
+def _connected(args: argparse.Namespace) -> bool:
+    try:
+        _connect(args.address)
+    except NoCluster as exc:
+        print(f"moshray: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _step(name: str) -> int | None:
@@ -104,7 +135,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    _connect(args.address)
+    if not _connected(args):
+        return 2
     rows = job_rows()
     if args.json:
         for row in rows:
@@ -152,5 +184,6 @@ def stop_job(name: str, timeout_s: float, out=sys.stdout) -> int:
 
 
 def stop_main(args: argparse.Namespace) -> int:
-    _connect(args.address)
+    if not _connected(args):
+        return 2
     return stop_job(args.name, args.timeout)

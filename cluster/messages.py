@@ -156,6 +156,10 @@ class RoundPlan:
     # peer -> the zone it declared (``PeerInfo.zone``), for every participant that declared
     # one, zone-aware grid or not: what each peer counts its cross-zone bytes by
     zones: tuple[tuple[str, str], ...] = ()
+    # the branch of the swarm's history this step extends (``ProgressTracker.branch``: one
+    # more after every fall back); a replica keeps the branch of the last step it applied
+    # and reports it, so a state from before a fall back is told apart from a newer step
+    branch: int = 0
 
     @property
     def participants(self) -> tuple[str, ...]:

@@ -372,8 +372,10 @@ def summarize(stats: dict, statuses: list[dict], leaving: set[str], wall_s: floa
     skipped or went through twice (0 expected); ``skipped_steps`` and ``repeated_steps``
     are the two apart (worst replica each). ``rolled_back_steps``: committed steps undone
     when every replica holding them died (the swarm fell back to an older state: a
-    checkpoint's, or the initial one). ``diverged_steps``: the steps some replica committed
-    with a digest that lost the Coordinator's vote (it resynced)."""
+    checkpoint's, or the initial one); ``stale_returns``: replicas cut off before such a
+    fall back that came back holding the dropped steps (they resynced).
+    ``diverged_steps``: the steps some replica committed with a digest that lost the
+    Coordinator's vote (it resynced)."""
     history = stats.get("history", [])
     staying = [s for s in statuses if s["peer"] not in leaving]
     top_epoch = max((s["epoch"] for s in staying), default=0)
@@ -401,6 +403,8 @@ def summarize(stats: dict, statuses: list[dict], leaving: set[str], wall_s: floa
         "rollbacks": stats.get("rollbacks", 0),  # falls back below a committed step
         # committed steps lost with every replica holding them (resumed from a checkpoint)
         "rolled_back_steps": stats.get("rolled_back_steps", 0),
+        # replicas that came back holding steps the swarm had fallen back from (resynced)
+        "stale_returns": stats.get("stale_returns", 0),
         "lost_steps": max((s["lost_steps"] + s["repeated_steps"] for s in statuses), default=0),
         "skipped_steps": max((s["lost_steps"] for s in statuses), default=0),
         "repeated_steps": max((s["repeated_steps"] for s in statuses), default=0),

@@ -19,7 +19,7 @@ from moshray.cluster.coordinator.notices import NoticeBook
 from moshray.cluster.coordinator.progress import ProgressReport, StepRecord
 from moshray.cluster.coordinator.shard_ledger import ShardService
 from moshray.cluster.coordinator.step_profile import StepPhases
-from moshray.cluster.coordinator.steps import StepService
+from moshray.cluster.coordinator.steps import REBUILD_S, StepService
 from moshray.cluster.messages import CheckpointRef
 
 
@@ -133,6 +133,70 @@ def test_the_newest_checkpoint_survives_a_restart_and_counts_the_steps_it_rolls_
     assert again.resume_from(2) == 2 and again.mark_ready("z", 2)
     stats = again.stats()
     assert stats["rollbacks"] == 1 and stats["rolled_back_steps"] == 2
+
+
+def test_replicas_known_before_a_restart_must_rejoin_or_be_declared_gone_before_an_older_state():
+    """Every holder of step 3 dies with the Coordinator: a joiner that finds no donor
+    (epoch 0) or an older checkpoint is refused while a and b, known before the restart
+    (also across a second restart), may still rejoin; once they were silent for hold_s
+    the fall back is a counted rollback."""
+    kv, clock = MemoryKV(), Clock()
+    core = coordinator(kv, clock)
+    ready(core, ("a", "b"))
+    for epoch in range(3):
+        step(core, clock, ("a", "b"), epoch)
+    core.save()
+    clock.t += 1.0
+    again = coordinator(kv, clock)
+    again.register("z", "z")
+    clock.t += REBUILD_S + 1.0
+    assert not again.mark_ready("z", 0) and again.resume_from(1) == 0
+    again.save()
+    third = coordinator(kv, clock)  # restarted again before anyone rejoined
+    third.register("z", "z")
+    clock.t += REBUILD_S + 1.0
+    assert not third.mark_ready("z", 0) and third.resume_from(1) == 0
+    for _ in range(6):  # a and b silent for hold_s (60 s) since the restart: gone
+        clock.t += 10.0
+        third.heartbeat("z")
+    assert third.resume_from(1) == 1 and third.mark_ready("z", 1)
+    assert third.progress.rollbacks == [(3, 1)] and third.stats()["rolled_back_steps"] == 2
+
+
+def test_a_fall_back_survives_a_restart_and_a_stale_holder_is_told_from_a_step_done_meanwhile():
+    """a, b, c hold step 3; c is cut off, a and b die; z resumes from step 1 (rollback,
+    branch 1) and y copies it; they train to 2, plan 3 and the Coordinator restarts. z's
+    step 3 (branch 1, done during the restart) is the swarm's; c's step 3 (branch 0) is not."""
+    kv, clock = MemoryKV(), Clock()
+    core = coordinator(kv, clock, target=2)
+    ready(core, ("a", "b", "c"))
+    for epoch in range(3):
+        step(core, clock, ("a", "b", "c"), epoch, samples=1)
+    clock.t += 31.0  # c is cut off (it expires) ...
+    core.heartbeat("a")
+    core.heartbeat("b")
+    assert core.peer_view()["members"] == ("a", "b")
+    clock.t += core.progress.hold_s + 1.0  # ... then a's and b's nodes die
+    core.register("z", "z")
+    assert core.mark_ready("z", 1) and core.progress.rollbacks == [(3, 1)]
+    core.register("y", "y")
+    assert core.donor("y") == ("z", "z") and core.mark_ready("y", 1)
+    for p in ("z", "y"):
+        core.report(ProgressReport(p, 1, 1, branch=0))
+    for p in ("z", "y"):
+        core.report(ProgressReport(p, 2, 1, branch=1))  # step 2 applied, 3 planned
+    assert core.epoch == 3 and core.progress.branch == 1
+    core.save()
+    clock.t += 1.0
+    again = coordinator(kv, clock, target=2)
+    assert again.rejoin("z", "z", "", 2, branch=1) and again.rejoin("y", "y", "", 2, branch=1)
+    again.report(ProgressReport("z", 3, 0, branch=1))  # step 3 completed among z and y
+    assert again.epoch == 3
+    assert again.rejoin("c", "c", "", 3, branch=0) is False  # the old branch's step 3
+    assert again.report(ProgressReport("c", 3, 1, branch=0)).resync
+    assert again.epoch == 3 and again.stats()["stale_returns"] == 1
+    again.save()
+    assert coordinator(kv, clock, target=2).stats()["stale_returns"] == 1
 
 
 def test_a_store_without_state_starts_empty_and_a_second_restart_counts_again():

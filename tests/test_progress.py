@@ -461,3 +461,119 @@ def test_the_stretched_wait_for_a_joiner_is_capped():
     assert join_wait(JoinWait(0.0, 10.0, 4.0), 15.9, grace_s=2.0, cap_s=30.0)  # 1.5 x 4 s
     assert not join_wait(JoinWait(0.0, 10.0, 4.0), 16.1, grace_s=2.0, cap_s=30.0)
     assert not join_wait(JoinWait(0.0, 29.0, 10.0), 30.5, grace_s=2.0, cap_s=30.0)  # capped
+
+
+# -- a restart during a long step: older states wait for every replica that may hold newer -
+
+
+def test_after_a_restart_during_a_long_step_a_donorless_joiner_waits_for_the_replicas_heard():
+    """The Coordinator restarts while a and b are inside a step far longer than REBUILD_S:
+    their heartbeats come (answered "unknown"), their rejoins only once the step is
+    applied. A joiner that finds no donor holds epoch 0, older than the committed step 5:
+    it is not accepted (nor an older checkpoint) while a and b are heard from."""
+    core, clock = restarted(ttl=5.0)
+    core.note_committed(5)  # the driver saw step 5 committed
+    core.register("j", "j", "node-j")
+    for _ in range(20):  # 20 s of step 6, far past REBUILD_S and the TTL
+        clock.t += 1.0
+        assert core.heartbeat("a") is False and core.heartbeat("b") is False
+        core.heartbeat("j")
+        assert core.donor("j") is None
+        assert core.mark_ready("j", 0) is False
+        assert core.resume_from(2) == 0
+    assert core.rejoin("a", "a", "node-a", 6) is True  # step 6 applied: they rejoin
+    assert core.rejoin("b", "b", "node-b", 6) is True
+    assert core.epoch == 6 and core.donor("j")[0] in ("a", "b")
+    assert core.mark_ready("j", 6) is True
+    assert core.progress.rollbacks == [] and core.progress.history == []
+
+
+def test_a_rejoined_replica_older_than_the_committed_step_waits_then_its_fall_back_is_counted():
+    """a rejoins a restarted Coordinator holding step 4 while step 5 is known committed:
+    it is not ready while b, still heard from, may hold step 5 (and is not told to resync:
+    it holds the newest state there is); once b is silent for hold_s, a's step 4 is the
+    swarm's again, a counted rollback."""
+    core, clock = restarted(target=4, ttl=5.0)
+    core.note_committed(5)
+    clock.t += 1.0
+    assert core.heartbeat("b") is False  # b is up but has not rejoined yet
+    assert core.rejoin("a", "a", "node-a", 4) is False
+    assert core.epoch == 4 and "a" not in core.progress.ready
+    for _ in range(int(core.progress.hold_s) + 1):  # b died without rejoining
+        reply = core.report(ProgressReport("a", 4, 1, 1.0, None))
+        assert not reply.resync and reply.plan is None  # a waits, holding its state
+        assert "a" not in core.progress.ready
+        clock.t += 1.0
+    reply = core.report(ProgressReport("a", 4, 4, 1.0, None))  # b silent for hold_s: gone
+    assert "a" in core.progress.ready and reply.plan is not None and reply.plan.epoch == 5
+    assert core.progress.rollbacks == [(5, 4)] and core.stats()["rollbacks"] == 1
+
+
+# -- a holder that comes back after its peers fell back holds a stale state ----------------
+
+
+def fell_back(ttl: float = 5.0):
+    """p1, p2, p3 reach epoch 10 (branch 0); p3 is cut off (it expires), then p1's and p2's
+    nodes die; after hold_s p4, holding a checkpoint's step 7, is accepted (rollback 10 ->
+    7, branch 1 from step 7) and p5 copies it; p4 and p5 train on to epoch 9."""
+    clock = Clock()
+    core = CoordinatorCore(MembershipConfig(peer_ttl_s=ttl), clock=clock, target_batch_size=2)
+    core.progress.grace_s = 0.0
+    pushed = []
+    core.push_plan = pushed.append
+    old = ("p1", "p2", "p3")
+    for p in old:
+        core.register(p, p, f"node-{p}")
+        assert core.mark_ready(p, 0)
+    for epoch in range(10):
+        for p in old:
+            core.report(ProgressReport(p, epoch, 1, 1.0, None, branch=0))
+    for p in old:
+        core.report(ProgressReport(p, 10, 0, None, None, branch=0))
+    assert core.epoch == 10 and pushed[-1].branch == 0
+    clock.t += ttl + 1.0  # p3's link is cut: it expires while p1 and p2 go on
+    core.heartbeat("p1")
+    core.heartbeat("p2")
+    assert core.peer_view()["members"] == ("p1", "p2")
+    clock.t += core.progress.hold_s + 1.0  # then p1's and p2's nodes die
+    core.register("p4", "p4", "node-p4")
+    assert core.mark_ready("p4", 7) is True
+    assert core.epoch == 7 and core.progress.rollbacks == [(10, 7)]
+    core.register("p5", "p5", "node-p5")
+    assert core.donor("p5") == ("p4", "p4") and core.mark_ready("p5", 7)
+    for epoch in (7, 8):  # (step 7 is the checkpoint's, of branch 0; 8 and 9 are branch 1's)
+        for p in ("p4", "p5"):
+            core.report(ProgressReport(p, epoch, 1, 1.0, None, branch=0 if epoch == 7 else 1))
+    for p in ("p4", "p5"):
+        core.report(ProgressReport(p, 9, 0, None, None, branch=1))
+    assert core.epoch == 9 and pushed[-1].branch == 1
+    return core, clock, pushed
+
+
+def test_a_holder_that_returns_after_its_peers_fell_back_is_stale_and_resyncs():
+    core, clock, pushed = fell_back()
+    assert core.report(ProgressReport("p3", 10, 3, 1.0, None, branch=0)).unknown
+    assert core.rejoin("p3", "p3", "node-p3", 10, branch=0) is False
+    assert core.epoch == 9 and "p3" not in core.progress.ready  # steps 8 and 9 stay
+    assert core.report(ProgressReport("p3", 10, 3, 1.0, None, branch=0)).resync
+    assert core.epoch == 9
+    assert core.progress.stale_returns == [("p3", 10, 0)]  # counted once, named
+    stats = core.stats()
+    assert stats["stale_returns"] == 1 and stats["rollbacks"] == 1 and stats["committed"] == 9
+    assert core.donor("p3")[0] in ("p4", "p5") and core.mark_ready("p3", 9) is True
+    plan = core.report(ProgressReport("p4", 9, 4, 1.0, None, branch=1)).plan
+    assert plan is not None and plan.epoch == 10 and plan.branch == 1
+    assert "p3" in plan.participants
+
+
+def test_a_stale_holder_at_the_swarm_s_own_epoch_is_not_ready_either():
+    """p3 was partitioned at epoch 9 of the old branch: the same epoch number as the
+    swarm's, other parameters."""
+    core, clock, pushed = fell_back()
+    assert core.rejoin("p3", "p3", "node-p3", 9, branch=0) is False
+    assert "p3" not in core.progress.ready and core.progress.stale_returns == [("p3", 9, 0)]
+    # a holder of the swarm's own branch (or one that predates every fall back) is not stale
+    assert core.rejoin("p4", "p4", "node-p4", 9, branch=1) is True
+    core.register("p6", "p6", "node-p6")
+    assert core.rejoin("p6", "p6", "node-p6", 7, branch=0) is False  # behind: resyncs
+    assert core.progress.stale_returns == [("p3", 9, 0)]

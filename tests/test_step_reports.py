@@ -32,7 +32,7 @@ class FakeCoordinator:
 def _manager(coordinator: FakeCoordinator, overlap: bool = False) -> StepManager:
     manager = StepManager("p0", coordinator, handle=None, node_id="n0", round_timeout_s=5.0)
     manager.state = SimpleNamespace(epoch=0, step_checksum=None, model=torch.nn.Linear(2, 2),
-                                    feed=None)
+                                    feed=None, branch=0)
     manager.strategy = SimpleNamespace(overlap=overlap, numel=lambda model: 6)
     manager.protocol.to(Phase.SYNCING)  # (``start`` without its Coordinator calls)
     manager.protocol.to(Phase.TRAINING)
@@ -101,3 +101,14 @@ def test_a_stale_plan_or_an_overlapped_step_keeps_the_routine_report():
 
     assert _run(scenario(plan_epoch=3, overlap=False)) == [(0, 8)]  # not the next step's
     assert _run(scenario(plan_epoch=1, overlap=True)) == [(0, 8)]
+
+
+def test_a_report_carries_the_branch_of_the_state_it_holds():
+    async def scenario():
+        coordinator = FakeCoordinator()
+        manager = _manager(coordinator)
+        manager.state.branch = 2  # its last step was planned on the swarm's branch 2
+        await manager.after_micro_batch(8, 1.0)
+        assert [(r.epoch, r.branch) for r in coordinator.reports] == [(0, 2)]
+
+    _run(scenario())

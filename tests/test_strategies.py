@@ -163,6 +163,23 @@ def test_a_snapshot_and_the_loops_end_carry_the_buffers_as_of_the_last_step():
     assert state.full_checksum() == digest_at_step
 
 
+def test_the_branch_of_the_last_step_travels_with_the_state():
+    """A step's branch (its plan's) is the state's until a step of another branch; a donor's
+    copy and a checkpoint carry it; a state saved without one is of the first branch."""
+    model = torch.nn.Linear(2, 2)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), None, None, {})
+    state.commit(3, branch=2)
+    state.commit(4)  # (a caller that does not tell: unchanged)
+    assert (state.epoch, state.branch) == (4, 2)
+    other = torch.nn.Linear(2, 2)
+    joiner = TrainState(other, torch.optim.SGD(other.parameters(), lr=0.1), None, None, {})
+    joiner.load(state.snapshot(), from_donor=False)
+    assert (joiner.epoch, joiner.branch) == (4, 2)
+    older = {k: v for k, v in state.snapshot().items() if k != "branch"}
+    joiner.load(older, from_donor=False)
+    assert joiner.branch == 0
+
+
 def test_a_new_strategy_is_one_registered_class():
     from typing import get_args
 

@@ -1,5 +1,5 @@
 """What a replica holds and hands on: the user's model, optimizer and extra state, the
-data position, the RNG states and the step bookkeeping (epoch, lineage, digest).
+data position, the RNG states and the step bookkeeping (epoch, lineage, digest, branch).
 
 ``TrainState.snapshot()`` is the dict that travels to a joiner (through the object store)
 and into a checkpoint; ``load`` puts one back into the user's own objects, in place (a
@@ -175,6 +175,9 @@ class TrainState:
         self.step_buffers: dict[str, torch.Tensor] | None = None
         self.epoch = 0
         self.lineage = Lineage()
+        # the branch of the swarm's history of the step ``epoch`` (``RoundPlan.branch``): the
+        # Coordinator tells a state from before a fall back by it
+        self.branch = 0
         # the model (parameters and buffers) as the user's code built it
         self.init_digest = step_digest(model, 0)
         self.step_checksum = self.init_digest
@@ -202,12 +205,15 @@ class TrainState:
                 if name in self.step_buffers:
                     b.copy_(self.step_buffers[name])
 
-    def commit(self, epoch: int) -> None:
-        """The global step ``epoch`` was applied: its lineage, digest and epoch (and the
-        buffers as of it, if kept)."""
+    def commit(self, epoch: int, branch: int | None = None) -> None:
+        """The global step ``epoch`` (of ``branch``, its plan's; None: unchanged) was
+        applied: its lineage, digest, epoch and branch (and the buffers as of it, if
+        kept)."""
         self.lineage.apply(epoch)
         self.step_checksum = self.digest(epoch)
         self.epoch = epoch
+        if branch is not None:
+            self.branch = branch
         if self.step_buffers is not None:
             self.keep_step_buffers()
 
@@ -220,6 +226,7 @@ class TrainState:
             "version": STATE_VERSION,
             "epoch": self.epoch,
             "lineage": self.lineage.as_tuple(),
+            "branch": self.branch,
             "step_checksum": self.step_checksum,
             "init_digest": self.init_digest,
             "model": model,
@@ -270,6 +277,7 @@ class TrainState:
             _set_rng_state(state["rng"])
         self.epoch = int(state["epoch"])
         self.lineage = Lineage.from_tuple(state.get("lineage"), self.epoch)
+        self.branch = int(state.get("branch", 0))  # (a state saved without one: the first)
         # Local SGD: a donor hands over its current (moved-on) parameters; the checksum
         # that identifies the step is the donor's, taken right after that step.
         self.step_checksum = state.get("step_checksum") or self.full_checksum()

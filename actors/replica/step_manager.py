@@ -353,7 +353,7 @@ class StepManager:
         report = ProgressReport(self.peer_id, s.epoch, self.tally.samples,
                                 self.tally.mean_loss, s.step_checksum, self.own_rejections,
                                 tuple(self._saw_rejections), self._numel(), self._contributed,
-                                self.tally.micro)
+                                self.tally.micro, s.branch)
         self._saw_rejections.clear()
         self._contributed = None
         ref = self.coordinator.report.remote(report)
@@ -498,7 +498,7 @@ class StepManager:
         await self._after_round(plan, report)
 
     def _commit(self, plan: RoundPlan) -> None:
-        self.state.commit(plan.epoch)
+        self.state.commit(plan.epoch, plan.branch)
 
     def _errored(self, plan: RoundPlan, exc: AveragingError) -> None:
         """The step's averaging errored: commit it with nothing applied (every member of
@@ -591,8 +591,9 @@ class StepManager:
 
     async def rejoin(self, generation: int) -> None:
         """The Coordinator restarted and forgot this replica: re-register with the epoch
-        of the state held (it is ready at once if that is the newest; not while it copies a
-        donor's state) and the data position this replica knows. ``generation``: the rejoin
+        and branch of the state held (it is ready at once if that is the newest; not while
+        it copies a donor's state, nor if the swarm fell back from that branch meanwhile)
+        and the data position this replica knows. ``generation``: the rejoin
         count when the "unknown" answer was asked for; if another rejoin happened since
         (the heartbeat and a report both heard it), nothing is done."""
         async with self._rejoin_lock:
@@ -600,10 +601,10 @@ class StepManager:
                 return
             syncing = self.syncing
             async with self.lock:
-                epoch = self.state.epoch
+                epoch, branch = self.state.epoch, self.state.branch
                 position = self.state.feed.position if self.state.feed is not None else 0
             ready = await self.coordinator.rejoin.remote(
-                self.peer_id, self.handle, self.node_id, epoch, position, syncing)
+                self.peer_id, self.handle, self.node_id, epoch, position, syncing, branch)
             self._generation += 1
         log.warning("%s: rejoined a restarted Coordinator at epoch %d (%s)", self.peer_id,
                     epoch, "ready" if ready else "syncing" if syncing else "to resync")

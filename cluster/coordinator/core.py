@@ -14,10 +14,12 @@ counters (node losses) are the driver's (``jobs/controller/elastic.py``).
 It may die: Ray restarts the actor with empty memory (``restarted``). With a ``store``
 (``durable.DurableState``), ``save`` writes what changed after every call, and a new
 Coordinator whose store holds a state restores it: the step history, the newest step known
-committed, rollbacks, quarantine records, draining marks, the stop flag, the newest
-checkpoint, notices and the data position. Membership and the epoch are rebuilt from the replicas (``rejoin``: the
-newest step a live replica holds wins), the expert hosts re-register, and the driver tells
-it the newest step it saw committed (``note_committed``). Its methods are cheap and never
+committed, rollbacks, stale returns, the history's branch, quarantine records, draining
+marks, the stop flag, the newest checkpoint, the members, notices and the data position.
+Membership and the epoch are rebuilt from the replicas (``rejoin``: the newest step a live
+replica holds wins; the members before the restart, and peers heard from since, are
+awaited before an older state is accepted), the expert hosts re-register, and the driver
+tells it the newest step it saw committed (``note_committed``). Its methods are cheap and never
 block on a peer, so a dead peer can never stall it.
 """
 
@@ -56,7 +58,8 @@ class CoordinatorCore:
         store: DurableState | None = None,
     ):
         """``restarted``: this Coordinator replaces one that died (Ray restarted it), so no
-        older state is accepted in the newest's place for ``REBUILD_S``. ``store``: where
+        older state is accepted in the newest's place for ``REBUILD_S``, nor while a member
+        it restored or a peer heard from since may still rejoin. ``store``: where
         the state is saved (``save``) and, if it holds one, restored from (then this is a
         restart whatever ``restarted`` says)."""
         self.clock = clock
@@ -104,18 +107,21 @@ class CoordinatorCore:
                                    zone=self.zone_of(node_id) if node_id else "")
 
     def rejoin(self, peer_id: str, handle, node_id: str, state_epoch: int,
-               data_position: int = 0, syncing: bool = False) -> bool:
+               data_position: int = 0, syncing: bool = False,
+               branch: int | None = None) -> bool:
         """Re-register after a Coordinator restart (``heartbeat`` or a report answered
         "unknown"): membership, the epoch and the data position are rebuilt from the
         replicas themselves. True if the peer is ready at once (see
         ``ProgressTracker.rejoin``). A first rejoin without a restored data position
         pauses shard grants (see ``ShardService``). ``syncing``: the peer was copying a
-        donor's state (it holds ``state_epoch`` but is not ready). Calling it again is
-        harmless (the second call refreshes the first)."""
+        donor's state (it holds ``state_epoch`` but is not ready). ``branch``: the branch
+        of the step its state holds (``RoundPlan.branch``; None: not told, never judged
+        stale). Calling it again is harmless (the second call refreshes the first)."""
         now = self.clock()
         self.shards.rejoined(data_position, now)
         return self.steps.rejoin(peer_id, handle, node_id, state_epoch, now, syncing,
-                                 zone=self.zone_of(node_id) if node_id else "")
+                                 zone=self.zone_of(node_id) if node_id else "",
+                                 branch=branch)
 
     def heartbeat(self, peer_id: str, throughput: float | None = None) -> bool:
         """A replica is alive; ``throughput`` is its averager's measured rate (bytes/s,

@@ -7,9 +7,10 @@ the actor (and its node, but not the head's GCS), under one prefix per Coordinat
 (``get_or_create`` makes it once; a restart gets the same constructor arguments):
 
 - small records, written through when their JSON changes: ``core`` (the Coordinator's
-  start time, its history id, restarts), ``steps`` (rollbacks, the stop flag, quarantine
-  records, draining marks), ``notices``, ``shards`` (the data position) and ``sink``
-  (counts of the metrics sink);
+  start time, its history id, restarts), ``steps`` (rollbacks, abandoned plans, stale
+  returns, the history's branch and forks, the stop flag, quarantine records, draining
+  marks, the members: rewritten when one joins or leaves), ``notices``, ``shards`` (the
+  data position) and ``sink`` (counts of the metrics sink);
 - two append logs cut into chunks of fixed size, of which only the chunk(s) that changed
   are rewritten: the step history (a row per global step; the last ``KEEP_EPOCHS`` rows
   may still be corrected) and the step profile (a ``StepPhases`` per replica and step;

@@ -118,11 +118,17 @@ class Membership:
         """Registered and not yet left or expired (draining or not)."""
         return peer_id in self._members
 
+    def members(self) -> tuple[str, ...]:
+        """Registered peers not yet left or expired (draining or not), sorted."""
+        return tuple(sorted(self._members))
+
     def draining(self) -> tuple[str, ...]:
         return tuple(sorted(p for p, m in self._members.items() if m.draining_deadline is not None))
 
-    def plan(self, now: float, peers: tuple[str, ...] | None = None) -> RoundPlan | None:
-        """The plan of the next epoch over the live peers (or the given subset of them).
+    def plan(self, now: float, peers: tuple[str, ...] | None = None,
+             branch: int = 0) -> RoundPlan | None:
+        """The plan of the next epoch over the live peers (or the given subset of them), on
+        the history's ``branch`` (see ``RoundPlan.branch``).
 
         Returns None when no live peer is left. Increments the epoch.
         """
@@ -145,4 +151,5 @@ class Membership:
             compression=self.config.compression,
             min_part=self.config.min_part,
             zones=tuple(sorted(declared.items())),
+            branch=branch,
         )

@@ -17,12 +17,31 @@ step as soon as no step is in flight (``plan_now`` with ``empty_ok``). Time is i
 
 Committed steps are never rolled back while a replica that holds them may still be up. The
 tracker remembers, per peer, the newest epoch it was seen holding (``_held``: reports,
-rejoins, readiness), also after the peer expired or was quarantined. An older state is
-accepted (``mark_ready``) only when no member holds a newer one, nobody was seen holding
+rejoins, readiness), also after the peer expired or was quarantined, and the newest step
+known committed (``top_held``: also one committed before a Coordinator restart,
+``note_committed``). A state older than the current epoch or than that step is accepted
+(``mark_ready``, a rejoin) only when no member holds a newer one, nobody was seen holding
 one for ``hold_s`` (a slow peer whose heartbeats were late rejoins within that), no
-participant of the in-flight plan is still a member, and the rebuild window after a
-Coordinator restart (``rebuild_until``: replicas are still rejoining) is over. Falling
-back over steps nobody was ever seen applying is an *abandoned* plan, not a rollback.
+participant of the in-flight plan is still a member, and a restarted Coordinator is done
+rebuilding (``_rebuilding``): not before ``rebuild_until``, and not while a replica known
+before the restart, or heard from since (heartbeats and reports answered "unknown"),
+has not rejoined (``await_rejoin``; one silent for ``hold_s`` is presumed gone, logged).
+So a joiner that finds no donor during a long step (the replicas rejoin only once it is
+applied) waits for them. A rejoined replica holding an older state than the newest
+committed step waits meanwhile (no plan, no resync: it may hold the newest state left).
+Falling back below a committed step is a *rollback*, over steps nobody was ever seen
+applying an *abandoned* plan; both are counted and logged.
+
+Every fall back starts a new *branch* of the history (``branch``; ``forks`` keeps the
+epoch each branch started from): plans carry it (``RoundPlan.branch``), replicas keep the
+branch of the last step they applied and report it (``ProgressReport.branch``,
+``rejoin``). A peer that comes back holding a step past the fork of a later branch (it
+was cut off before the fall back; the steps after the fork were dropped with its branch)
+holds a *stale* state: it is not ready, holds nothing, moves no epoch, is told to resync
+from a donor, and is counted in ``stale_returns`` (once per peer, epoch and branch). A
+step of the current branch that is newer than the epoch (completed among its peers while
+the Coordinator restarted) is adopted as before. A peer that reports no branch (None) is
+never judged stale.
 """
 
 from __future__ import annotations
@@ -57,6 +76,7 @@ class ProgressReport:
     # (see step_samples.py); None otherwise
     contributed: tuple[int, int] | None = None
     micro: int = 0  # micro-batches (local steps in local SGD) since ``epoch``
+    branch: int | None = None  # the branch of the step ``epoch`` (its plan's); None: unknown
 
 
 def step_due(current: Sequence[ProgressReport], eligible: int, target_batch_size: int,
@@ -150,6 +170,11 @@ class ProgressTracker:
     hold_s: float = 60.0  # a newer state seen this recently blocks a fallback (2 x TTL)
     rebuild_until: float | None = None  # after a restart: no fallback before this time
     abandoned: list[tuple[int, int]] = field(default_factory=list)  # plans nobody applied
+    # (peer, epoch, branch): a peer came back holding a step of a branch the swarm had
+    # fallen back from (``_stale``): its steps after the fork were dropped; it resynced
+    stale_returns: list[tuple[str, int, int]] = field(default_factory=list)
+    branch: int = 0  # the history's branch: one more at every fall back (plans carry it)
+    forks: dict[int, int] = field(default_factory=dict)  # branch -> the epoch it started from
     quarantine: Quarantine = field(default_factory=Quarantine)
     step_samples: StepSamples = field(default_factory=StepSamples)
     _loss: dict[int, tuple[float, int]] = field(default_factory=dict)
@@ -158,6 +183,9 @@ class ProgressTracker:
     _held: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer -> (epoch, seen)
     _top_held: int = 0  # the newest epoch any peer was ever seen holding (committed)
     _joining: dict[str, JoinWait] = field(default_factory=dict)  # peer -> its donor requests
+    # after a restart: peers that may still rejoin -> when last heard of (``await_rejoin``)
+    _awaited: dict[str, float] = field(default_factory=dict)
+    _parked: set[str] = field(default_factory=set)  # rejoined, older than top_held: waiting
 
     def take_new_plan(self) -> RoundPlan | None:
         """The plan made since the last call (for the Coordinator to push), else None."""
@@ -172,19 +200,23 @@ class ProgressTracker:
         """A registered peer holding the state of ``state_epoch`` may take part from the
         next plan (it is counted at that epoch at once, so a plan made before its first
         report includes it). False (copy again) for a non-member, a state from the future,
-        or an older state while a newer one may still be held (see ``_may_fall_back``)."""
-        if not self.membership.is_member(peer_id) or (
-                state_epoch != self.epoch and not self._fall_back(state_epoch, now)):
+        or a state older than the current epoch or the newest step known committed while a
+        newer one may still be held (see ``_may_fall_back``); accepted, such a state is a
+        counted fall back (``_fall_back``)."""
+        if not self.membership.is_member(peer_id) or state_epoch > self.epoch:
+            return False
+        if state_epoch < max(self.epoch, self._top_held) and not self._fall_back(state_epoch, now):
             return False
         if self._rebuilding(now) and not any(
                 e == state_epoch for p, (e, _) in self._held.items() if p != peer_id):
             return False  # a fresh Coordinator's epoch 0 is no state: wait for the holders'
-        # rejoins (or the window's end), else a copy of nothing would restart the count
+        # rejoins (or the rebuild's end), else a copy of nothing would restart the count
         self._make_ready(peer_id, state_epoch, now)
         return True
 
     def _make_ready(self, peer_id: str, state_epoch: int, now: float) -> None:
         self.ready.add(peer_id)
+        self._parked.discard(peer_id)
         self._joining.pop(peer_id, None)
         self.hold(peer_id, state_epoch, now)
         if self.reports.get(peer_id) is None or self.reports[peer_id].epoch != state_epoch:
@@ -204,27 +236,36 @@ class ProgressTracker:
     def note_committed(self, epoch: int) -> None:
         """``epoch`` was committed before this Coordinator's restart (the driver remembers
         it across restarts): a fallback below it is a rollback, even when every holder died
-        before rejoining."""
+        before rejoining. Ignored for a step already counted lost in a rollback (the driver
+        tells the newest step it ever saw; the swarm may be on a later branch below it)."""
+        if any(to < epoch <= top for top, to in self.rollbacks):
+            return
         self._top_held = max(self._top_held, epoch)
 
     def resume_at(self, epoch: int, now: float) -> bool:
-        """Count steps from a checkpoint's ``epoch`` (a fresh swarm); refused (False) during
-        the rebuild window. Below a step known committed it is a rollback (counted)."""
+        """Count steps from a checkpoint's ``epoch`` (a fresh swarm); refused (False) while a
+        restarted Coordinator rebuilds (``_rebuilding``). Below a step known committed it is
+        a rollback (counted). The history goes on on a new branch from ``epoch`` (unless
+        nothing changes), so a replica cut off before this holds a stale state."""
         if self._rebuilding(now):
             return False
         if self._top_held > epoch:
             self.rollbacks.append((self._top_held, epoch))
             log.warning("rollback from epoch %d to the checkpoint's %d: no holder of the "
                         "newer steps is left", self._top_held, epoch)
+        if self._top_held > epoch or self.membership.epoch != epoch:
+            self._fork(epoch)
         self._top_held = epoch
         self.membership.epoch = epoch
         self.plan = None
         return True
 
     def _fall_back(self, state_epoch: int, now: float) -> bool:
-        """Move the epoch back to ``state_epoch`` if nothing newer can still be held; a
-        rollback (counted) if a newer step was ever seen applied, else the newer plans
-        are abandoned. False (and nothing changes) otherwise."""
+        """Make ``state_epoch`` the swarm's epoch and newest committed step if nothing newer
+        can still be held (``_may_fall_back``): a rollback (counted, logged) if a newer step
+        was seen applied or is known committed, else the newer plans are abandoned
+        (counted); either way the history goes on on a new branch from ``state_epoch``.
+        False (and nothing changes) otherwise, and for a state from the future."""
         if state_epoch > self.epoch or not self._may_fall_back(state_epoch, now):
             return False
         if self._top_held > state_epoch:  # from the newest committed step (a planned one
@@ -234,14 +275,52 @@ class ProgressTracker:
         else:
             self.abandoned.append((self.epoch, state_epoch))
         self._top_held = state_epoch
-        self.membership.epoch = state_epoch
-        self.plan = None
+        if state_epoch < self.epoch:
+            self.membership.epoch = state_epoch
+            self.plan = None
+        self._fork(state_epoch)
         return True
+
+    def _fork(self, epoch: int) -> None:
+        """A new branch of the history starts from the state of ``epoch``."""
+        self.branch += 1
+        self.forks[self.branch] = epoch
+
+    def _stale(self, epoch: int, branch: int | None) -> bool:
+        """A state at ``epoch`` on ``branch`` is off the swarm's history: a later branch
+        started from below ``epoch`` (the steps after that fork on ``branch`` were dropped
+        by a fall back). Never for an unknown (None) or the current branch."""
+        if branch is None or branch >= self.branch:
+            return False
+        return epoch > min((at for b, at in self.forks.items() if b > branch), default=epoch)
+
+    def _stale_return(self, peer_id: str, epoch: int, branch: int) -> None:
+        """``peer_id`` holds a stale state (``_stale``): out of the ready set, holding
+        nothing (it blocks no fall back and is no donor), counted in ``stale_returns``
+        and logged once per (peer, epoch, branch)."""
+        self.ready.discard(peer_id)
+        self._parked.discard(peer_id)
+        self.reports.pop(peer_id, None)
+        self._held.pop(peer_id, None)
+        if (peer_id, epoch, branch) not in self.stale_returns:
+            self.stale_returns.append((peer_id, epoch, branch))
+            log.warning("%s came back holding step %d of branch %d, which the swarm fell back "
+                        "from (to step %d, branch %d; now at %d): its steps are dropped, it "
+                        "resyncs from a donor", peer_id, epoch, branch,
+                        min(at for b, at in self.forks.items() if b > branch), self.branch,
+                        self.epoch)
+
+    def _note_branch(self, branch: int | None) -> None:
+        """A replica holds a step of a later branch than this tracker knows (a Coordinator
+        that restarted without its state): that branch is the swarm's."""
+        if branch is not None and branch > self.branch:
+            self.branch = branch
 
     def _may_fall_back(self, state_epoch: int, now: float) -> bool:
         """No replica that may still be up holds (or is taking) a step after
-        ``state_epoch``: not during the rebuild window, not while a member or a peer seen
-        within ``hold_s`` holds a newer epoch, not while a member takes the latest plan."""
+        ``state_epoch``: not while rebuilding after a restart (``_rebuilding``), not while a
+        member or a peer seen within ``hold_s`` holds a newer epoch, not while a member
+        takes the latest plan."""
         if self._rebuilding(now):
             return False
         for p, (e, seen) in self._held.items():
@@ -259,7 +338,39 @@ class ProgressTracker:
         return None
 
     def _rebuilding(self, now: float) -> bool:
-        return self.rebuild_until is not None and now < self.rebuild_until
+        """A restarted Coordinator is still rebuilding: before ``rebuild_until`` (the floor,
+        ``steps.REBUILD_S``), or while a peer awaited to rejoin (``await_rejoin``) was heard
+        of within ``hold_s`` (``expire_awaited``)."""
+        if self.rebuild_until is None:
+            return False
+        self.expire_awaited(now)
+        return now < self.rebuild_until or bool(self._awaited)
+
+    def expire_awaited(self, now: float) -> None:
+        """Stop waiting for awaited peers (``await_rejoin``) silent for longer than
+        ``hold_s``: presumed gone (logged), as a holder not seen for that long is."""
+        for p in [p for p, heard in self._awaited.items() if now - heard > self.hold_s]:
+            del self._awaited[p]
+            log.warning("%s did not rejoin the restarted Coordinator within %.0f s: presumed "
+                        "gone", p, self.hold_s)
+
+    def await_rejoin(self, peer_id: str, now: float) -> None:
+        """While a restarted Coordinator rebuilds: ``peer_id`` may hold a newer state than
+        any rejoined so far (it was a member before the restart, or it heartbeats or
+        reports without having rejoined: a replica inside a long step rejoins only once
+        the step is applied). The rebuild lasts until it rejoins, registers anew, leaves
+        or is silent for ``hold_s``. Ignored once the rebuild is over."""
+        if self._rebuilding(now):
+            self._awaited[peer_id] = now
+
+    def arrived(self, peer_id: str) -> None:
+        """``peer_id`` registered anew (a fresh start: it holds no state): not awaited."""
+        self._awaited.pop(peer_id, None)
+
+    @property
+    def awaited(self) -> tuple[str, ...]:
+        """The peers a rebuild still waits for (``await_rejoin``), sorted."""
+        return tuple(sorted(self._awaited))
 
     def holds_current(self, peer_id: str) -> bool:
         """``peer_id`` was last seen holding the current epoch (a donor that gives a state
@@ -280,29 +391,67 @@ class ProgressTracker:
         self.ready.discard(peer_id)
         self.reports.pop(peer_id, None)
         self._joining.pop(peer_id, None)
+        self._parked.discard(peer_id)
         if gone:
             self._held.pop(peer_id, None)
+            self._awaited.pop(peer_id, None)
 
     def rejoin(self, peer_id: str, state_epoch: int, now: float = 0.0,
-               syncing: bool = False) -> bool:
-        """A registered peer that held the state of ``state_epoch`` before the Coordinator
-        lost its memory (a restart). The newest committed step held by a live peer wins: a
-        newer epoch is adopted; a peer at the current epoch is ready at once (counted at
-        that epoch); one behind it is not (it resyncs from a donor). A ``syncing`` peer
-        (it was told to reload) counts as a holder and may set the epoch, but is not ready
-        (it finishes its copy and calls ``mark_ready``)."""
+               syncing: bool = False, branch: int | None = None) -> bool:
+        """A registered peer that held the state of ``state_epoch`` (of ``branch``: the
+        branch of its last step; None: not told) before the Coordinator lost its memory (a
+        restart) or forgot it (it expired). The newest committed step held by a live peer
+        wins: a newer epoch is adopted; a peer at the current epoch is ready at once
+        (counted at that epoch); one behind it is not (it resyncs from a donor). A
+        ``syncing`` peer (it was told to reload) counts as a holder and may set the epoch,
+        but is not ready (it finishes its copy and calls ``mark_ready``). A stale state
+        (``_stale``) is none of this: not ready, no holder, the epoch stays. A state older
+        than the newest step known committed is ready only as a counted fall back; until
+        one may happen the peer waits (parked: ``report`` answers it with no plan and no
+        resync, and makes it ready once the fall back may happen)."""
+        self._awaited.pop(peer_id, None)
+        if self._stale(state_epoch, branch):
+            self._stale_return(peer_id, state_epoch, branch)
+            return False
+        self._note_branch(branch)
         self.hold(peer_id, state_epoch, now)
         if state_epoch > self.epoch:
             self.membership.epoch = state_epoch
             self.plan = None
-        if state_epoch == self.epoch and not syncing:
-            self._make_ready(peer_id, state_epoch, now)
-            return True
-        return False
+        if state_epoch != self.epoch or syncing:
+            return False
+        if state_epoch < self._top_held and not self._fall_back(state_epoch, now):
+            self._parked.add(peer_id)  # it may hold the newest state left: it waits
+            return False
+        self._make_ready(peer_id, state_epoch, now)
+        return True
+
+    def _unpark(self, r: ProgressReport, now: float) -> bool:
+        """A parked peer (``rejoin``) reports: it becomes ready once its state may be the
+        swarm's (a counted fall back), and stops waiting when the swarm moved on without it
+        (it resyncs); False while it still waits."""
+        if r.epoch == self.epoch and r.epoch < self._top_held and \
+                not self._fall_back(r.epoch, now):
+            return False
+        self._parked.discard(r.peer_id)
+        if r.epoch == self.epoch:
+            self._make_ready(r.peer_id, r.epoch, now)
+        return True
 
     def report(self, r: ProgressReport, now: float) -> ProgressReply:
+        """A peer's progress (also a heartbeat): the plan it takes next, or what to do
+        (rejoin when unknown, resync, stop). A stale state (``_stale``) is resynced (or
+        stopped, when it is leaving or nobody is left to copy at the stop), holding
+        nothing and moving no epoch; a parked peer waits (see ``rejoin``)."""
         if not self.membership.heartbeat(r.peer_id, now):
+            self.await_rejoin(r.peer_id, now)
             return ProgressReply(None, global_epoch=self.epoch, unknown=True)
+        if self._stale(r.epoch, r.branch):
+            self._stale_return(r.peer_id, r.epoch, r.branch)
+            if r.peer_id in self.membership.draining() or (self.stop and not self.ready):
+                return ProgressReply(None, stop=True, global_epoch=self.epoch)
+            return ProgressReply(None, resync=True, global_epoch=self.epoch)
+        self._note_branch(r.branch)
         self.hold(r.peer_id, r.epoch, now)
         if r.epoch > self.epoch and r.peer_id in self.ready:
             # A step planned before a Coordinator restart completed among its peers.
@@ -341,6 +490,8 @@ class ProgressTracker:
             if r.peer_id in self.ready and nxt is not None:
                 return ProgressReply(nxt, global_epoch=self.epoch)
             return ProgressReply(None, stop=True, global_epoch=self.epoch)
+        if r.peer_id in self._parked and not self._unpark(r, now):
+            return ProgressReply(None, global_epoch=self.epoch)  # it waits, holding its state
         if r.peer_id not in self.ready:
             return ProgressReply(None, resync=True, global_epoch=self.epoch)
         if r.epoch < self.epoch and nxt is None:
@@ -443,7 +594,7 @@ class ProgressTracker:
             return False
         at_epoch = tuple(r.peer_id for r in current)
         total, n = self._loss.pop(self.epoch, (0.0, 0))
-        plan = self.membership.plan(now, at_epoch)
+        plan = self.membership.plan(now, at_epoch, self.branch)
         if plan is None:
             return False
         self.plan = plan

@@ -8,11 +8,15 @@ Peers that stop heartbeating are dropped after the TTL; draining peers are exclu
 every plan made after ``mark_draining`` returns.
 
 It may die with the Coordinator's process: what the summary, the plans and the quarantine
-need (the step history, the newest step known committed, rollbacks, draining marks,
-quarantine records, the stop flag, the newest checkpoint) is in ``snapshot`` (small, JSON-able; the history
-travels apart, see ``cluster/coordinator/durable.py``) and comes back with ``restore``;
-membership and the epoch are rebuilt from the replicas themselves (``rejoin``: the newest
-step a live replica holds wins).
+need (the step history, the newest step known committed, rollbacks, abandoned plans,
+stale returns, the history's branch and where each branch started, draining marks,
+quarantine records, the stop flag, the newest checkpoint, the members) is in ``snapshot``
+(small, JSON-able; the history travels apart, see ``cluster/coordinator/durable.py``) and
+comes back with ``restore``; membership and the epoch are rebuilt from the replicas
+themselves (``rejoin``: the newest step a live replica holds wins). Until every member
+known before the restart has rejoined or is presumed gone (silent for the hold time), and
+for at least ``REBUILD_S``, no state older than the newest step known committed is
+accepted (``ProgressTracker.await_rejoin``).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport, 
 from moshray.cluster.coordinator.quarantine import QuarantineRecord
 from moshray.cluster.messages import CheckpointRef, PeerInfo, RoundPlan
 
-# After a restart, how long every live replica has to rejoin (they heartbeat every second and
-# report after every micro-batch) before an older state may be accepted in its place.
+# After a restart, the least time every live replica has to be heard from (they heartbeat
+# every second) before an older state may be accepted in its place. Only a floor: the rebuild
+# lasts while a replica known before the restart, or heard from since, has not rejoined (one
+# inside a long step rejoins once it is applied), up to the hold time of its silence.
 REBUILD_S = 3.0
 
 
@@ -44,6 +50,7 @@ class StepService:
         self._lost_peer = False  # a ready peer left: re-plan without it (``replan``)
         self.checkpoint: CheckpointRef | None = None  # the newest one saved (``note_checkpoint``)
         self.on_plan: Callable[[RoundPlan], None] | None = None
+        self._known_before: tuple[str, ...] = ()  # members before a restart (``restore``)
 
     @property
     def epoch(self) -> int:
@@ -51,28 +58,38 @@ class StepService:
 
     def open_rebuild_window(self, now: float) -> None:
         """This service replaces one that died: no older state is accepted in the newest's
-        place before ``now + REBUILD_S`` (the replicas are still rejoining)."""
+        place before ``now + REBUILD_S``, nor while a member of the one that died (restored)
+        or a peer heard from since may still rejoin (``ProgressTracker.await_rejoin``)."""
         self.progress.rebuild_until = now + REBUILD_S
+        for peer_id in self._known_before:
+            self.progress.await_rejoin(peer_id, now)
+        self._known_before = ()
 
     # -- membership --------------------------------------------------------------------------
 
     def register(self, peer_id: str, handle, node_id: str, capacity: float,
                  now: float, zone: str = "") -> int:
         self.membership.register(PeerInfo(peer_id, handle, node_id, capacity, zone), now)
+        self.progress.arrived(peer_id)
         return self.membership.epoch
 
     def rejoin(self, peer_id: str, handle, node_id: str, state_epoch: int, now: float,
-               syncing: bool = False, zone: str = "") -> bool:
-        """Register and rebuild the epoch from ``peer_id``'s state (see
+               syncing: bool = False, zone: str = "", branch: int | None = None) -> bool:
+        """Register and rebuild the epoch from ``peer_id``'s state of ``branch`` (see
         ``ProgressTracker.rejoin``); a first rejoin nobody announced opens the rebuild
         window (a restart the actor could not tell)."""
         self.register(peer_id, handle, node_id, 1.0, now, zone)
         if self.progress.rebuild_until is None:
             self.open_rebuild_window(now)
-        return self.progress.rejoin(peer_id, state_epoch, now, syncing)
+        return self.progress.rejoin(peer_id, state_epoch, now, syncing, branch)
 
     def heartbeat(self, peer_id: str, now: float, throughput: float | None = None) -> bool:
-        return self.membership.heartbeat(peer_id, now, throughput)
+        """Refresh ``peer_id``; False if unknown (it rejoins): while a restarted Coordinator
+        rebuilds, it is awaited (``ProgressTracker.await_rejoin``)."""
+        if self.membership.heartbeat(peer_id, now, throughput):
+            return True
+        self.progress.await_rejoin(peer_id, now)
+        return False
 
     def is_member(self, peer_id: str) -> bool:
         return self.membership.is_member(peer_id)
@@ -92,10 +109,12 @@ class StepService:
 
     def expire(self, now: float) -> None:
         """Forget peers silent for longer than the TTL (dead ones stop being donors and
-        holders of the newest step, so joiners are never stuck waiting for them)."""
+        holders of the newest step, so joiners are never stuck waiting for them), and stop
+        awaiting the rejoin of those silent for the hold time since a restart."""
         for gone in self.membership.expire(now):
             self._lost_peer |= self._ready_and_staying(gone)
             self.progress.forget(gone)
+        self.progress.expire_awaited(now)
 
     def _ready_and_staying(self, peer_id: str) -> bool:
         return peer_id in self.progress.ready and peer_id not in self.membership.draining()
@@ -218,6 +237,9 @@ class StepService:
             "rollbacks": len(p.rollbacks),  # falls back below a committed step
             "rolled_back_steps": sum(f - t for f, t in p.rollbacks),  # committed, then lost
             "abandoned": len(p.abandoned),  # plans nobody lived to apply
+            # peers back with a step of a branch the swarm fell back from (they resynced)
+            "stale_returns": len(p.stale_returns),
+            "branch": p.branch,  # fall backs (and resumes) the history went through
             # steps a replica committed with a digest that lost the vote (then resynced)
             "diverged": [list(x) for x in p.diverged],
             "committed": p.top_held,  # newest step seen applied
@@ -237,6 +259,11 @@ class StepService:
             "stop": p.stop,
             "rollbacks": [list(x) for x in p.rollbacks],
             "abandoned": [list(x) for x in p.abandoned],
+            "stale_returns": [list(x) for x in p.stale_returns],
+            "branch": p.branch,
+            "forks": sorted([b, e] for b, e in p.forks.items()),
+            # awaited by a restarted Coordinator (``open_rebuild_window``)
+            "peers": sorted({*self.membership.members(), *p.awaited, *self._known_before}),
             "diverged": [list(x) for x in p.diverged],
             "quarantines": [[q.peer_id, q.at, q.reason] for q in p.quarantine.records],
             "draining_nodes": sorted([n, d] for n, d in
@@ -250,12 +277,19 @@ class StepService:
         newest step known ``committed`` if the dict has it. Draining marks apply to the
         peers that register on those nodes again; the epoch is not restored (the replicas'
         rejoins rebuild it) but the newest step known committed is, so a fall back below
-        it counts as a rollback."""
+        it counts as a rollback, and so is the history's branch, so a replica cut off
+        before a fall back is told apart. The members are awaited by the rebuild
+        (``open_rebuild_window``)."""
         p = self.progress
-        p.note_committed(int(snap.get("committed", 0)))
+        p.note_committed(int(snap.get("committed", 0)))  # (before the rollbacks: its own)
         p.stop = bool(snap.get("stop", False))
         p.rollbacks[:] = [tuple(x) for x in snap.get("rollbacks", ())]
         p.abandoned[:] = [tuple(x) for x in snap.get("abandoned", ())]
+        p.stale_returns[:] = [(str(peer), int(e), int(b))
+                              for peer, e, b in snap.get("stale_returns", ())]
+        p.branch = int(snap.get("branch", 0))
+        p.forks = {int(b): int(e) for b, e in snap.get("forks", ())}
+        self._known_before = tuple(str(peer) for peer in snap.get("peers", ()))
         p.diverged[:] = [(str(peer), int(e)) for peer, e in snap.get("diverged", ())]
         p.quarantine.records[:] = [QuarantineRecord(peer, float(at), reason)
                                    for peer, at, reason in snap.get("quarantines", ())]

@@ -52,6 +52,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("bench", "groups"), "moshray.jobs.bench.groups",
             "replica groups on CPU: 2 groups x 2 ranks vs 4 single-rank groups, memory "
             "per rank sharded vs replicated"),
+    Command(("bench", "scale"), "moshray.jobs.bench.scale",
+            "the Coordinator and the collective at 16 to 1,024 simulated peers, in-process"),
     Command(("bench", "report"), "moshray.jobs.bench.report",
             "render docs/performance.md and the README's table from docs/results"),
     Command(("config", "table"), "moshray.jobs.config.table",

@@ -1,0 +1,495 @@
+"""`moshray bench scale`: the Coordinator and Moshpit All-Reduce at 16 to 1,024 peers, in one
+process (no Ray), with simulated peers.
+
+Two parts per peer count N (``--peers 16,64,256,1024``):
+
+**The control plane.** The real ``CoordinatorCore`` (membership, progress, plans,
+quarantine, notices, shard ledger) with a simulated clock, driven as the actor shell drives it
+(``cluster/coordinator/actor.py``): after every call the state is saved to a store
+(``durable.DurableState`` over a counting ``MemoryKV``, as the actor's ``_after_call`` does to
+the GCS, the metrics sink's record included) and every new plan is serialized once per
+participant (what Ray does for each ``receive_plan.remote(plan)`` push). Each simulated
+second is one global step: every peer heartbeats and reports its micro-batch; the step's
+plan is made when the reported samples reach the target (half the peers' samples, as a
+swarm's accumulating micro-batches reach it while silent peers are still members); every
+ready peer at the epoch is in it, and its participants report the next epoch as committed.
+Churn (``--churn``, a share of the peers per step, seeded): half of it spot notices (the
+peers on the noticed node drain, then leave), half silent deaths (a peer stops; the
+Coordinator expires it after ``peer_ttl_s``), and as many joiners (register, ask a donor,
+ready at the current epoch). Measured over the steps (``--steps``): the Coordinator's CPU
+time per global step (every call and its save and pushes, all serialized under the actor's
+one lock, so this is also its lock time), messages and control-plane bytes per peer and in
+total, the plan's size, store writes per step, rounds and group sizes; and the memory the
+core holds after the steps (``tracemalloc`` of its objects, ``--memory-steps`` more steps).
+
+Caveat: a bench peer's handle is its id (a string); a real ``ActorHandle`` pickles larger
+and slower, so push bytes and time are a lower bound of the actor's.
+
+**The collective.** The real ``Averager``, grid, round and codecs over the in-process
+``transport.LocalNetwork``, with the job key (contributions signed and checked), one plan
+of the N peers (``grid.plan_grid`` through ``Membership``), ``--avg-steps`` steps each.
+Peer i's tensor is blocks of N values with 1 at place i of each, so every
+result says exactly whose contributions each of its parts holds (place i > 0) and with what
+weight (``held_and_error``): the figures are the largest error of each result against the
+exact weighted mean of the contributions it holds (float64); the share of live peers' contributions averaged
+exactly (per survivor: the live peers its result holds in every part, 0 if the result is
+off by more than ``EXACT``; the mean over survivors), the share of survivors whose result
+is exact, and the bytes each peer sent against the grid's ``2 x rounds x tensor bytes``. One
+more step kills ``--deaths`` of the peers (10% by default) mid-round, after they sent
+their first-round contributions.
+
+``--json``: the last line is one JSON object with ``by_peers`` (per N:
+``coordinator_ms_per_step``, ``coordinator_memory_mb``, ``bytes_per_peer_per_step``,
+``grid_bytes_per_peer_per_step``, ``averaged_share_with_deaths``, ``max_abs_error`` and the
+rest) and ``fits`` (each figure's best fit among O(1), O(log N), O(N), O(N log N),
+O(N^2)). A plot of the figures against N goes to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import pickle
+import random
+import sys
+import time
+import tracemalloc
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moshray.jobs.bench.results import add_results_argument, save_result
+
+FITS = {"O(1)": lambda n: 1.0, "O(log N)": math.log2, "O(N)": float,
+        "O(N log N)": lambda n: n * math.log2(n), "O(N^2)": lambda n: float(n) ** 2}
+SAMPLES = 32  # samples per peer per step
+STEP_S = 1.0  # simulated seconds per global step (one heartbeat and one report per peer)
+EXACT = 1e-6  # a result within this of the exact weighted mean is averaged exactly (fp32)
+AVERAGE_TIMEOUT_S = 30.0  # a round's deadline in the collective part (in-process: no waits)
+
+
+class ScaleBenchError(RuntimeError):
+    """Bad arguments (the message is the one line to print)."""
+
+
+@dataclass
+class _Wire:
+    """What crossed the (simulated) wire to and from the Coordinator."""
+
+    messages: int = 0
+    bytes: int = 0
+    plan_bytes: list[int] = field(default_factory=list)
+    seconds: float = 0.0  # the Coordinator's CPU time in calls, saves and pushes
+
+
+class _Shell:
+    """The actor shell's per-call work around a ``CoordinatorCore`` (see module docstring):
+    ``call`` runs a method, saves what changed, serializes each new plan once per
+    participant, and counts the messages, bytes and CPU time."""
+
+    def __init__(self, n: int, max_group: int, seed: int):
+        from moshray.cluster import metrics
+        from moshray.cluster.coordinator.core import CoordinatorCore
+        from moshray.cluster.coordinator.durable import DurableState, MemoryKV
+        from moshray.cluster.coordinator.membership import MembershipConfig
+        from moshray.cluster.coordinator.metrics_sink import MetricsSink
+
+        self.now = 0.0
+        self.kv = MemoryKV()
+        self.store = DurableState(self.kv, "bench")
+        self.core = CoordinatorCore(
+            MembershipConfig(max_group=max_group, peer_ttl_s=30.0, seed=seed),
+            clock=lambda: self.now, target_batch_size=max(1, n * SAMPLES // 2),
+            store=self.store)
+        self.plans: list = []
+        self.core.push_plan = self.plans.append
+        self.sink = MetricsSink(metrics.Prices(), lambda: None, labels={"job": "bench"})
+        self.wire = _Wire()
+
+    def call(self, method: str, *args):
+        started = time.process_time()
+        reply = getattr(self.core, method)(*args)
+        self.core.save()
+        self.store.save_record("sink", self.sink.snapshot())
+        pushed = []
+        for plan in self.plans:
+            for _ in plan.participants:
+                pushed.append(len(pickle.dumps(plan)))
+        self.wire.seconds += time.process_time() - started
+        self.wire.messages += 2 + len(pushed)
+        self.wire.bytes += (len(pickle.dumps(args)) + len(pickle.dumps(reply)) + sum(pushed))
+        if self.plans:
+            self.wire.plan_bytes.append(pushed[0] if pushed else 0)
+        self.plans.clear()
+        return reply
+
+
+def control_plane(n: int, steps: int, memory_steps: int, churn: float, max_group: int,
+                  seed: int) -> dict:
+    """Run the control plane for ``steps`` timed global steps (then ``memory_steps`` more
+    for the memory figure) with ``n`` peers; its figures."""
+    from moshray.cluster.coordinator.progress import ProgressReport
+
+    rng = random.Random(seed)
+    tracemalloc.start()
+    shell = _Shell(n, max_group, seed)
+    core = shell.core
+    alive: dict[str, str] = {}  # peer -> node
+    dead: dict[str, float] = {}  # silent peers -> when they went
+    serial = iter(range(10**9))
+
+    def join(state_epoch: int | None) -> None:
+        peer = f"p{next(serial):06d}"
+        node = f"n-{peer}"
+        shell.call("register", peer, peer, node, 1.0)
+        if state_epoch is not None:
+            shell.call("donor", peer)
+        shell.call("mark_ready", peer, core.epoch if state_epoch is None else state_epoch)
+        alive[peer] = node
+
+    for _ in range(n):
+        join(None)
+    contributed: dict[str, tuple[int, int]] = {}
+    rounds, groups, planned = [], [], 0
+    timed = {"seconds": 0.0, "messages": 0, "bytes": 0, "puts": 0}
+
+    def one_step() -> None:
+        nonlocal planned
+        events = churn * len(alive)
+        whole = int(events) + (rng.random() < events - int(events))
+        for k in range(whole):  # half notices, half silent deaths, as many joiners
+            victim = rng.choice(sorted(alive))
+            if k % 2 == 0:
+                shell.call("note_notice", alive[victim], shell.now + 2 * STEP_S)
+                shell.call("leave", victim)
+            else:
+                dead[victim] = shell.now
+            alive.pop(victim)
+            join(core.epoch)
+        epoch = core.epoch
+        for peer in sorted(alive):
+            shell.call("heartbeat", peer)
+            done = contributed.pop(peer, None)
+            reply = shell.call("report", ProgressReport(
+                peer, epoch, SAMPLES, loss=1.0, checksum=f"c{epoch}", numel=1024,
+                contributed=done, micro=1))
+            if reply.resync:
+                shell.call("mark_ready", peer, core.epoch)
+        plan = core.progress.plan
+        if plan is not None and plan.epoch == epoch + 1:
+            planned += 1
+            rounds.append(len(plan.grid.rounds))
+            groups.extend(len(g.members) for r in plan.grid.rounds for g in r.groups)
+            for peer in plan.participants:
+                if peer in alive:
+                    contributed[peer] = (plan.epoch, SAMPLES)
+            # the participants apply the step: their next report is at the plan's epoch
+            for peer in plan.participants:
+                if peer in alive:
+                    shell.call("report", ProgressReport(
+                        peer, plan.epoch, 0, checksum=f"c{plan.epoch}", numel=1024,
+                        contributed=contributed.pop(peer), micro=0))
+        shell.now += STEP_S
+
+    for _ in range(min(3, steps)):  # warm up: the first plans
+        one_step()
+    wire0, puts0, epoch0 = (shell.wire.seconds, shell.wire.messages, shell.wire.bytes), \
+        shell.kv.puts, core.epoch
+    for _ in range(steps):
+        one_step()
+    made = max(1, core.epoch - epoch0)
+    timed["seconds"] = shell.wire.seconds - wire0[0]
+    timed["messages"] = shell.wire.messages - wire0[1]
+    timed["bytes"] = shell.wire.bytes - wire0[2]
+    timed["puts"] = shell.kv.puts - puts0
+    for _ in range(memory_steps):
+        one_step()
+    del shell.plans[:]
+    current, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {
+        "peers": n, "steps_timed": steps, "global_steps_made": made,
+        "steps_for_memory": steps + memory_steps + min(3, steps),
+        "coordinator_ms_per_step": round(1000 * timed["seconds"] / made, 3),
+        "messages_per_step": round(timed["messages"] / made, 1),
+        "messages_per_peer_per_step": round(timed["messages"] / made / n, 2),
+        "control_bytes_per_peer_per_step": round(timed["bytes"] / made / n, 1),
+        "control_bytes_per_step": round(timed["bytes"] / made),
+        "plan_bytes": max(shell.wire.plan_bytes, default=0),
+        "store_writes_per_step": round(timed["puts"] / made, 2),
+        "rounds": max(rounds, default=0),
+        "group_size_max": max(groups, default=0),
+        "group_size_mean": round(sum(groups) / len(groups), 2) if groups else 0,
+        "coordinator_memory_mb": round(current / 2**20, 2),
+        "churn_per_step": churn, "silent_deaths": len(dead),
+    }
+
+
+def _tensor(i: int, n: int, blocks: int) -> np.ndarray:
+    """Peer ``i``'s tensor: ``blocks`` blocks of ``n`` values, 1 at place ``i`` of each."""
+    x = np.zeros((blocks, n), dtype=np.float32)
+    x[:, i] = 1.0
+    return x.reshape(-1)
+
+
+def held_and_error(out: np.ndarray, n: int, weights: np.ndarray) -> tuple[np.ndarray, float]:
+    """Which peers' contributions ``out`` holds in every part, and its largest error against
+    the exact weighted mean of what each part holds.
+
+    Every block of ``n`` values says whose weight is in it (place i > 0: peer i) and so what
+    the exact mean is (``w_i / sum of the held weights`` at place i, 0 elsewhere). A block
+    that a part boundary cuts holds two sets: its values before the cut are checked against
+    the block before it, after the cut against the block after it (the cut that fits best
+    is taken), so a boundary is never counted as an error and a wrong value always is."""
+    blocks = out.reshape(-1, n).astype(np.float64)
+    inc = blocks > 0
+    exact = np.where(inc, weights / np.maximum((inc * weights).sum(axis=1, keepdims=True),
+                                               1e-300), 0.0)
+    err = np.abs(blocks - exact).max(axis=1)
+    worst = 0.0
+    for k, e in enumerate(err):
+        if e <= 1e-6 or k == 0 or k == len(err) - 1:
+            worst = max(worst, float(e))
+            continue
+        before = np.abs(blocks[k] - exact[k - 1])
+        after = np.abs(blocks[k] - exact[k + 1])
+        # the best cut b: [0, b) from the block before, [b, n) from the block after
+        head = np.concatenate(([0.0], np.maximum.accumulate(before)))
+        tail = np.concatenate((np.maximum.accumulate(after[::-1])[::-1], [0.0]))
+        worst = max(worst, float(min(e, np.min(np.maximum(head, tail)))))
+    return inc.all(axis=0), worst
+
+
+async def _average_once(averagers, network, plan, arrays, weights, kill: set[str]):
+    """One step: every averager averages; the ``kill`` set dies once its first-round
+    contributions are out (a few event-loop turns in). Returns {peer: (result, report)} of
+    the survivors."""
+    async def one(pid):
+        out, report = await averagers[pid].all_reduce([arrays[pid]], weights[pid], plan,
+                                                      AVERAGE_TIMEOUT_S)
+        return pid, out[0], report
+
+    tasks = {pid: asyncio.ensure_future(one(pid)) for pid in averagers}
+    if kill:
+        for _ in range(3):
+            await asyncio.sleep(0)
+        for pid in kill:
+            network.kill(pid)
+            tasks[pid].cancel()
+    done = {}
+    for pid, task in tasks.items():
+        if pid in kill:
+            continue
+        _, out, report = await task
+        done[pid] = (out, report)
+    for pid in kill:
+        try:
+            await tasks[pid]
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the dead peer's own end
+            pass
+    return done
+
+
+def collective(n: int, steps: int, numel: int, deaths: float, max_group: int,
+               compression: str, seed: int) -> dict:
+    """The averaging part at ``n`` peers (see module docstring); its figures."""
+    from moshray.cluster.collective.auth import new_job_key
+    from moshray.cluster.collective.averager import Averager
+    from moshray.cluster.collective.transport import LocalNetwork
+    from moshray.cluster.coordinator.membership import Membership, MembershipConfig
+    from moshray.cluster.messages import PeerInfo
+
+    blocks = max(1, -(-numel // n))
+    numel = blocks * n
+    rng = np.random.default_rng(seed)
+    key = new_job_key()
+    worst, shares, sent, seconds = 0.0, [], [], []
+    plan_rounds = 0
+    death_share = death_exact = None
+    weights_of = np.array([float(1 + i % 4) for i in range(n)])
+    for step in range(steps + 1):
+        kill_step = step == steps  # the last step: deaths mid-round
+        network = LocalNetwork()
+        membership = Membership(MembershipConfig(max_group=max_group, compression=compression,
+                                                 seed=seed + step))
+        averagers = {}
+        for i in range(n):
+            pid = f"p{i:05d}"
+            averagers[pid] = Averager(pid, transport=network.transport(pid), job_key=key)
+            network.add(pid, averagers[pid])
+            membership.register(PeerInfo(pid, pid), now=0.0)
+        membership.epoch = step
+        plan = membership.plan(now=0.0)
+        plan_rounds = len(plan.grid.rounds)
+        index = {pid: i for i, pid in enumerate(sorted(averagers))}
+        arrays = {pid: _tensor(index[pid], n, blocks) for pid in averagers}
+        weights = {pid: float(weights_of[index[pid]]) for pid in averagers}
+        kill = set()
+        if kill_step and deaths > 0:
+            kill = set(rng.choice(sorted(averagers), size=max(1, int(round(deaths * n))),
+                                  replace=False).tolist())
+        started = time.perf_counter()
+        results = asyncio.run(_average_once(averagers, network, plan, arrays, weights, kill))
+        seconds.append(time.perf_counter() - started)
+        live = np.array([pid not in kill for pid in sorted(averagers)])
+        step_shares, exact = [], []
+        for pid, (out, report) in results.items():
+            held, error = held_and_error(out, n, weights_of)
+            worst = max(worst, error)
+            exact.append(error <= EXACT)
+            # the live contributions this result averages exactly (none if it is inexact)
+            step_shares.append(float((held & live).sum() / live.sum()) if exact[-1] else 0.0)
+            if not kill_step:
+                sent.append(report.bytes_sent)
+        share = float(np.mean(step_shares)) if step_shares else 0.0
+        if kill_step:
+            death_share, death_exact = share, float(np.mean(exact)) if exact else 0.0
+        else:
+            shares.append(share)
+    tensor_bytes = numel * 4
+    return {
+        "avg_steps": steps, "numel": numel, "compression": compression,
+        "grid_rounds": plan_rounds,
+        "bytes_per_peer_per_step": round(float(np.median(sent))) if sent else 0,
+        "grid_bytes_per_peer_per_step": 2 * plan_rounds * tensor_bytes,
+        "averaged_share": round(min(shares), 4) if shares else None,
+        "averaged_share_with_deaths": None if death_share is None else round(death_share, 4),
+        "exact_results_with_deaths": None if death_exact is None else round(death_exact, 4),
+        "deaths": deaths,
+        "max_abs_error": worst,
+        "average_step_s": round(float(np.median(seconds[:-1] or seconds)), 3),
+    }
+
+
+def fit(ns: list[int], ys: list[float]) -> str:
+    """The growth among ``FITS`` whose ``y = a + b f(N)`` fits ``ys`` best (least squares on
+    relative residuals); "" with fewer than 3 points."""
+    if len(ns) < 3 or not any(ys):
+        return ""
+    best, best_err = "", math.inf
+    y = np.asarray(ys, dtype=np.float64)
+    scale = np.maximum(np.abs(y), 1e-12)
+    for name, f in FITS.items():
+        a = np.stack([np.ones(len(ns)), [f(n) for n in ns]], axis=1) / scale[:, None]
+        coef, *_ = np.linalg.lstsq(a, y / scale, rcond=None)
+        if name != "O(1)" and coef[1] <= 0:
+            continue
+        err = float(np.sum((a @ coef - y / scale) ** 2))
+        if err < best_err - 1e-9:
+            best, best_err = name, err
+    return best
+
+
+FIGURES = ("coordinator_ms_per_step", "coordinator_memory_mb", "messages_per_peer_per_step",
+           "control_bytes_per_peer_per_step", "plan_bytes", "store_writes_per_step",
+           "bytes_per_peer_per_step")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peers", default="16,64,256,1024", metavar="N,N,...",
+                        help="peer counts to run (default 16,64,256,1024)")
+    parser.add_argument("--steps", type=int, default=20, metavar="S",
+                        help="timed global steps of the control plane per peer count")
+    parser.add_argument("--memory-steps", type=int, default=1000, metavar="S",
+                        help="more control-plane steps before the memory figure")
+    parser.add_argument("--churn", type=float, default=0.01, metavar="F",
+                        help="share of the peers replaced per step (notices and silent "
+                             "deaths, as many joiners)")
+    parser.add_argument("--avg-steps", type=int, default=10, metavar="S",
+                        help="averaging steps per peer count (plus one with deaths)")
+    parser.add_argument("--numel", type=int, default=4096, metavar="K",
+                        help="values per peer's tensor (at least N+1 are used)")
+    parser.add_argument("--deaths", type=float, default=0.1, metavar="F",
+                        help="share of the peers that die mid-round in the last step")
+    parser.add_argument("--max-group", type=int, default=None, metavar="G",
+                        help="largest averaging group (default: the product's)")
+    parser.add_argument("--compression", default="none", help="the codec (codecs.py name)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/bench-scale", metavar="DIR",
+                        help="where the plot and scale.json go")
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    add_results_argument(parser)
+
+
+def _peer_counts(text: str) -> list[int]:
+    try:
+        ns = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ScaleBenchError(f"--peers {text}: give peer counts like 16,64,256") from None
+    if not ns or ns[0] < 2:
+        raise ScaleBenchError(f"--peers {text}: every count must be >= 2")
+    return ns
+
+
+def run(args: argparse.Namespace) -> dict:
+    import logging
+
+    from moshray.cluster.collective.codecs import codec_names
+    from moshray.cluster.collective.grid import DEFAULT_MAX_GROUP
+
+    ns = _peer_counts(args.peers)
+    if args.steps < 1 or args.avg_steps < 1 or args.memory_steps < 0:
+        raise ScaleBenchError("--steps and --avg-steps must be >= 1, --memory-steps >= 0")
+    if not 0 <= args.churn < 0.5 or not 0 <= args.deaths < 1:
+        raise ScaleBenchError("--churn must be in [0, 0.5) and --deaths in [0, 1)")
+    if args.compression not in codec_names():
+        raise ScaleBenchError(f"--compression {args.compression}: one of {codec_names()}")
+    max_group = args.max_group or DEFAULT_MAX_GROUP
+    # a round's rejections of the killed peers' parts are expected here: one line each
+    logging.getLogger("moshray").setLevel(logging.ERROR)
+    by_peers = {}
+    for n in ns:
+        started = time.perf_counter()
+        figures = control_plane(n, args.steps, args.memory_steps, args.churn, max_group,
+                                args.seed)
+        figures.update(collective(n, args.avg_steps, args.numel, args.deaths, max_group,
+                                  args.compression, args.seed))
+        figures["bench_s"] = round(time.perf_counter() - started, 1)
+        by_peers[str(n)] = figures
+        print(f"{n:5d} peers: Coordinator {figures['coordinator_ms_per_step']:.2f} ms/step "
+              f"({figures['messages_per_peer_per_step']:.1f} messages, "
+              f"{figures['control_bytes_per_peer_per_step']:.0f} B per peer), plan "
+              f"{figures['plan_bytes']} B, {figures['store_writes_per_step']} store writes/"
+              f"step, memory {figures['coordinator_memory_mb']} MB after "
+              f"{figures['steps_for_memory']} steps; averaging {figures['grid_rounds']} "
+              f"round(s): {figures['bytes_per_peer_per_step']} B/peer/step (grid "
+              f"{figures['grid_bytes_per_peer_per_step']}), share averaged "
+              f"{figures['averaged_share']} ({figures['averaged_share_with_deaths']} with "
+              f"{args.deaths:.0%} dying; exact results {figures['exact_results_with_deaths']}), max error {figures['max_abs_error']:.2e} "
+              f"[{figures['bench_s']} s]", flush=True)
+    fits = {name: fit(ns, [by_peers[str(n)][name] for n in ns]) for name in FIGURES}
+    result = {"peers": ns, "max_group": max_group, "by_peers": by_peers, "fits": fits}
+    out = Path(args.out).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scale.json").write_text(json.dumps(result, indent=1) + "\n")
+    if len(ns) > 1:
+        from moshray.jobs.plots import plot_lines
+
+        result["plot"] = str(plot_lines(
+            out / "scale.png", ns,
+            {f"{name} ({fits[name] or '-'})": [max(by_peers[str(n)][name], 1e-3) for n in ns]
+             for name in FIGURES},
+            xlabel="peers", ylabel="per global step (see legend)", logx=True, logy=True,
+            title="moshray at scale: Coordinator and averaging per global step"))
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        result = run(args)
+    except ScaleBenchError as exc:
+        print(f"moshray bench scale: {exc}", file=sys.stderr)
+        return 2
+    save_result("scale", args, result)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="moshray bench scale", description=__doc__)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -32,24 +32,20 @@ def plot_path_for(json_path: str | os.PathLike) -> Path:
     return Path(json_path).with_suffix(".png")
 
 
-def samples_per_second(history: Sequence[Sequence], window_s: float) -> list[float]:
-    """Pure: for each step, samples committed in the trailing ``window_s`` seconds per second.
+def rate_curve(history: Sequence[Sequence], window_s: float, end_s: float,
+               points: int = 2000) -> tuple[list[float], list[float]]:
+    """Pure: samples/s (``trailing_rate``, the console's definition) at regular instants
+    from 0 to ``end_s``, every ``window_s / 2`` (wider when that would exceed ``points``):
+    a stretch with no step reads 0, so no line is drawn across it. ``history`` rows are
+    ``(epoch, at_s, samples, ...)`` in time order."""
+    from moshray.cluster.metrics.state import trailing_rate
 
-    ``history`` rows are ``(epoch, at_s, samples, ...)`` in time order; near the start the
-    window is the time since 0 (the run's start).
-    """
     if not window_s > 0:
         raise ValueError(f"window_s must be positive, got {window_s!r}")
-    out, start, acc = [], 0, 0
-    times = [float(row[1]) for row in history]
-    for i, row in enumerate(history):
-        acc += int(row[2])
-        while times[start] <= times[i] - window_s:
-            acc -= int(history[start][2])
-            start += 1
-        span = min(window_s, times[i])
-        out.append(acc / span if span > 0 else 0.0)
-    return out
+    step = max(window_s / 2, end_s / points)
+    times = [min(end_s, i * step) for i in range(int(math.ceil(end_s / step)) + 1)]
+    return times, [trailing_rate(history, t, window_s).samples_per_s if t > 0 else 0.0
+                   for t in times]
 
 
 def training_figure(
@@ -65,8 +61,8 @@ def training_figure(
 
     ``preemptions`` / ``joins`` are times (s) of lost and added nodes, drawn as vertical lines
     on every axis. ``peers`` is a ``(t, live_peers)`` timeline (e.g. polled by the job); without
-    it the participants of each committed step are drawn. ``window_s`` (default: a 25th of
-    the run, at least 2 s) smooths samples/s.
+    it the participants of each committed step are drawn. ``window_s`` (default: the
+    console's, ``RATE_WINDOW_S``) is the window of samples/s (``rate_curve``).
     """
     rows = [tuple(r) for r in history]
     for r in rows:
@@ -76,7 +72,9 @@ def training_figure(
         raise ValueError("history must be in time order (at_s non-decreasing)")
     times = [float(r[1]) for r in rows]
     end = max([*times, *(t for t, _ in (peers or ())), *preemptions, *joins, 1.0])
-    window = window_s if window_s is not None else max(2.0, end / 25)
+    if window_s is None:
+        from moshray.cluster.metrics.state import RATE_WINDOW_S as window_s
+    window = window_s
 
     fig = Figure(figsize=(10, 8), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
@@ -90,7 +88,7 @@ def training_figure(
     ax_loss.set_ylabel("training loss")
 
     if rows:
-        ax_rate.plot(times, samples_per_second(rows, window), color="tab:purple",
+        ax_rate.plot(*rate_curve(rows, window, end), color="tab:purple",
                      linewidth=1.2, label=f"samples/s ({window:.0f} s window)")
         ax_rate.legend(loc="lower right", fontsize="small")
     ax_rate.set_ylabel("samples / s")

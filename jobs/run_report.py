@@ -4,7 +4,7 @@ run's outputs (``summary.json`` and ``training.png`` in ``run_dir``).
 The console (:class:`Console`): on a terminal, ONE progress line redrawn in place (tqdm);
 off a terminal (a pipe, a log file, ``ray job logs``), one plain line every
 ``interval_s`` seconds, and one for the last step. The line's figures come from pure
-functions (:func:`window_rate`, :func:`eta_s`, :func:`progress_line`) over the
+functions (:func:`trailing_rate`, :func:`eta_s`, :func:`progress_line`) over the
 Coordinator's step history rows ``(epoch, at_s, samples, loss, peers)``. Anything else the
 driver prints while the bar is up goes through :class:`ConsoleStream` (the bar is cleared
 and redrawn around each whole line). :func:`quiet_ray_logs` keeps Ray's own processes'
@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 log = logging.getLogger("moshray.train")
 
-WINDOW_S = 10.0  # samples/s is measured over the steps of the last WINDOW_S seconds
+from moshray.cluster.metrics.state import RATE_WINDOW_S as WINDOW_S, Rate, trailing_rate  # noqa: F401
 INTERVAL_S = 10.0  # off a terminal: one progress line every INTERVAL_S seconds
 # Lines Ray's log monitor forwards from its own processes, by the "pid" it gives them:
 # these are Ray's internals (their files under the session's logs/ keep them).
@@ -46,35 +46,6 @@ def sig4(x: float | None) -> str:
     if x is None or not math.isfinite(x):
         return "-"
     return f"{x:#.4g}"  # '#': trailing zeros kept (5.430, not 5.43)
-
-
-@dataclass(frozen=True)
-class Rate:
-    """Throughput over the recent window: samples and global steps per second (0.0 when
-    the window holds fewer than two steps)."""
-
-    samples_per_s: float
-    steps_per_s: float
-
-
-def window_rate(history: Sequence[tuple], window_s: float = WINDOW_S) -> Rate:
-    """Samples/s and steps/s over the steps committed in the last ``window_s`` seconds of
-    ``history`` (rows ``(epoch, at_s, samples, loss, peers)``, oldest first), not since
-    the start. The span runs from the first row in the window to the newest; that first
-    row's samples were taken before the span began and are not counted. Only the newest
-    run of rows with increasing times is used (a new Coordinator's clock starts over)."""
-    if len(history) < 2:
-        return Rate(0.0, 0.0)
-    newest = history[-1][1]
-    first = len(history) - 1
-    while first > 0 and history[first - 1][1] < history[first][1] and \
-            newest - history[first - 1][1] <= window_s:
-        first -= 1
-    span = newest - history[first][1]
-    if span <= 0:
-        return Rate(0.0, 0.0)
-    rows = history[first + 1:]
-    return Rate(sum(h[2] for h in rows) / span, len(rows) / span)
 
 
 @dataclass(frozen=True)
@@ -214,7 +185,9 @@ class Console:
         """The progress line of ``stats`` and the run's fraction done (None: unbounded)."""
         history = stats.get("history", [])
         step = stats.get("epoch", history[-1][0] if history else 0)
-        rate = window_rate(history)
+        # the rate now on the Coordinator's clock, as the plot draws it (``trailing_rate``)
+        now_s = stats.get("now_s", history[-1][1] if history else 0.0)
+        rate = trailing_rate(history, now_s, WINDOW_S)
         epochs = stats.get("data_epochs")
         eta = eta_s(self.bounds, step, elapsed, rate, epochs)
         fraction = None

@@ -17,7 +17,7 @@ from moshray.jobs.run_report import (
     eta_s,
     progress_line,
     sig4,
-    window_rate,
+    trailing_rate,
 )
 
 
@@ -33,20 +33,33 @@ def test_samples_per_s_is_over_the_recent_window_not_since_the_start():
     # a slow start (10 samples/s for 100 s), then 100 samples/s: the window sees only the end
     slow = [(i, float(i * 10), 100, 3.0, 2) for i in range(1, 11)]  # steps at 10..100 s
     fast = [(10 + i, 100.0 + i, 100, 2.0, 2) for i in range(1, 21)]  # one a second
-    rate = window_rate(slow + fast, window_s=10.0)
+    rate = trailing_rate(slow + fast, 120.0, window_s=10.0)
     assert rate.samples_per_s == pytest.approx(100.0)
     assert rate.steps_per_s == pytest.approx(1.0)
     cumulative = sum(h[2] for h in slow + fast) / 120.0
     assert cumulative < 30  # what the old console showed
 
 
-def test_window_rate_needs_two_steps_and_ignores_a_new_coordinators_clock():
-    assert window_rate([]) == Rate(0.0, 0.0)
-    assert window_rate([(1, 5.0, 64, 3.0, 2)]) == Rate(0.0, 0.0)
-    # kept rows of an earlier Coordinator (times up to 50 s), then a new one from 0 s
+def test_the_rate_is_what_was_committed_in_the_window_ending_now():
+    assert trailing_rate([], 5.0) == Rate(0.0, 0.0)
+    # one step in the last 10 s: a rate (the old console showed 0.0 below two steps)
+    assert trailing_rate([(1, 5.0, 64, 3.0, 2)], 12.0) == Rate(6.4, 0.1)
+    # no step in the last 10 s: 0.0, as the plot draws that stretch
+    assert trailing_rate([(1, 5.0, 64, 3.0, 2)], 20.0) == Rate(0.0, 0.0)
+    assert trailing_rate([(1, 1.0, 64, 3.0, 2)], 2.0) == Rate(32.0, 0.5)  # span: since start
+    # rows of an earlier Coordinator's clock (times after now) are outside the window
     rows = [(1, 40.0, 64, 3.0, 2), (2, 50.0, 64, 3.0, 2),
             (3, 1.0, 32, 2.9, 1), (4, 2.0, 32, 2.8, 1), (5, 3.0, 32, 2.7, 1)]
-    assert window_rate(rows, window_s=60.0) == Rate(32.0, 1.0)
+    assert trailing_rate(rows, 4.0, window_s=60.0) == Rate(24.0, 0.75)
+    with pytest.raises(ValueError):
+        trailing_rate(rows, 4.0, window_s=0.0)
+
+
+def test_the_console_reads_the_rate_at_the_coordinators_now():
+    history = [(1, 5.0, 64, 3.0, 2), (2, 9.0, 64, 3.0, 2)]
+    console = Console(io.StringIO(), tty=False)
+    assert "12.8 samples/s" in console.line({"history": history, "now_s": 10.0}, 10.0)[0]
+    assert "0.0 samples/s" in console.line({"history": history, "now_s": 30.0}, 30.0)[0]
 
 
 def test_eta_takes_the_nearest_bound():

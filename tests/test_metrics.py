@@ -238,7 +238,7 @@ def test_training_state_rate_over_the_recent_window():
     history = [(i, float(i), 32, 5.0 - 0.1 * i, 2) for i in range(1, 11)]
     s = m.training_state(history, now_s=10.0, live=2, draining=0, epoch=10, window_s=5.0)
     assert s.samples_total == 320
-    assert s.samples_per_s == pytest.approx(6 * 32 / 5.0)  # steps at t=5..10
+    assert s.samples_per_s == pytest.approx(5 * 32 / 5.0)  # steps in (5, 10]: one a second
     assert s.loss == pytest.approx(4.0)
     early = m.training_state(history[:2], now_s=2.0, live=2, draining=0, epoch=2, window_s=60)
     assert early.samples_per_s == pytest.approx(64 / 2.0)  # span = time since start

@@ -24,12 +24,19 @@ def assert_png(path: Path, min_width: int) -> None:
     assert not list(path.parent.glob(".*.tmp")), "temporary file left behind"
 
 
-def test_samples_per_second_over_a_trailing_window():
-    rates = plots.samples_per_second(history(), window_s=2.0)
-    assert rates[0] == pytest.approx(32 / 0.5)  # window = time since start at t=0.5
-    assert rates[-1] == pytest.approx(4 * 32 / 2.0)  # steps at t=28.5..30 in (28, 30]
+def test_the_plotted_rate_is_the_consoles_at_regular_instants_and_zero_in_a_gap():
+    from moshray.cluster.metrics.state import trailing_rate
+
+    rows = history() + [(61, 60.0, 32, 2.6, 2)]  # nothing committed from 30 s to 60 s
+    times, rates = plots.rate_curve(rows, window_s=2.0, end_s=60.0)
+    assert times[0] == 0.0 and times[-1] == 60.0 and times[1] == 1.0  # every window / 2
+    for t, r in zip(times, rates):
+        assert r == (trailing_rate(rows, t, 2.0).samples_per_s if t > 0 else 0.0)
+    assert rates[times.index(10.0)] == pytest.approx(4 * 32 / 2.0)  # (8, 10]: 4 steps
+    assert all(r == 0.0 for t, r in zip(times, rates) if 32.0 <= t < 60.0)  # the gap
+    assert rates[-1] == pytest.approx(32 / 2.0)
     with pytest.raises(ValueError, match="window_s"):
-        plots.samples_per_second(history(), 0)
+        plots.rate_curve(rows, 0, 60.0)
 
 
 def test_training_figure_marks_preemptions_on_every_axis():

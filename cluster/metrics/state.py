@@ -12,7 +12,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Prices", "TrainingState", "training_state"]
+__all__ = ["Prices", "RATE_WINDOW_S", "Rate", "TrainingState", "trailing_rate",
+           "training_state"]
+
+# The console's progress line and the training plot read the rate over this window: the
+# same figure at the same instant (Prometheus' gauge takes a wider one, ``training_state``).
+RATE_WINDOW_S = 10.0
 
 # -- configuration and state ---------------------------------------------------------------
 
@@ -54,6 +59,40 @@ class TrainingState:
     live_experts: int = 0
 
 
+@dataclass(frozen=True)
+class Rate:
+    """Samples and global steps per second over a window (``trailing_rate``)."""
+
+    samples_per_s: float
+    steps_per_s: float
+
+
+def trailing_rate(history: Sequence[tuple], at_s: float,
+                  window_s: float = RATE_WINDOW_S) -> Rate:
+    """Pure: the one definition of the training rate. What was committed in the window
+    ending at ``at_s`` (``(at_s - span, at_s]``, span = ``min(window_s, at_s)``: near the
+    start, the time since it), per second: samples and steps of the ``history`` rows
+    ``(epoch, at_s, samples, ...)`` whose times fall in it. A window with no step is 0.0
+    (the swarm committed nothing then); rows with times after ``at_s`` (a Coordinator that
+    started over without its state kept an earlier clock's rows) are outside it. Raises
+    ValueError for a window that is not positive."""
+    if not window_s > 0:
+        raise ValueError(f"window_s must be positive, got {window_s!r}")
+    span = min(window_s, at_s)
+    if not span > 0:
+        return Rate(0.0, 0.0)
+    samples = steps = 0
+    for row in reversed(history):
+        t = float(row[1])
+        if t > at_s:
+            continue
+        if t <= at_s - span:
+            break
+        samples += int(row[2])
+        steps += 1
+    return Rate(samples / span, steps / span)
+
+
 def training_state(
     history: Sequence[tuple],
     *,
@@ -69,23 +108,17 @@ def training_state(
 
     ``history`` rows are ``(epoch, at_s, samples, loss, peers)`` as in
     ``CoordinatorCore.stats()``, with ``at_s`` and ``now_s`` on the same clock (seconds since
-    the Coordinator started). Samples per second is the samples of the steps committed in the
-    last ``window_s`` seconds (or since the start, if shorter) divided by that span.
+    the Coordinator started). Samples per second is ``trailing_rate`` at ``now_s`` over
+    ``window_s``.
     """
     samples_total = sum(int(row[2]) for row in history)
-    span = min(window_s, now_s) if now_s > 0 else 0.0
-    recent = 0
-    for row in reversed(history):
-        if row[1] < now_s - span:
-            break
-        recent += int(row[2])
     loss = next((row[3] for row in reversed(history) if row[3] is not None), None)
     return TrainingState(
         live_peers=live,
         draining_peers=draining,
         global_step=epoch,
         samples_total=samples_total,
-        samples_per_s=recent / span if span > 0 else 0.0,
+        samples_per_s=trailing_rate(history, now_s, window_s).samples_per_s,
         loss=loss,
         preemptions=preemptions,
         live_experts=live_experts,

@@ -62,7 +62,7 @@ from moshray.jobs.controller.lease import (
     withdraw_capacity,
 )
 from moshray.jobs.controller.replica_launch import ReplicaSpec, launch_replica
-from moshray.jobs.controller.replica_states import ReplicaRecord, ReplicaState
+from moshray.jobs.controller.replica_states import ReplicaRecord, ReplicaState, end_line
 
 log = logging.getLogger("moshray.controller")
 RPC_TIMEOUT_S = 30.0
@@ -252,8 +252,8 @@ class ElasticController:
             self.errors[replica_id] = (replica_error(exc), exc)
             log.warning("replica %s failed: %s", replica_id, self.errors[replica_id][0])
             outcome = RunOutcome.RAISED
-        except ray.exceptions.RayError as exc:
-            log.warning("replica %s lost: %s", replica_id, type(exc).__name__)
+        except ray.exceptions.RayError as exc:  # said once when it is gone (``end_line``)
+            log.debug("replica %s lost: %s", replica_id, type(exc).__name__)
             outcome = RunOutcome.DIED
         self.outcomes[replica_id] = outcome
         return outcome
@@ -304,6 +304,7 @@ class ElasticController:
             record = self.records[action.replica_id]
             record.to(action.state, obs.now_s, action.reason)
             if action.state is ReplicaState.GONE:
+                log.info("%s", end_line(record))  # the replica's end, once, in the run's words
                 self.coordinator.leave.remote(action.replica_id)
                 handle = self.runs.pop(action.replica_id, (None,))[0]
                 if handle is not None:  # a run that ended leaves its actor idle: remove it

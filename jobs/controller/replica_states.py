@@ -65,7 +65,7 @@ TRANSITIONS: dict[tuple[ReplicaState, ReplicaState], str] = {
 TABLE = TransitionTable("replica", TRANSITIONS)
 
 __all__ = ["IllegalTransition", "ReplicaRecord", "ReplicaState", "TABLE", "TRANSITIONS",
-           "Transition", "path_between"]
+           "Transition", "end_line", "path_between"]
 
 
 @dataclass
@@ -95,3 +95,36 @@ def path_between(src: ReplicaState, dst: ReplicaState) -> tuple[ReplicaState, ..
     chain of allowed edges; () if ``dst`` is ``src`` or cannot be reached. Observations are
     periodic, so a replica may be seen two edges further on (starting, then training)."""
     return TABLE.path(src, dst)
+
+
+def end_line(record: ReplicaRecord) -> str:
+    """What the run says, once, when ``record`` has ended (its last edge is to ``gone``), in
+    the run's words: how long it trained (seconds in ``training``), whether its node gave
+    notice first (it passed through ``leaving``), and why it ended (the edge's reason). Pure.
+
+    e.g. ``replica-1-3 left after 41 s of training (its node's notice; node lost)``,
+    ``replica-2-5 lost after 12 s of training: no notice (node lost)``, ``replica-0-7 ended
+    before it trained, 9 s after it started (node lost)``, ``replica-1-2 finished after 80 s
+    of training``."""
+    trained, since = 0.0, None
+    for t in record.history:
+        if since is not None and t.src is ReplicaState.TRAINING:
+            trained += t.at_s - since
+            since = None
+        if t.dst is ReplicaState.TRAINING:
+            since = t.at_s
+    last = record.history[-1] if record.history else None
+    reason = last.reason if last is not None and last.reason else "ended"
+    ended_at = last.at_s if last is not None else record.started_at_s
+    noticed = any(t.dst is ReplicaState.LEAVING for t in record.history)
+    if not any(t.dst is ReplicaState.TRAINING for t in record.history):
+        return (f"{record.replica_id} ended before it trained, "
+                f"{ended_at - record.started_at_s:.0f} s after it started ({reason})")
+    after = f"after {trained:.0f} s of training"
+    if reason == "run finished":
+        return f"{record.replica_id} finished {after}"
+    if reason == "run raised":
+        return f"{record.replica_id} failed {after} (its error is logged above)"
+    if noticed:
+        return f"{record.replica_id} left {after} (its node's notice; {reason})"
+    return f"{record.replica_id} lost {after}: no notice ({reason})"

@@ -16,7 +16,7 @@ ready peer at the epoch is in it, and its participants report the next epoch as 
 Churn (``--churn``, a share of the peers per step, seeded): half of it spot notices (the
 peers on the noticed node drain, then leave), half silent deaths (a peer stops; the
 Coordinator expires it after ``peer_ttl_s``), and as many joiners (register, ask a donor,
-ready at the current epoch). Measured over the steps (``--steps``): the Coordinator's CPU
+ready at the current epoch). Measured over the simulated seconds (``--steps``): the Coordinator's CPU
 time per global step (every call and its save and pushes, all serialized under the actor's
 one lock, so this is also its lock time), messages and control-plane bytes per peer and in
 total, the plan's size, store writes per step, rounds and group sizes; and the memory the
@@ -129,12 +129,25 @@ class _Shell:
 
 def control_plane(n: int, steps: int, memory_steps: int, churn: float, max_group: int,
                   seed: int) -> dict:
-    """Run the control plane for ``steps`` timed global steps (then ``memory_steps`` more
-    for the memory figure) with ``n`` peers; its figures."""
+    """The control plane's figures with ``n`` peers: ``steps`` timed simulated seconds
+    (``_simulate``), then the memory the core holds after ``memory_steps`` seconds of a
+    second run traced by ``tracemalloc`` (not timed: tracing slows every allocation)."""
+    figures = _simulate(n, steps, 0, churn, max_group, seed, traced=False)
+    if memory_steps > 0:
+        memory = _simulate(n, 0, memory_steps, churn, max_group, seed, traced=True)
+        figures["coordinator_memory_mb"] = memory["coordinator_memory_mb"]
+        figures["steps_for_memory"] = memory["steps_for_memory"]  # simulated seconds
+        figures["global_steps_for_memory"] = memory["epoch_at_end"]
+    return figures
+
+
+def _simulate(n: int, steps: int, memory_steps: int, churn: float, max_group: int,
+              seed: int, traced: bool) -> dict:
     from moshray.cluster.coordinator.progress import ProgressReport
 
     rng = random.Random(seed)
-    tracemalloc.start()
+    if traced:
+        tracemalloc.start()
     shell = _Shell(n, max_group, seed)
     core = shell.core
     alive: dict[str, str] = {}  # peer -> node
@@ -194,7 +207,7 @@ def control_plane(n: int, steps: int, memory_steps: int, churn: float, max_group
                         contributed=contributed.pop(peer), micro=0))
         shell.now += STEP_S
 
-    for _ in range(min(3, steps)):  # warm up: the first plans
+    for _ in range(3 if steps else 0):  # warm up: the first plans
         one_step()
     wire0, puts0, epoch0 = (shell.wire.seconds, shell.wire.messages, shell.wire.bytes), \
         shell.kv.puts, core.epoch
@@ -208,11 +221,13 @@ def control_plane(n: int, steps: int, memory_steps: int, churn: float, max_group
     for _ in range(memory_steps):
         one_step()
     del shell.plans[:]
-    current, _ = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+    current = 0
+    if traced:
+        current, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
     return {
         "peers": n, "steps_timed": steps, "global_steps_made": made,
-        "steps_for_memory": steps + memory_steps + min(3, steps),
+        "steps_for_memory": memory_steps, "epoch_at_end": core.epoch,
         "coordinator_ms_per_step": round(1000 * timed["seconds"] / made, 3),
         "messages_per_step": round(timed["messages"] / made, 1),
         "messages_per_peer_per_step": round(timed["messages"] / made / n, 2),
@@ -223,7 +238,7 @@ def control_plane(n: int, steps: int, memory_steps: int, churn: float, max_group
         "rounds": max(rounds, default=0),
         "group_size_max": max(groups, default=0),
         "group_size_mean": round(sum(groups) / len(groups), 2) if groups else 0,
-        "coordinator_memory_mb": round(current / 2**20, 2),
+        "coordinator_memory_mb": round(current / 2**20, 2) if traced else None,
         "churn_per_step": churn, "silent_deaths": len(dead),
     }
 
@@ -367,7 +382,7 @@ def collective(n: int, steps: int, numel: int, deaths: float, max_group: int,
 def fit(ns: list[int], ys: list[float]) -> str:
     """The growth among ``FITS`` whose ``y = a + b f(N)`` fits ``ys`` best (least squares on
     relative residuals); "" with fewer than 3 points."""
-    if len(ns) < 3 or not any(ys):
+    if len(ns) < 3 or any(y is None for y in ys) or not any(ys):
         return ""
     best, best_err = "", math.inf
     y = np.asarray(ys, dtype=np.float64)
@@ -454,7 +469,8 @@ def run(args: argparse.Namespace) -> dict:
               f"{figures['control_bytes_per_peer_per_step']:.0f} B per peer), plan "
               f"{figures['plan_bytes']} B, {figures['store_writes_per_step']} store writes/"
               f"step, memory {figures['coordinator_memory_mb']} MB after "
-              f"{figures['steps_for_memory']} steps; averaging {figures['grid_rounds']} "
+              f"{figures.get('global_steps_for_memory')} global steps; averaging "
+              f"{figures['grid_rounds']} "
               f"round(s): {figures['bytes_per_peer_per_step']} B/peer/step (grid "
               f"{figures['grid_bytes_per_peer_per_step']}), share averaged "
               f"{figures['averaged_share']} ({figures['averaged_share_with_deaths']} with "
@@ -471,7 +487,7 @@ def run(args: argparse.Namespace) -> dict:
         result["plot"] = str(plot_lines(
             out / "scale.png", ns,
             {f"{name} ({fits[name] or '-'})": [max(by_peers[str(n)][name], 1e-3) for n in ns]
-             for name in FIGURES},
+             for name in FIGURES if all(by_peers[str(n)][name] is not None for n in ns)},
             xlabel="peers", ylabel="per global step (see legend)", logx=True, logy=True,
             title="moshray at scale: Coordinator and averaging per global step"))
     return result

@@ -54,12 +54,20 @@ class Membership:
     # node id -> the draining deadline of the latest notice or drain for it: peers that
     # register there later (a replica still starting when the notice came) drain too
     _draining_nodes: dict[str, float] = field(default_factory=dict)
+    # the members' ids in order, rebuilt only when one joins or goes (``_order``)
+    _sorted: list[str] | None = field(default=None, repr=False, compare=False)
+    # no member was last seen before this (a lower bound: heartbeats only raise it), so
+    # ``expire`` has nothing to drop before ``_seen_floor + peer_ttl_s``
+    _seen_floor: float = field(default=float("-inf"), repr=False, compare=False)
 
     def register(self, info: PeerInfo, now: float) -> None:
         """Add or refresh a peer (re-registering clears nothing but its liveness). A peer
         on a node already marked draining (``mark_draining``) is draining from the start:
         it never enters a plan, however late it registers before the node goes."""
         old = self._members.get(info.peer_id)
+        if old is None:
+            self._sorted = None
+        self._seen_floor = min(self._seen_floor, now) if self._members else now
         draining = old.draining_deadline if old else None
         if draining is None and info.node_id:
             draining = self._draining_nodes.get(info.node_id)
@@ -79,7 +87,21 @@ class Membership:
         return True
 
     def leave(self, peer_id: str) -> bool:
-        return self._members.pop(peer_id, None) is not None
+        if self._members.pop(peer_id, None) is None:
+            return False
+        self._sorted = None
+        return True
+
+    def _order(self) -> list[str]:
+        """The members' ids, sorted (kept until one joins or goes: O(1) per call)."""
+        if self._sorted is None:
+            self._sorted = sorted(self._members)
+        return self._sorted
+
+    def is_draining(self, peer_id: str) -> bool:
+        """``peer_id`` is a member marked draining (O(1); ``draining`` lists them all)."""
+        member = self._members.get(peer_id)
+        return member is not None and member.draining_deadline is not None
 
     def mark_draining(self, node_id: str, deadline: float) -> tuple[str, ...]:
         """Mark every peer on ``node_id`` draining, and those that register there later;
@@ -94,25 +116,32 @@ class Membership:
         return tuple(sorted(hit))
 
     def expire(self, now: float) -> tuple[str, ...]:
-        """Drop peers silent for longer than the TTL; returns who was dropped."""
+        """Drop peers silent for longer than the TTL; returns who was dropped. Looks at the
+        members only when the longest-silent one may be over the TTL (``_seen_floor``), so
+        a call is O(1) between such moments."""
+        if now - self._seen_floor <= self.config.peer_ttl_s:
+            return ()
         gone = [p for p, m in self._members.items() if now - m.last_seen > self.config.peer_ttl_s]
         for p in gone:
             del self._members[p]
+        if gone:
+            self._sorted = None
+        self._seen_floor = min((m.last_seen for m in self._members.values()), default=now)
         return tuple(sorted(gone))
 
     def live(self, now: float) -> tuple[PeerInfo, ...]:
         """Peers that may take part in the next round (alive and not draining)."""
-        return tuple(
-            m.info
-            for _, m in sorted(self._members.items())
-            if now - m.last_seen <= self.config.peer_ttl_s and m.draining_deadline is None
-        )
+        members, ttl = self._members, self.config.peer_ttl_s
+        return tuple(members[p].info for p in self._order()
+                     if now - members[p].last_seen <= ttl
+                     and members[p].draining_deadline is None)
 
     def present(self, now: float) -> tuple[PeerInfo, ...]:
         """Peers heard from within the TTL, draining ones included (they are still up until
         their deadline, e.g. to hand their state to a joiner)."""
-        return tuple(m.info for _, m in sorted(self._members.items())
-                     if now - m.last_seen <= self.config.peer_ttl_s)
+        members, ttl = self._members, self.config.peer_ttl_s
+        return tuple(members[p].info for p in self._order()
+                     if now - members[p].last_seen <= ttl)
 
     def is_member(self, peer_id: str) -> bool:
         """Registered and not yet left or expired (draining or not)."""
@@ -120,7 +149,7 @@ class Membership:
 
     def members(self) -> tuple[str, ...]:
         """Registered peers not yet left or expired (draining or not), sorted."""
-        return tuple(sorted(self._members))
+        return tuple(self._order())
 
     def draining(self) -> tuple[str, ...]:
         return tuple(sorted(p for p, m in self._members.items() if m.draining_deadline is not None))

@@ -27,6 +27,7 @@ class NoticeBook:
 
     def __init__(self) -> None:
         self.records: dict[str, NoticeRecord] = {}  # node id -> its first notice
+        self._snapshot: dict | None = None  # ``snapshot``'s, until a record changes
 
     def note(self, node_id: str, now: float, notice_age_s: float, epoch: int,
              peers: tuple[str, ...]) -> None:
@@ -34,6 +35,7 @@ class NoticeBook:
         ``epoch``; ``notice_age_s`` is how long ago the node received it. A second notice
         for the same node keeps the first record."""
         if node_id not in self.records:
+            self._snapshot = None
             noticed_at = now - max(0.0, notice_age_s)
             self.records[node_id] = NoticeRecord(noticed_at, epoch, tuple(peers),
                                                  None if peers else now - noticed_at)
@@ -47,6 +49,7 @@ class NoticeBook:
         for r in self.records.values():
             if r.rebalance_s is None and epoch > r.epoch:
                 r.rebalance_s = max(0.0, now - r.noticed_at)
+                self._snapshot = None
 
     def nodes(self) -> tuple[str, ...]:
         return tuple(sorted(self.records))
@@ -62,9 +65,14 @@ class NoticeBook:
                 "rebalance_pending": len(self.records) - len(done)}
 
     def snapshot(self) -> dict:
-        return {node: asdict(r) for node, r in sorted(self.records.items())}
+        """The records, JSON-able (built again only after ``note`` or ``rebalanced``
+        changed one: the Coordinator saves after every call). Do not mutate it."""
+        if self._snapshot is None:
+            self._snapshot = {node: asdict(r) for node, r in sorted(self.records.items())}
+        return self._snapshot
 
     def restore(self, snap: dict) -> None:
+        self._snapshot = None
         self.records = {node: NoticeRecord(float(r["noticed_at"]), int(r["epoch"]),
                                            tuple(r["peers"]), r["rebalance_s"])
                         for node, r in snap.items()}

@@ -57,6 +57,10 @@ from moshray.cluster.coordinator.step_samples import StepSamples
 
 log = logging.getLogger(__name__)
 
+# How many epochs behind the newest reported one the digests are kept for ``_disagrees``
+# (a report of an older epoch, from a replica that far behind, is resynced anyway).
+DIGEST_EPOCHS = 8
+
 
 @dataclass(frozen=True)
 class ProgressReport:
@@ -186,6 +190,11 @@ class ProgressTracker:
     # after a restart: peers that may still rejoin -> when last heard of (``await_rejoin``)
     _awaited: dict[str, float] = field(default_factory=dict)
     _parked: set[str] = field(default_factory=set)  # rejoined, older than top_held: waiting
+    # epoch -> the distinct digests reported at it (while it may still be voted on): one
+    # digest means no vote to count (``_disagrees`` is O(1) then)
+    _digests: dict[int, set[str]] = field(default_factory=dict)
+    # epoch -> the samples of the latest reports at it (``_put_report`` / ``_drop_report``)
+    _samples_at: dict[int, int] = field(default_factory=dict)
 
     def take_new_plan(self) -> RoundPlan | None:
         """The plan made since the last call (for the Coordinator to push), else None."""
@@ -220,7 +229,7 @@ class ProgressTracker:
         self._joining.pop(peer_id, None)
         self.hold(peer_id, state_epoch, now)
         if self.reports.get(peer_id) is None or self.reports[peer_id].epoch != state_epoch:
-            self.reports[peer_id] = ProgressReport(peer_id, state_epoch, 0)
+            self._put_report(ProgressReport(peer_id, state_epoch, 0))
 
     def hold(self, peer_id: str, epoch: int, now: float) -> None:
         """``peer_id`` was seen holding the state of ``epoch`` at ``now``."""
@@ -300,7 +309,7 @@ class ProgressTracker:
         and logged once per (peer, epoch, branch)."""
         self.ready.discard(peer_id)
         self._parked.discard(peer_id)
-        self.reports.pop(peer_id, None)
+        self._drop_report(peer_id)
         self._held.pop(peer_id, None)
         if (peer_id, epoch, branch) not in self.stale_returns:
             self.stale_returns.append((peer_id, epoch, branch))
@@ -389,7 +398,7 @@ class ProgressTracker:
         """``peer_id`` expired (it may still be up: what it held is kept for ``hold_s``)
         or, with ``gone``, left for good."""
         self.ready.discard(peer_id)
-        self.reports.pop(peer_id, None)
+        self._drop_report(peer_id)
         self._joining.pop(peer_id, None)
         self._parked.discard(peer_id)
         if gone:
@@ -448,7 +457,7 @@ class ProgressTracker:
             return ProgressReply(None, global_epoch=self.epoch, unknown=True)
         if self._stale(r.epoch, r.branch):
             self._stale_return(r.peer_id, r.epoch, r.branch)
-            if r.peer_id in self.membership.draining() or (self.stop and not self.ready):
+            if self.membership.is_draining(r.peer_id) or (self.stop and not self.ready):
                 return ProgressReply(None, stop=True, global_epoch=self.epoch)
             return ProgressReply(None, resync=True, global_epoch=self.epoch)
         self._note_branch(r.branch)
@@ -457,10 +466,19 @@ class ProgressTracker:
             # A step planned before a Coordinator restart completed among its peers.
             self.membership.epoch = r.epoch
             self.plan = None
-        self.reports[r.peer_id] = r
+        self._put_report(r)
+        if r.checksum is not None:
+            seen = self._digests.setdefault(r.epoch, set())
+            if not seen:  # a new epoch's first digest: forget the epochs long behind it
+                floor = min(r.epoch, self.epoch) - DIGEST_EPOCHS
+                for e in [e for e in self._digests if e < floor]:
+                    del self._digests[e]
+            seen.add(r.checksum)
         made = [self.quarantine.note(r.peer_id, *seen[:3], now, *seen[3:])
                 for seen in r.saw_rejections]
-        settled = self.quarantine.settle(self.epoch, now, self._layout())
+        # the layout is O(N): read only when a dispute waits to be settled
+        settled = (self.quarantine.settle(self.epoch, now, self._layout())
+                   if self.quarantine.disputed else [])
         for q in [q for q in made if q is not None] + settled:
             self.ready.discard(q.peer_id)  # in no further plan; resyncs before it rejoins
             log.warning("quarantined %s: its contributions were rejected (%s) by others "
@@ -479,12 +497,12 @@ class ProgressTracker:
             # A staying peer that fell behind (it missed a step, or was still joining)
             # copies the final state first, so every replica ends with the same parameters.
             behind = r.peer_id not in self.ready or r.epoch < self.epoch
-            if behind and r.peer_id not in self.membership.draining() and \
+            if behind and not self.membership.is_draining(r.peer_id) and \
                     any(p != r.peer_id for p in self.ready):
                 self.ready.discard(r.peer_id)
                 return ProgressReply(None, resync=True, global_epoch=self.epoch)
             return ProgressReply(None, stop=True, global_epoch=self.epoch)
-        if r.peer_id in self.membership.draining():
+        if self.membership.is_draining(r.peer_id):
             # Leaving (its node got a notice): finish a published step it is in, so nobody
             # waits for it, then stop training. It stays up as a donor until its deadline.
             if r.peer_id in self.ready and nxt is not None:
@@ -523,8 +541,8 @@ class ProgressTracker:
         """``r``'s digest loses to another held by ready peers at the same epoch: the
         digest with most holders wins; a tie goes to the digest held by the smallest peer
         id (deterministic, so a 1-vs-1 split resolves: exactly one side resyncs)."""
-        if r.checksum is None:
-            return False
+        if r.checksum is None or len(self._digests.get(r.epoch, ())) < 2:
+            return False  # one digest was ever reported at this epoch: no vote to count
         holders: dict[str, list[str]] = {}
         for p, x in self.reports.items():
             if x.epoch == r.epoch and x.checksum is not None and p in self.ready:
@@ -542,12 +560,33 @@ class ProgressTracker:
         log.warning("%s committed step %d with a digest the other replicas of that step do "
                     "not hold: it resyncs from a donor", r.peer_id, r.epoch)
 
+    def _put_report(self, r: ProgressReport) -> None:
+        """Keep ``r`` as its peer's latest report (``_samples_at`` follows)."""
+        self._drop_report(r.peer_id)
+        self.reports[r.peer_id] = r
+        self._samples_at[r.epoch] = self._samples_at.get(r.epoch, 0) + r.samples
+
+    def _drop_report(self, peer_id: str) -> None:
+        old = self.reports.pop(peer_id, None)
+        if old is not None:
+            left = self._samples_at.get(old.epoch, 0) - old.samples
+            if left > 0:
+                self._samples_at[old.epoch] = left
+            else:
+                self._samples_at.pop(old.epoch, None)
+
     def _record_loss(self, r: ProgressReport) -> None:
         if r.loss is not None and r.samples > 0:
             total, n = self._loss.get(r.epoch, (0.0, 0))
             self._loss[r.epoch] = (total + r.loss * r.samples, n + r.samples)
 
     def _maybe_plan(self, now: float) -> None:
+        if self.local_steps is None and \
+                self._samples_at.get(self.epoch, 0) < self.target_batch_size:
+            # every peer's samples at the epoch (a bound on the eligible peers') fall short:
+            # not due, known in O(1)
+            self._full_since = None
+            return
         live = {p.peer_id for p in self.membership.live(now)}
         eligible = sorted(p for p in self.ready if p in live)
         if not eligible:

@@ -79,6 +79,11 @@ class Quarantine:
             return None
         return self._count(reporter, sender, reason, epoch, now)
 
+    @property
+    def disputed(self) -> bool:
+        """Some rejection waits to be counted (``settle`` has something to do)."""
+        return bool(self._votes)
+
     def settle(self, before_epoch: int, now: float, layout: int | None = None
                ) -> list[QuarantineRecord]:
         """Count the disputes of every epoch before ``before_epoch`` (``layout``: the swarm's

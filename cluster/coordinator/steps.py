@@ -51,6 +51,9 @@ class StepService:
         self.checkpoint: CheckpointRef | None = None  # the newest one saved (``note_checkpoint``)
         self.on_plan: Callable[[RoundPlan], None] | None = None
         self._known_before: tuple[str, ...] = ()  # members before a restart (``restore``)
+        self._peers_key: tuple | None = None  # ``_awaited_after_restart``'s cache
+        self._peers_of: list[str] | None = None
+        self._peers: list[str] = []
 
     @property
     def epoch(self) -> int:
@@ -117,7 +120,7 @@ class StepService:
         self.progress.expire_awaited(now)
 
     def _ready_and_staying(self, peer_id: str) -> bool:
-        return peer_id in self.progress.ready and peer_id not in self.membership.draining()
+        return peer_id in self.progress.ready and not self.membership.is_draining(peer_id)
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -263,7 +266,7 @@ class StepService:
             "branch": p.branch,
             "forks": sorted([b, e] for b, e in p.forks.items()),
             # awaited by a restarted Coordinator (``open_rebuild_window``)
-            "peers": sorted({*self.membership.members(), *p.awaited, *self._known_before}),
+            "peers": self._awaited_after_restart(),
             "diverged": [list(x) for x in p.diverged],
             "quarantines": [[q.peer_id, q.at, q.reason] for q in p.quarantine.records],
             "draining_nodes": sorted([n, d] for n, d in
@@ -271,6 +274,17 @@ class StepService:
             "checkpoint": (None if self.checkpoint is None else
                            [self.checkpoint.uri, self.checkpoint.run_id, self.checkpoint.step]),
         }
+
+    def _awaited_after_restart(self) -> list[str]:
+        """Who a restarted Coordinator awaits: the members, the peers awaited now and those
+        known before the last restart, sorted; built again only when one of them changed
+        (the snapshot is taken after every call)."""
+        order = self.membership._order()  # the same list object until a member changes
+        key = (self.progress.awaited, self._known_before)
+        if self._peers_of is not order or self._peers_key != key:
+            self._peers_of, self._peers_key = order, key
+            self._peers = sorted({*order, *self.progress.awaited, *self._known_before})
+        return self._peers
 
     def restore(self, snap: dict) -> None:
         """Take back a ``snapshot`` (into a fresh service, before any call), plus the

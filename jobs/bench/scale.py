@@ -8,7 +8,8 @@ quarantine, notices, shard ledger) with a simulated clock, driven as the actor s
 (``cluster/coordinator/actor.py``): after every call the state is saved to a store
 (``durable.DurableState`` over a counting ``MemoryKV``, as the actor's ``_after_call`` does to
 the GCS, the metrics sink's record included) and every new plan is serialized once per
-participant (what Ray does for each ``receive_plan.remote(plan)`` push). Each simulated
+participant (what Ray does for each ``receive_plan.remote(plan)`` push); the call's
+arguments are deserialized and its reply serialized, as Ray does in the actor's process. Each simulated
 second is one global step: every peer heartbeats and reports its micro-batch; the step's
 plan is made when the reported samples reach the target (half the peers' samples, as a
 swarm's accumulating micro-batches reach it while silent peers are still members); every
@@ -110,7 +111,9 @@ class _Shell:
         self.wire = _Wire()
 
     def call(self, method: str, *args):
+        sent = pickle.dumps(args)  # the caller's work, not the Coordinator's
         started = time.process_time()
+        args = pickle.loads(sent)  # the actor deserializes the call ...
         reply = getattr(self.core, method)(*args)
         self.core.save()
         self.store.save_record("sink", self.sink.snapshot())
@@ -118,9 +121,10 @@ class _Shell:
         for plan in self.plans:
             for _ in plan.participants:
                 pushed.append(len(pickle.dumps(plan)))
+        answer = len(pickle.dumps(reply))  # ... and serializes its reply
         self.wire.seconds += time.process_time() - started
         self.wire.messages += 2 + len(pushed)
-        self.wire.bytes += (len(pickle.dumps(args)) + len(pickle.dumps(reply)) + sum(pushed))
+        self.wire.bytes += len(sent) + answer + sum(pushed)
         if self.plans:
             self.wire.plan_bytes.append(pushed[0] if pushed else 0)
         self.plans.clear()

@@ -1,4 +1,4 @@
-"""Buffers on a real cluster (issue 44 item 5): a model with BatchNorm trained through
+"""Buffers on a real cluster: a model with BatchNorm trained through
 ``moshray.fit`` on the embedded cluster with a hard loss and a join
 (``tests/buffer_scenarios.py``, in its own process), in both step strategies.
 

@@ -411,7 +411,7 @@ def test_a_save_reports_its_bytes_as_they_move_and_its_size_and_time(tmp_path):
 
 
 def test_the_driver_reads_only_manifests_to_resume(tmp_path):
-    """Issue 56: the driver's memory must not grow with the model. ``resume_point`` reads
+    """The driver's memory must not grow with the model. ``resume_point`` reads
     the manifests (step and config) and the parts' sizes, never a part's bytes: it takes a
     checkpoint whose part holds other bytes of the right size (only a read could tell), and
     skips one whose part is missing; the replica's read (``load_resumed``) checks the

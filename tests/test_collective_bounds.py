@@ -1,4 +1,4 @@
-"""Bounded contributions and checked results (issue 44, item 4), driven without Ray:
+"""Bounded contributions and checked results, driven without Ray:
 averagers in one event loop joined by ``transport.LocalNetwork`` (the production
 ``Averager`` and ``GroupRound``, the transport swapped).
 

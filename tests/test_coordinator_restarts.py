@@ -1,4 +1,4 @@
-"""The Coordinator killed 3 times during a run loses nothing (issue 44: a restart forgets).
+"""The Coordinator killed 3 times during a run loses nothing (a restart forgets).
 
 ``tests/coordinator_restarts.py`` runs the training job on its own embedded cluster with a
 trace (a notice, a hard kill, a join) and kills the Coordinator three times: after a few

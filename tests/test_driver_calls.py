@@ -1,5 +1,5 @@
 """The driver's waits on a move of the job's state (jobs/controller/driver_calls.py): bounded
-by the bytes that move and the rate measured, never by a constant (issue 56). No Ray."""
+by the bytes that move and the rate measured, never by a constant. No Ray."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 44: the swarm outlives its driver. On a cluster started with the real `ray start`
+"""The swarm outlives its driver. On a cluster started with the real `ray start`
 CLI, a job submitted with `ray job submit` has its driver SIGKILLed mid-run; the same job
 submitted again under its name adopts the running replicas and Coordinator (jobs/controller/lease.py) and
 trains on: no committed step lost, replicas identical, nothing left behind at the end."""

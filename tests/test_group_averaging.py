@@ -1,4 +1,4 @@
-"""Replica groups averaged by shard (actors/replica/group_averaging.py, issue 47 item 2), on
+"""Replica groups averaged by shard (actors/replica/group_averaging.py), on
 CPU ranks over gloo: two groups of 2 ranks (FSDP2, then DDP) train steps together, rank r of
 each averaging only its own shard with rank r of the other through the swarm's Moshpit
 collective; after every step both groups hold bitwise the same unsharded parameters, equal

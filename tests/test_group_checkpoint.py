@@ -1,4 +1,4 @@
-"""Sharded checkpoints and placement of a replica group (issue 47, items 3 and 4), on CPU
+"""Sharded checkpoints and placement of a replica group, on CPU
 ranks over gloo: a checkpoint written by 2 FSDP2 ranks resumes on 3 ranks, on 1 rank and on
 2 DDP ranks with the same unsharded parameters, and one more step from there equals a single
 process that never stopped (so the optimizer state came back too); a checkpoint that does not

@@ -1,4 +1,4 @@
-"""Replica groups through the public API (``cluster.replica = "node"``, issue 47 item 1):
+"""Replica groups through the public API (``cluster.replica = "node"``):
 ``moshray.fit`` runs the user's own loop as groups of 2 ranks on the embedded cluster
 (``tests/group_fit_scenario.py``, a user's script in its own process), and the settings and
 data groups cannot take are refused with one line before anything starts."""

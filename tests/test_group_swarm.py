@@ -1,4 +1,4 @@
-"""A swarm of replica groups on real raylets (actors/replica/group_swarm.py, issue 47): two
+"""A swarm of replica groups on real raylets (actors/replica/group_swarm.py): two
 nodes of the session's cluster each get a group of 2 CPU ranks (FSDP2 over gloo) training the
 example LM, collaboratively and by local SGD by shard, with the driver's task or with the
 user's own loop in every rank (group_loop.py); a third node comes up and its group joins by

@@ -1,4 +1,4 @@
-"""Node images and build identity (issue 42, item 6), offline.
+"""Node images and build identity, offline.
 
 - ``infra/images/check_node.py`` run as the startup scripts run it, in a subprocess, against
   real Python environments (venvs whose site-packages hold the distributions' metadata):

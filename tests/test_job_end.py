@@ -188,7 +188,7 @@ def _replica_actors_alive() -> list:
 @pytest.mark.timeout(300)
 def test_a_loop_that_raises_ends_fit_with_its_error_and_leaves_nothing(local_cluster,
                                                                        tmp_path: Path):
-    """Issue 44: the user's KeyError (not a UserError) is not retried forever: the same error
+    """The user's KeyError (not a UserError) is not retried forever: the same error
     from two nodes ends the job; ``fit`` raises it with the replica's traceback, and nothing
     is left requested or running."""
     from moshray.actors.replica.data_sources import from_fn
@@ -224,7 +224,7 @@ def loop_with_a_table(session):
 @pytest.mark.timeout(300)
 def test_a_checkpoint_save_slower_than_the_lease_does_not_end_the_job(local_cluster,
                                                                      tmp_path: Path):
-    """Issue 56: with ``cluster.driver_lease_s`` = 2 s, a 25-s run saves a checkpoint every
+    """With ``cluster.driver_lease_s`` = 2 s, a 25-s run saves a checkpoint every
     50 steps to a slow S3 (moto's, its uploads read at 256 KiB/s: each save takes ~5 s, over
     twice the lease). The driver's keeper thread renews the lease while the controller's loop
     waits on each save, and a driver that lives is never reaped: the job trains to its time

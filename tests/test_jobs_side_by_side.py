@@ -1,4 +1,4 @@
-"""Issue 60 (1, 2): a cluster shared by a team. On a cluster started with the real `ray start`
+"""A cluster shared by a team. On a cluster started with the real `ray start`
 CLI, two colleagues' jobs (`ray job submit`, `moshray.fit(name=...)`) train side by side to
 their end: neither ends the other, each has its own Coordinator, lease and share of the
 capacity request, `moshray jobs` lists both, a third submission of a running job's name is

@@ -96,7 +96,7 @@ def test_a_swarm_ends_when_the_lease_lapses_or_a_stopped_driver_is_gone():
 
 
 def test_a_live_driver_is_never_reaped_however_long_since_it_renewed():
-    """Issue 56: a save (or a drain, or the end of a run) longer than the lease must not end
+    """A save (or a drain, or the end of a run) longer than the lease must not end
     the job of a driver Ray lists as alive."""
     assert reap_reason(RECORD, 61.0, holder_alive=True) is None
     assert reap_reason(RECORD, 1e9, holder_alive=True) is None
@@ -155,7 +155,7 @@ def test_a_keeper_whose_lease_ended_stops_and_says_so():
 
 
 def test_a_renewal_carries_the_checkpoint_location_the_durability_guard_switched_to():
-    """Issue 55: the lease's final checkpoint went to the location frozen at the claim; a
+    """The lease's final checkpoint went to the location frozen at the claim; a
     renewal now carries where checkpoints go (and keeps it when a state names none)."""
     record = JobRecord(**{**RECORD.__dict__, "checkpoint_uri": "/tmp/node-local"})
     state = JobState((("replica-0-1", "n0", 0.0),), 1, (), 5, "s3://bucket/ckpt")
@@ -166,7 +166,7 @@ def test_a_renewal_carries_the_checkpoint_location_the_durability_guard_switched
 
 
 def test_a_replica_is_in_the_lease_before_it_is_launched(monkeypatch):
-    """Issue 55: a replica launched in the driver's last tick was missing from the lease's
+    """A replica launched in the driver's last tick was missing from the lease's
     record (never ended by ``end_swarm``, never adopted). The controller now renews with it
     before it launches it, in its own thread; a driver that dies after the launch leaves it
     in the record (``end_swarm`` and ``adopt`` find it by name, or skip it if it never

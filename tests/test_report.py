@@ -1,4 +1,4 @@
-"""Report, evaluate, log; fit() says what it takes (issue 45 items 2-3).
+"""Report, evaluate, log; fit() says what it takes.
 
 Pure parts first: ``session.report``'s argument check, the leader rule (``leader_of``), the
 ``ReportedEvent`` and its Prometheus gauge, the Coordinator sink's row log, the driver's

@@ -64,7 +64,7 @@ def test_a_step_that_averaged_more_samples_moves_further_and_keeps_the_rate():
     assert torch.allclose(scaled, torch.full((1, 3), 1.0 - 0.2 * 2.0))
 
 
-# -- the whole state: parameters, buffers, optimizer state (issue 44 item 5) ---------------
+# -- the whole state: parameters, buffers, optimizer state ---------------
 
 def _bn_model() -> torch.nn.Module:
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The user's loop in torch's idiom (issue 45 item 1), without a cluster: the collaborative
+"""The user's loop in torch's idiom, without a cluster: the collaborative
 strategy sums each micro-batch's gradient as the loop left it (so the user's clipping acts
 per micro-batch), the wrapper's one-line errors (a second backward pass through the old
 ``opt.step(loss)``, a missing ``loss.backward()``, a closure), nothing clipped or rescaled

@@ -1,5 +1,5 @@
 """A replica group: one model replica made of N Ray actors joined in a ``torch.distributed``
-process group, the model sharded inside by FSDP2 or replicated by DDP (issue 47, item 1).
+process group, the model sharded inside by FSDP2 or replicated by DDP.
 
 The driver's handle on one group (``ReplicaGroup``); a group starts, trains a task for K
 steps and reports, saves and loads sharded checkpoints, and joins by shard from a donor. One
@@ -20,7 +20,7 @@ rank per GPU (one per rank on CPU)::
     c.join_from(a, task)                     # rank r copies a's rank r shard state
     train_together([a, b, c], task, 1)       # all three bitwise equal after each step
 
-Placement (issue 47, item 4): ``start`` reserves one bundle per rank (its CPU/GPU request,
+Placement: ``start`` reserves one bundle per rank (its CPU/GPU request,
 ``rank_bundles``) in a Ray placement group with ``STRICT_PACK``: every rank on one node, so
 the collectives stay on that node's links and a checkpoint directory is on one file system.
 ``GroupConfig.node_labels`` narrows the node by Ray node labels (``bundle_label_selector``;

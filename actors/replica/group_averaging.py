@@ -1,4 +1,4 @@
-"""Replica groups averaged with each other by shard (issue 47, item 2), and joins by shard.
+"""Replica groups averaged with each other by shard, and joins by shard.
 
 Several groups of the same world size and parallel mode train one model together. Each
 collaborative step has two phases, which the driver runs one after the other on every rank

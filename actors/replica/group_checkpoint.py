@@ -1,4 +1,4 @@
-"""Sharded checkpoints of a replica group (issue 47, item 3): every rank writes its own shard
+"""Sharded checkpoints of a replica group: every rank writes its own shard
 with ``torch.distributed.checkpoint`` (DCP), and a checkpoint written by W ranks loads into a
 group of any other size W' (DCP reshards on load).
 

@@ -1,4 +1,4 @@
-"""The user's own loop in a replica group (issue 47, item 1): ``LoopTask``, the rank's
+"""The user's own loop in a replica group: ``LoopTask``, the rank's
 compute thread that can lend itself to that loop (``ComputeQueue``), and what the loop holds
 on a rank (``GroupSession``, ``GroupOptimizer``) with the rank side of the driver's commands
 (``LoopHost``).

@@ -1,4 +1,4 @@
-"""The rank actor of a replica group (issue 47): ``GroupRank``, one process of the group's
+"""The rank actor of a replica group: ``GroupRank``, one process of the group's
 ``torch.distributed`` process group holding its shard of the model (FSDP2) or all of it
 (DDP), and the averaging peer ``"<group>/r<rank>"`` of the same rank of other groups
 (group_averaging.py). The driver reaches it through ``ReplicaGroup`` (group.py) and the

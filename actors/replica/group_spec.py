@@ -1,4 +1,4 @@
-"""What a replica group is (issue 47, item 1): its settings (``GroupConfig``), what it trains
+"""What a replica group is: its settings (``GroupConfig``), what it trains
 (``GroupTask``), the messages its ranks return, and the pure decisions about it (backend,
 batch slices, placement bundles and the one-line shortfall, the single-process reference).
 No Ray calls here; the rank actor is ``group_rank.py``, the driver's handle ``group.py``,

@@ -1,4 +1,4 @@
-"""An elastic swarm of replica groups (issue 47): one group per node, trained together while
+"""An elastic swarm of replica groups: one group per node, trained together while
 nodes come and go.
 
 Contract. ``GroupSwarm(config, task).run()`` keeps one ``ReplicaGroup`` of

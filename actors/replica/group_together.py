@@ -1,4 +1,4 @@
-"""Replica groups that train together, averaged by shard (issue 47, item 2; the protocol
+"""Replica groups that train together, averaged by shard (the protocol
 and its pure parts are group_averaging.py): the driver runs each step's compute phase and
 then its averaging phase on every rank of every group. Each rank hosts an ``Averager``, the
 swarm's Moshpit peer ``"<name>/r<rank>"``; rank ``r`` averages its local shard (of the

@@ -13,7 +13,7 @@ process, so the code path under test is the production one.
 - ``wrong_shape``: its tensor has one extra value.
 - ``stale_epoch``: it runs with an old epoch number.
 - ``wrong_dtype``: it encodes with fp16 while the round uses another codec.
-- ``huge_values``: its tensors hold 3e38, finite but poisoned (issue 44).
+- ``huge_values``: its tensors hold 3e38, finite but poisoned.
 - ``huge_weight``: its weight is 1e30.
 """
 

@@ -6,7 +6,7 @@ a ``ChaosPlan`` (node events for the embedded cloud's trace replay plus timed ac
 the same for the same seed. A ``FaultLedger`` holds every fault the harness tried, each
 pending until an observation decides it (``node_fault_outcome`` for node faults): the
 bench's counts are the ledger's, never the plan's, and a planned fault that did not happen
-fails the run with its reason. ``RULED_OUT`` names the kinds of issue 44 this bench does
+fails the run with its reason. ``RULED_OUT`` names the fault kinds this bench does
 not run, each with why. ``stalled_seconds`` and ``stall_causes`` account for the gaps
 between global steps; ``invariant_failures`` says which of the run's promises its figures
 break. No Ray, no clock: ``jobs/bench/chaos.py`` runs the plan.
@@ -33,7 +33,7 @@ ACTOR_KINDS = ("coordinator", "nan", "shape", "replica_kill", "user_error", "dis
 # unlimited again. Each holds the injector for its window.
 NETWORK_KINDS = ("partition", "slow_node")
 ALL_KINDS = NODE_KINDS + ACTOR_KINDS + NETWORK_KINDS
-# Kinds of issue 44 this bench does not run, and why (printed with the figures); where a
+# Fault kinds this bench does not run, and why (printed with the figures); where a
 # kind needs what a machine or mode may lack (``disk_full``: root, to mount a small disk;
 # the network kinds: separate hosts), the bench adds it with the reason at run time.
 RULED_OUT = {

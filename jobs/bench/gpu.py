@@ -1,4 +1,4 @@
-"""`moshray bench gpu`: the GPU check (issue 47, item 5), one JSON line in under 5 minutes.
+"""`moshray bench gpu`: the GPU check, one JSON line in under 5 minutes.
 
 Five parts, each in a process of its own with its own timeout (a part that fails, hangs or
 crashes records ``ok: false``, its ``error`` and the tail of its output, and the check goes

@@ -1,4 +1,4 @@
-"""`moshray bench groups`: replica groups on CPU (issue 47's figures), one JSON line.
+"""`moshray bench groups`: replica groups on CPU, one JSON line.
 
 On the embedded cluster (4 spot nodes of 2 CPUs, loopback), the example LM trains with the
 same global batch, collaborative steps averaged by shard (``step_together``), in three

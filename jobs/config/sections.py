@@ -187,8 +187,7 @@ class TrainingSection(_Section):
     """Gradient-norm clip of each optimizer step moshray takes; 0 (default): none, the loop
     clips if it wants (between loss.backward() and opt.step()). Off because clipping is a
     choice of the model's recipe, not of the averaging: torch, DDP, hivemind.Optimizer and
-    torchft clip nothing unless asked, and a hidden clip at 1.0 changed users' training
-    (issue 45)."""
+    torchft clip nothing unless asked, and a hidden clip at 1.0 changed users' training."""
     local_steps: int = 8
     """``local_sgd``: local steps between averaging rounds."""
     outer_optimizer: OuterOptimizer = "none"
@@ -472,7 +471,7 @@ class CheckpointSection(_Section):
     """On several machines, run without a durable checkpoint location."""
     run_id: str | None = None
     """This run's directory under ``uri`` (a resubmitted job resumes from it; another run's
-    checkpoints are never read); none: the name of ``run_dir``."""
+    checkpoints are never read); none: the job's ``name``."""
     resume_from: str | None = None
     """Start from another run's newest checkpoint when this run has none: its run id under
     ``uri``, or its directory as ``<uri>/<run_id>``."""

@@ -16,7 +16,9 @@ carries its tensor bytes one of two ways (a *payload*):
 
 from __future__ import annotations
 
+import bisect
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,6 +175,102 @@ class RoundPlan:
 
 
 @dataclass(frozen=True)
+class SegmentWeights:
+    """A weight that is constant on each of a few contiguous segments of a flat tensor.
+
+    Segment 0 covers ``[0, cuts[0])``, segment i ``[cuts[i-1], cuts[i])``, the last one
+    ``[cuts[-1], numel)``; ``weights[i]`` is segment i's weight. Why a tensor has more than
+    one: a group round's result holds, in each part, the weight of the contributions that
+    part's reduction took in, and when a member dies mid-round the parts the others own
+    still hold its contribution while the dead member's own part, re-reduced by the
+    survivors, does not (see ``round.py``). A contribution to the next round carries that
+    weight per coordinate, so the next owner weighs each value by exactly what it holds.
+    With no failure every part holds the same weight: one segment.
+
+    A well-formed value has ``len(weights) == len(cuts) + 1`` numbers and integer ``cuts``
+    strictly increasing inside ``(0, numel)`` (``problem`` says what is wrong with another,
+    e.g. one that came over the wire). The ones the collective makes (``merged``,
+    ``joined``, ``within``) also never have two equal neighbours, so equal profiles compare
+    equal and a failure-free step has one segment.
+    """
+
+    weights: tuple[float, ...]
+    cuts: tuple[int, ...] = ()
+
+    @classmethod
+    def uniform(cls, weight: float) -> "SegmentWeights":
+        """One weight for the whole tensor."""
+        return cls((float(weight),))
+
+    def problem(self, numel: int) -> str | None:
+        """Why this is not a well-formed profile for a tensor of ``numel`` values (None if
+        it is); the weights' values are not judged here (``partition.check_weights``)."""
+        weights, cuts = self.weights, self.cuts
+        if not (isinstance(weights, tuple) and isinstance(cuts, tuple)):
+            return "segment weights and cuts must be tuples"
+        if len(weights) != len(cuts) + 1:
+            return f"{len(weights)} segment weights for {len(cuts)} cuts"
+        if not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
+            return "a segment weight that is not a number"
+        previous = 0
+        for cut in cuts:
+            if not isinstance(cut, int) or isinstance(cut, bool) or not previous < cut < numel:
+                return f"segment cuts {cuts[:8]} not strictly increasing inside (0, {numel})"
+            previous = cut
+        return None
+
+    def segments(self, numel: int) -> list[tuple[int, int, float]]:
+        """``(start, stop, weight)`` of every segment of a ``numel``-value tensor (one
+        empty segment for ``numel == 0``)."""
+        bounds = (0, *self.cuts, numel)
+        return [(bounds[i], bounds[i + 1], w) for i, w in enumerate(self.weights)]
+
+    def within(self, start: int, stop: int) -> "SegmentWeights":
+        """The profile of the values ``[start, stop)``, counted from ``start`` (a part's)."""
+        first = bisect.bisect_right(self.cuts, start)
+        last = max(first, bisect.bisect_left(self.cuts, stop))
+        return SegmentWeights(self.weights[first:last + 1],
+                              tuple(c - start for c in self.cuts[first:last]))
+
+    @classmethod
+    def merged(cls, weights: Sequence[float], cuts: Sequence[int]) -> "SegmentWeights":
+        """``weights`` on the segments ``cuts`` bound, equal neighbours merged into one."""
+        kept_weights, kept_cuts = [float(weights[0])], []
+        for cut, w in zip(cuts, weights[1:]):
+            if w != kept_weights[-1]:
+                kept_cuts.append(int(cut))
+                kept_weights.append(float(w))
+        return cls(tuple(kept_weights), tuple(kept_cuts))
+
+    @classmethod
+    def joined(cls, parts: "Sequence[tuple[int, SegmentWeights]]") -> "SegmentWeights":
+        """The profile of consecutive parts, each ``(size, its profile)``, equal
+        neighbours merged. Empty parts are skipped; with no values at all it is the first
+        part's profile."""
+        weights: list[float] = []
+        cuts: list[int] = []
+        offset = 0
+        for size, part in parts:
+            if size <= 0:
+                continue
+            for start, _, w in part.segments(size):
+                if weights:
+                    cuts.append(offset + start)
+                weights.append(w)
+            offset += size
+        if not weights:
+            return parts[0][1] if parts else cls((0.0,))
+        return cls.merged(weights, cuts)
+
+    def mean(self, numel: int) -> float:
+        """The weight averaged over the ``numel`` values: one figure for the whole tensor
+        (exactly the weight when there is one segment)."""
+        if len(self.weights) == 1 or numel <= 0:
+            return float(self.weights[0])
+        return sum((b - a) * w for a, b, w in self.segments(numel)) / numel
+
+
+@dataclass(frozen=True)
 class Contribution:
     """One member's tensor for one group, split into parts, as payloads.
 
@@ -180,13 +278,15 @@ class Contribution:
     the group receives the whole tuple, so a survivor can re-reduce a part whose owner
     died. A small contribution gives each member its own part ``Inline`` and the others
     ``InBundle`` (one put for all of them); a large one gives object refs throughout.
+    ``weights``: the weight of each value (the caller's weight in a step's first round,
+    the previous round's totals after it: see ``SegmentWeights``).
     """
 
     epoch: int
     round_index: int
     group_index: int
     sender: str
-    weight: float
+    weights: SegmentWeights
     numel: int
     part_refs: tuple[Payload, ...]
     # SHA-256 of each part's encoded bytes (b"" for a part not sent) and the HMAC over the
@@ -206,7 +306,9 @@ class PartResult:
     part: int
     owner: str
     numel: int  # the owner's whole-tensor length; a mismatch means a different layout
-    total_weight: float
+    # the total weight of the contributions reduced, per value of the part (counted from
+    # the part's start): the sum of the contributors' ``Contribution.weights`` there
+    weights: SegmentWeights
     contributors: tuple[str, ...]
     ref: Payload  # an ObjectRef, or Inline for a small part
     digest: bytes = b""  # SHA-256 of the encoded result (``collective/auth.py``)
@@ -226,11 +328,17 @@ class AllReduceReport:
     bytes_sent: int
     bytes_received: int
     seconds: float
+    # the result's total weight as one figure: its mean over the values (``weights.mean``),
+    # which is the total itself when every value holds the same (always, with no failure)
     total_weight: float
     phases: tuple[tuple[str, float], ...] = ()  # seconds per phase, summed over rounds
     # of ``bytes_sent``, those sent to peers of another zone (``RoundPlan.zones``; 0 when
     # this peer or none of its receivers declared a zone)
     cross_zone_bytes: int = 0
+    # the result's total weight per value: after a failure mid-round, values the dead
+    # member's contribution reached hold more weight than those it did not (None: a
+    # report not made by ``Averager.all_reduce``)
+    weights: SegmentWeights | None = None
 
     @property
     def complete(self) -> bool:

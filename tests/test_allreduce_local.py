@@ -6,14 +6,18 @@ a peer killed mid-step, a NaN contribution."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from moshray.cluster.collective.auth import new_job_key
 from moshray.cluster.collective.averager import Averager
+from moshray.cluster.collective.codecs import get_codec
 from moshray.cluster.coordinator.membership import Membership, MembershipConfig
-from moshray.cluster.messages import PeerInfo
+from moshray.cluster.messages import Contribution, PeerInfo
 from moshray.cluster.collective.transport import LocalNetwork
+from moshray.jobs.bench import scale as scale_bench
 
 TIMEOUT = 2.0
 
@@ -384,3 +388,124 @@ def test_a_copy_asked_for_before_it_was_held_goes_out_when_it_is():
     arrays, weights = inputs(4, seed=11)
     asyncio.run(reduce_all(averagers, plan, arrays, weights))
     assert (sender, requester, plan.epoch) in delivered
+
+
+# -- deaths mid-round on a multi-round grid: exact per coordinate -----------------------------
+
+
+def markers(n: int, blocks: int = 32):
+    """Peer i's tensor: ``blocks`` blocks of ``n`` values, 1 at place i of each, and weight
+    1..4: every result says which contributions each of its values holds (``bench scale``'s
+    ``held_and_error`` reads them)."""
+    arrays = {f"p{i}": scale_bench._tensor(i, n, blocks) for i in range(n)}
+    weights = {f"p{i}": float(1 + i % 4) for i in range(n)}
+    return arrays, weights
+
+
+def by_index(weights: dict, n: int) -> np.ndarray:
+    return np.array([weights[f"p{i}"] for i in range(n)])
+
+
+async def reduce_with_deaths(network, averagers, plan, arrays, weights, victims):
+    """Every averager averages; ``victims`` (members of one first-round group) die once each
+    other member of that group has received their first-round contributions: the others
+    then hold those contributions in the parts they own, while the victims' own parts are
+    re-reduced without them. A victim's calls fail and its objects are lost from then on
+    (``LocalNetwork.kill``); its own averager runs on, cut off, and its result is dropped.
+    Returns {peer: (result, report)} of the survivors."""
+    _, group = plan.grid.rounds[0].group_of(next(iter(victims)))
+    assert set(victims) <= set(group.members)
+    pending = {(v, m) for v in victims for m in group.members if m not in victims}
+
+    def watching(member):
+        averager = averagers[member]
+
+        def deliver_contribution(c):
+            averager.deliver_contribution(c)
+            if isinstance(c, Contribution) and c.round_index == 0:
+                pending.discard((c.sender, member))
+                if not pending and not network.dead:
+                    for victim in victims:
+                        network.kill(victim)
+
+        return SimpleNamespace(deliver_contribution=deliver_contribution,
+                               deliver_result=averager.deliver_result)
+
+    for member in group.members:
+        if member not in victims:
+            network.add(member, watching(member))
+
+    async def one(pid):
+        out, report = await averagers[pid].all_reduce([arrays[pid]], weights[pid], plan,
+                                                      TIMEOUT)
+        return out[0], report
+
+    results = dict(zip(averagers, await asyncio.gather(*(one(p) for p in averagers))))
+    assert set(network.dead) == set(victims)
+    return {pid: got for pid, got in results.items() if pid not in victims}
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_deaths_mid_round_leave_every_survivor_the_exact_mean_of_what_it_holds(compression):
+    """A 4 x 4 grid; two members of one first-round group die after sending their
+    contributions. The parts the other two own hold the victims' weight, the victims' parts
+    (re-reduced by the survivors) do not: the group's aggregate has a different weight on
+    different coordinates, and the second round must weigh each coordinate by its own. Every
+    survivor's result is then the exact weighted mean of the contributions it holds, value by
+    value (fp16: within the codec's bound for two rounds of two encodings), and it holds
+    every live contribution but those whose first-round aggregate died with a victim."""
+    n = 16
+    network, averagers, plan = swarm(n, max_group=4, compression=compression,
+                                     job_key=new_job_key())
+    assert [len(g.members) for r in plan.grid.rounds for g in r.groups] == [4] * 8
+    row = plan.grid.rounds[0].group_of("p0")[1].members
+    victims = set(row[1:3])
+    arrays, weights = markers(n)
+    results = asyncio.run(reduce_with_deaths(network, averagers, plan, arrays, weights,
+                                             victims))
+    assert sorted(results) == sorted(set(arrays) - victims)
+    w = by_index(weights, n)
+    live = {f"p{i}" for i in range(n)} - victims
+    codec_bound = 0.0 if compression == "none" else \
+        2 * len(plan.grid.rounds) * get_codec(compression).error_bound(np.float32([1.0]))
+    for pid, (out, report) in sorted(results.items()):
+        held, error = scale_bench.held_and_error(out, n, w)
+        assert error <= scale_bench.EXACT + codec_bound, \
+            f"{pid}: off by {error:.3g} from the weighted mean of what it holds"
+        holds = {f"p{i}" for i in range(n) if held[i]}
+        r1 = plan.grid.rounds[1].group_of(pid)[1].members
+        lost = set(row) - victims if victims & set(r1) else set()
+        assert holds & live == live - lost, pid
+        # the figure for the whole tensor: the total weight where it is the same everywhere
+        assert report.total_weight == pytest.approx(report.weights.mean(out.size))
+    survivor = next(p for p in row if p not in victims)
+    assert results[survivor][1].failed_owners  # the victims' parts were re-reduced
+
+
+def test_failure_free_rounds_stay_bitwise_the_plain_weighted_mean():
+    """No failures, a 4 x 4 grid: every peer ends with the same bits, the exact weighted
+    mean of all sixteen, one weight for the whole tensor (the sum of all weights), and the
+    bits are those of the float32 arithmetic a one-scalar-weight mean does in member order
+    (``test_allreduce_order``'s replay)."""
+    n = 16
+    _, averagers, plan = swarm(n, max_group=4, job_key=new_job_key())
+    arrays, weights = inputs(n, size=4099, seed=4)
+    results = asyncio.run(reduce_all(averagers, plan, arrays, weights))
+    value = {p: arrays[p] for p in arrays}
+    weight = dict(weights)
+    for schedule in plan.grid.rounds:  # the reference: one scalar weight per peer
+        for group in schedule.groups:
+            acc, total = None, 0.0
+            for p in group.members:
+                term = np.multiply(value[p], np.float32(weight[p]), dtype=np.float32)
+                acc = term if acc is None else acc + term
+                total += weight[p]
+            for p in group.members:
+                value[p], weight[p] = acc / np.float32(total), total
+    reference = value["p0"]
+    expected = weighted(arrays, weights, arrays)
+    for pid, (out, report) in results.items():
+        assert np.array_equal(out.view(np.uint32), reference.view(np.uint32)), pid
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+        assert report.complete and report.total_weight == sum(weights.values())
+        assert report.weights.cuts == ()

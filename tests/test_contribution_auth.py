@@ -16,11 +16,13 @@ from moshray.cluster.collective.auth import JobAuth, new_job_key, payload_digest
 from moshray.cluster.collective.codecs import encode, get_codec
 from moshray.cluster.collective.transport import LocalTransport
 from moshray.cluster.coordinator.quarantine import Quarantine
-from moshray.cluster.messages import Contribution, Inline, PartResult, RejectReason
+from moshray.cluster.messages import (Contribution, Inline, PartResult, RejectReason,
+                                      SegmentWeights)
 from tests.test_allreduce_local import inputs, reduce_all, swarm, weighted
 
 KEY = new_job_key()
 UNAUTH = RejectReason.UNAUTHENTICATED
+ONE = SegmentWeights.uniform(1.0)
 
 
 def _unauth(report) -> list:
@@ -55,14 +57,15 @@ def _forgeries(plan, arrays, weights) -> list[Contribution]:
     enc = encode(np.full(arrays["p1"].size, 1e3, dtype=np.float32), codec)
     parts = (Inline(enc),) * len(plan.participants)
     digests = (payload_digest(enc),) * len(parts)
-    base = Contribution(plan.epoch, 0, 0, "p1", weights["p1"], enc.numel, parts, digests)
+    weight = SegmentWeights.uniform(weights["p1"])
+    base = Contribution(plan.epoch, 0, 0, "p1", weight, enc.numel, parts, digests)
     other = JobAuth(new_job_key())
-    genuine_p2 = JobAuth(KEY).contribution_tag(plan.epoch, 0, 0, "p2", weights["p1"],
+    genuine_p2 = JobAuth(KEY).contribution_tag(plan.epoch, 0, 0, "p2", weight,
                                                enc.numel, digests)
     return [
         base,  # no tag
         dataclasses.replace(base, tag=other.contribution_tag(
-            plan.epoch, 0, 0, "p1", weights["p1"], enc.numel, digests)),  # wrong key
+            plan.epoch, 0, 0, "p1", weight, enc.numel, digests)),  # wrong key
         dataclasses.replace(base, tag=genuine_p2),  # p2 signed it; it claims to be p1
     ]
 
@@ -154,14 +157,14 @@ def test_a_forged_result_is_rejected_and_does_not_block_the_owners():
     want = asyncio.run(reduce_all(plain, plan, arrays, weights))
     _, averagers, signed_plan = swarm(n, job_key=KEY)
     enc = encode(np.zeros(arrays["p0"].size // n + 1, dtype=np.float32), get_codec("none"))
-    fake = PartResult(signed_plan.epoch, 0, 0, 1, "p1", arrays["p0"].size, 1.0, ("p1",),
+    fake = PartResult(signed_plan.epoch, 0, 0, 1, "p1", arrays["p0"].size, ONE, ("p1",),
                       Inline(enc), payload_digest(enc), b"")
 
     async def attack_then_reduce():
         averagers["p0"].deliver_result(fake)  # unsigned
         averagers["p0"].deliver_result(dataclasses.replace(
             fake, tag=JobAuth(new_job_key()).result_tag(
-                signed_plan.epoch, 0, 0, 1, "p1", fake.numel, 1.0, ("p1",), fake.digest)))
+                signed_plan.epoch, 0, 0, 1, "p1", fake.numel, ONE, ("p1",), fake.digest)))
         return await reduce_all(averagers, signed_plan, arrays, weights)
 
     got = asyncio.run(attack_then_reduce())
@@ -169,6 +172,27 @@ def test_a_forged_result_is_rejected_and_does_not_block_the_owners():
     assert got["p0"][1].failed_owners == ()
     assert [(r.sender, r.part) for r in _unauth(got["p0"][1])] == [("p1", 1)] * 2
     assert averagers["p0"].rejection_counts[UNAUTH.value] == 2
+
+
+def test_the_tags_bind_every_segment_weight_and_where_the_segments_are_cut():
+    """A signed contribution or result whose weights are moved between values (a cut
+    shifted, a segment's weight changed, segments merged) no longer matches its tag; a
+    weights field that is not ``SegmentWeights`` is reported malformed, not raised."""
+    auth = JobAuth(KEY)
+    weights = SegmentWeights((13.0, 6.0), (40,))
+    digests = (b"d0", b"d1")
+    c = Contribution(2, 1, 0, "p1", weights, 100, ("r0", "r1"), digests,
+                     auth.contribution_tag(2, 1, 0, "p1", weights, 100, digests))
+    r = PartResult(2, 0, 0, 1, "p1", 100, weights, ("p0", "p1"), "ref", b"d",
+                   auth.result_tag(2, 0, 0, 1, "p1", 100, weights, ("p0", "p1"), b"d"))
+    assert auth.check_contribution(c) is None and auth.check_result(r) is None
+    for changed in (SegmentWeights((13.0, 6.0), (41,)), SegmentWeights((13.0, 7.0), (40,)),
+                    SegmentWeights.uniform(13.0)):
+        assert "does not match" in auth.check_contribution(
+            dataclasses.replace(c, weights=changed))
+        assert "does not match" in auth.check_result(dataclasses.replace(r, weights=changed))
+    assert "malformed" in auth.check_contribution(dataclasses.replace(c, weights=13.0))
+    assert "malformed" in auth.check_result(dataclasses.replace(r, weights=None))
 
 
 def test_unauthenticated_rejections_never_quarantine_the_named_sender():

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moshray.cluster.messages import RejectReason
+from moshray.cluster.messages import RejectReason, SegmentWeights
 from moshray.cluster.collective.partition import (ContributionBounds, Limits, WeightedMean,
-                                                  check_contribution, part_sizes, part_slices)
+                                                  check_contribution, check_weights,
+                                                  part_sizes, part_slices)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -161,7 +162,7 @@ def test_weighted_mean_matches_numpy(numel: int) -> None:
         mean.add(v, w)
     result, total = mean.result()
     assert result.dtype == np.float32 and result.shape == (numel,)
-    assert total == pytest.approx(sum(weights))
+    assert total.cuts == () and total.weights[0] == pytest.approx(sum(weights))
     assert mean.count == 4
     np.testing.assert_allclose(result, _weighted(values, weights), rtol=1e-5, atol=1e-5)
     for v, c in zip(values, copies):
@@ -196,7 +197,7 @@ def test_weighted_mean_ignores_zero_weights_when_others_positive(numel: int) -> 
     mean.add(b, 3.0)
     mean.add(junk, 0.0)  # ... and last
     result, total = mean.result()
-    assert total == 4.0
+    assert total == SegmentWeights.uniform(4.0)
     assert mean.count == 5
     np.testing.assert_allclose(result, _weighted([a, b], [1.0, 3.0]), rtol=1e-5, atol=1e-6)
 
@@ -207,7 +208,7 @@ def test_weighted_mean_single_contribution_is_exact() -> None:
     mean.add(x, 2.0)  # x * 2 / 2 is exact in binary floating point
     result, total = mean.result()
     np.testing.assert_array_equal(result, x)
-    assert total == 2.0
+    assert total == SegmentWeights.uniform(2.0)
 
 
 @pytest.mark.parametrize("count", [1, 2, 5])
@@ -219,7 +220,7 @@ def test_weighted_mean_all_zero_weights_is_plain_mean(count: int) -> None:
     for v in values:
         mean.add(v, 0.0)
     result, total = mean.result()
-    assert total == 0.0
+    assert total == SegmentWeights.uniform(0.0)
     np.testing.assert_allclose(result, np.mean(np.stack(values), axis=0), rtol=1e-6, atol=1e-6)
     for v, c in zip(values, copies):
         np.testing.assert_array_equal(v, c)  # the plain sum never accumulates into an input
@@ -236,7 +237,7 @@ def test_weighted_mean_zero_length_vectors() -> None:
     mean = WeightedMean(0)
     mean.add(np.zeros(0, np.float32), 2.0)
     result, total = mean.result()
-    assert result.shape == (0,) and total == 2.0
+    assert result.shape == (0,) and total == SegmentWeights.uniform(2.0)
 
 
 def _old_weighted_mean(values, weights):
@@ -270,6 +271,83 @@ def test_weighted_mean_terms_are_bitwise_the_reference(dtype, weights) -> None:
     assert np.array_equal(staged.result()[0].view(np.uint32), expected.view(np.uint32))
 
 
+# -- weights per segment ----------------------------------------------------------------------
+
+
+def test_segment_weights_restrict_join_merge_and_average() -> None:
+    w = SegmentWeights((13.0, 6.0, 13.0), (25, 50))  # (100 values)
+    assert w.problem(100) is None and w.problem(50) is not None  # a cut at the end
+    assert w.segments(100) == [(0, 25, 13.0), (25, 50, 6.0), (50, 100, 13.0)]
+    assert w.within(0, 25) == SegmentWeights.uniform(13.0)
+    assert w.within(10, 60) == SegmentWeights((13.0, 6.0, 13.0), (15, 40))
+    assert w.within(25, 50) == SegmentWeights.uniform(6.0)
+    assert w.within(30, 30) == SegmentWeights.uniform(6.0)  # no value: the one it is in
+    # parts back together give the whole, wherever they are cut; equal neighbours merge
+    for cut in (0, 10, 25, 37, 50, 99, 100):
+        parts = [(cut, w.within(0, cut)), (0, SegmentWeights.uniform(9.0)),
+                 (100 - cut, w.within(cut, 100))]
+        assert SegmentWeights.joined(parts) == w, cut
+    assert SegmentWeights.joined([(5, SegmentWeights.uniform(2.0))] * 3) == \
+        SegmentWeights.uniform(2.0)
+    assert SegmentWeights.merged([1.0, 1.0, 2.0, 2.0], [3, 5, 8]) == \
+        SegmentWeights((1.0, 2.0), (5,))
+    assert w.mean(100) == (25 * 13.0 + 25 * 6.0 + 50 * 13.0) / 100
+    assert SegmentWeights.uniform(0.1).mean(3) == 0.1  # exact for one segment
+    for bad in (SegmentWeights((1.0, 2.0)), SegmentWeights((1.0, 2.0), (0,)),
+                SegmentWeights((1.0, 2.0, 3.0), (5, 5)), SegmentWeights((1.0, 2.0), (5.0,)),
+                SegmentWeights([1.0]), SegmentWeights(("1",))):
+        assert bad.problem(10) is not None, bad
+
+
+def test_check_weights_rejects_malformed_non_finite_negative_and_out_of_bounds() -> None:
+    limits = Limits(weight=50.0)
+    assert check_weights(SegmentWeights((50.0, 0.0), (3,)), 10, limits) is None
+    assert check_weights(SegmentWeights((1.0, 2.0), (10,)), 10)[0] is RejectReason.BAD_WEIGHT
+    assert check_weights(7.0, 10)[0] is RejectReason.BAD_WEIGHT  # not a SegmentWeights
+    for w in (NAN, INF, -1.0):
+        got = check_weights(SegmentWeights((1.0, w), (3,)), 10, limits)
+        assert got[0] is RejectReason.BAD_WEIGHT, w
+    reason, detail = check_weights(SegmentWeights((1.0, 1e30), (3,)), 10, limits)
+    assert reason is RejectReason.WEIGHT_OUT_OF_BOUNDS and "1e+30" in detail
+    # a part's values with their weights: the same checks, then the values'
+    reason, _ = check_contribution(_good(), 5, F32, SegmentWeights((1.0, 1e30), (3,)), limits)
+    assert reason is RejectReason.WEIGHT_OUT_OF_BOUNDS
+    assert check_contribution(_good(), 5, F32, SegmentWeights((1.0, 2.0), (3,))) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_weighted_mean_weighs_every_value_by_the_weights_it_holds(dtype) -> None:
+    """Vectors whose weights differ between segments (some zero): every value is the
+    weighted mean over the weights at that value (the plain mean where all are zero), the
+    total per value is their sum, and in-place terms give the same bits."""
+    numel = 1000
+    rng = np.random.default_rng(7)
+    profiles = [SegmentWeights((13.0, 6.0), (400,)), SegmentWeights.uniform(2.0),
+                SegmentWeights((0.0, 3.0, 0.0), (100, 700)),
+                SegmentWeights((1.0, 0.0), (950,))]
+    values = [(rng.standard_normal(numel) * 3).astype(dtype) for _ in profiles]
+    mean, staged = WeightedMean(numel), WeightedMean(numel)
+    for v, w in zip(values, profiles):
+        mean.add(v, w)
+        staged.add_term(WeightedMean.term(v.astype(np.float32), w, owned=True), w)
+    result, total = mean.result()
+    w64 = np.stack([np.concatenate([np.full(b - a, x) for a, b, x in p.segments(numel)])
+                    for p in profiles])
+    x64 = np.stack([v.astype(np.float64) for v in values])
+    expected = (w64 * x64).sum(axis=0) / w64.sum(axis=0)
+    np.testing.assert_allclose(result, expected, rtol=1e-5, atol=1e-5)
+    assert total == SegmentWeights((16.0, 19.0, 12.0, 9.0, 8.0), (100, 400, 700, 950))
+    assert total == SegmentWeights.merged(list(w64.sum(axis=0)), list(range(1, numel)))
+    assert np.array_equal(staged.result()[0].view(np.uint32), result.view(np.uint32))
+    # every weight zero somewhere: the plain mean there, weight 0
+    zero = WeightedMean(4)
+    zero.add(np.float32([1, 2, 3, 4]), SegmentWeights((0.0, 1.0), (2,)))
+    zero.add(np.float32([3, 4, 5, 6]), SegmentWeights((0.0, 3.0), (2,)))
+    out, total = zero.result()
+    np.testing.assert_allclose(out, [2.0, 3.0, 4.5, 5.5])
+    assert total == SegmentWeights((0.0, 4.0), (2,))
+
+
 def test_owner_shares_give_small_tensors_fewer_owners_in_turn() -> None:
     from moshray.cluster.collective.partition import owner_shares
 
@@ -298,7 +376,7 @@ def test_group_part_sizes_follow_the_plans_shares_min_part_and_epoch() -> None:
     assert group_part_sizes(plan, ["a", "b", "c"], 6000) == (1000, 3000, 2000)
 
 
-# -- bounds derived from the step (issue 44) ------------------------------------------------
+# -- bounds derived from the step -------------------------------------------------------------
 
 
 def test_check_contribution_rejects_values_and_weights_beyond_the_steps_limits() -> None:
@@ -329,7 +407,7 @@ def test_bounds_derive_limits_from_the_peers_own_input_and_weight() -> None:
     assert bounds.limits(float("nan"), float("inf"), 5) == Limits(value=1e4, weight=3.0)
     d = ContributionBounds().limits(1.0, 16.0, 4)
     assert d.value >= 1e6 and d.weight >= 1e6
-    assert d.value < 3e38 and d.weight < 1e30  # the poisoned inputs of issue 44 are out
+    assert d.value < 3e38 and d.weight < 1e30  # poisoned inputs (3e38, 1e30) are out
 
 
 @pytest.mark.parametrize("field", ["value_factor", "value_floor", "max_value",

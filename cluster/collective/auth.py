@@ -16,12 +16,14 @@ sent to the job's replicas as a constructor argument (``ReplicaSpec.job_key``), 
 through an environment variable, a named actor or a key-value store.
 
 What a tag covers. A contribution's tag binds its kind, epoch, round and group index,
-sender, weight, tensor length and the SHA-256 digest of each part's encoded bytes
-(``payload_digest``: codec name, length, wire data, block metadata). The receiver checks
-the tag when the message arrives (cheap: no payload), so a forged message never takes an
-honest sender's place in a round, and checks a part's digest when it holds the part's
-bytes (hashing only the part it reduces). A result's tag binds its epoch, round, group,
-part, owner, length, total weight, contributors and its bytes' digest.
+sender, weights (every segment's weight and where the segments are cut:
+``messages.SegmentWeights``, so a holder of the bytes cannot shift weight between values),
+tensor length and the SHA-256 digest of each part's encoded bytes (``payload_digest``:
+codec name, length, wire data, block metadata). The receiver checks the tag when the
+message arrives (cheap: no payload), so a forged message never takes an honest sender's
+place in a round, and checks a part's digest when it holds the part's bytes (hashing only
+the part it reduces). A result's tag binds its epoch, round, group, part, owner, length,
+total weights (per segment, as a contribution's), contributors and its bytes' digest.
 
 Not authenticated: ``Probe`` (carries nothing and is ignored) and ``CopyRequest`` (answered
 with a signed contribution, sent only to a member of the round's plan).
@@ -68,6 +70,16 @@ def _fields(*values) -> bytes:
     return repr(values).encode()
 
 
+def _weights(weights) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """A ``SegmentWeights`` as signed fields; raises TypeError or ValueError for anything
+    else (reported as malformed)."""
+    try:
+        return (tuple(float(w) for w in weights.weights),
+                tuple(int(c) for c in weights.cuts))
+    except AttributeError:
+        raise TypeError(f"weights of type {type(weights).__name__}") from None
+
+
 class JobAuth:
     """Signs and checks one job's messages with its key (see module docstring).
 
@@ -91,15 +103,17 @@ class JobAuth:
     # -- contributions -----------------------------------------------------------------
 
     @staticmethod
-    def _contribution_body(epoch, round_index, group_index, sender, weight, numel,
+    def _contribution_body(epoch, round_index, group_index, sender, weights, numel,
                            digests) -> bytes:
         return _fields("contribution", int(epoch), int(round_index), int(group_index),
-                       str(sender), float(weight), int(numel), tuple(digests))
+                       str(sender), _weights(weights), int(numel), tuple(digests))
 
     def contribution_tag(self, epoch: int, round_index: int, group_index: int, sender: str,
-                         weight: float, numel: int, digests: tuple[bytes, ...]) -> bytes:
+                         weights, numel: int, digests: tuple[bytes, ...]) -> bytes:
+        """The tag of a contribution with these fields (``weights``: its
+        ``SegmentWeights``)."""
         return self._mac(self._contribution_body(epoch, round_index, group_index, sender,
-                                                 weight, numel, digests))
+                                                 weights, numel, digests))
 
     def check_contribution(self, c) -> str | None:
         """Whether ``c`` (a ``Contribution``) was signed with this job's key as it is."""
@@ -107,7 +121,7 @@ class JobAuth:
             return "no authentication tag"
         try:
             body = self._contribution_body(c.epoch, c.round_index, c.group_index, c.sender,
-                                           c.weight, c.numel, c.digests)
+                                           c.weights, c.numel, c.digests)
         except (TypeError, ValueError) as exc:
             return f"malformed signed fields ({exc})"
         if not hmac.compare_digest(self._mac(body), bytes(c.tag)):
@@ -119,17 +133,19 @@ class JobAuth:
     # -- results -----------------------------------------------------------------------
 
     @staticmethod
-    def _result_body(epoch, round_index, group_index, part, owner, numel, total_weight,
+    def _result_body(epoch, round_index, group_index, part, owner, numel, weights,
                      contributors, digest) -> bytes:
         return _fields("result", int(epoch), int(round_index), int(group_index), int(part),
-                       str(owner), int(numel), float(total_weight),
+                       str(owner), int(numel), _weights(weights),
                        tuple(str(x) for x in contributors), bytes(digest))
 
     def result_tag(self, epoch: int, round_index: int, group_index: int, part: int,
-                   owner: str, numel: int, total_weight: float,
-                   contributors: tuple[str, ...], digest: bytes) -> bytes:
+                   owner: str, numel: int, weights, contributors: tuple[str, ...],
+                   digest: bytes) -> bytes:
+        """The tag of a result with these fields (``weights``: the part's total
+        ``SegmentWeights``)."""
         return self._mac(self._result_body(epoch, round_index, group_index, part, owner,
-                                           numel, total_weight, contributors, digest))
+                                           numel, weights, contributors, digest))
 
     def check_result(self, r) -> str | None:
         """Whether ``r`` (a ``PartResult``) was signed with this job's key as it is."""
@@ -137,7 +153,7 @@ class JobAuth:
             return "no authentication tag"
         try:
             body = self._result_body(r.epoch, r.round_index, r.group_index, r.part, r.owner,
-                                     r.numel, r.total_weight, r.contributors, r.digest)
+                                     r.numel, r.weights, r.contributors, r.digest)
         except (TypeError, ValueError) as exc:
             return f"malformed signed fields ({exc})"
         if not hmac.compare_digest(self._mac(body), bytes(r.tag)):

@@ -16,6 +16,14 @@ Contract of ``all_reduce``:
   devices as ``tensors`` (torch tensors or numpy arrays);
 - with no failures every participant gets the exact weighted average (float32 rounding,
   plus the documented codec error when compression is on);
+- with failures every participant still gets, value by value, the exact weighted mean of
+  the contributions its result holds there (same rounding and codec error): a member that
+  dies mid-round leaves its contribution in the parts the others own and out of its own,
+  so the group's result holds different weights on different values; the weights travel
+  per segment (``messages.SegmentWeights``) into the next round's contributions, where
+  every value is weighed by exactly what it holds (``round.py``). The report's
+  ``weights`` is the result's total weight per value, ``total_weight`` its mean over the
+  values (the total itself when it is the same everywhere, always with no failure);
 - each round waits at most ``timeout`` seconds, or less once rounds were observed: the
   adaptive deadline of ``deadline.py`` (from this peer's recent round durations, capped at
   ``timeout``); contributions for the first 60% of it, results until its end, plus at most
@@ -62,7 +70,7 @@ from moshray.cluster.collective.round import Deadlines, GroupRound, off_loop
 from moshray.cluster.collective.shares import ThroughputMeter
 from moshray.cluster.messages import (
     AllReduceReport, Contribution, CopyRequest, PartResult, Probe, Rejection, RejectReason,
-    RoundPlan,
+    RoundPlan, SegmentWeights,
 )
 from moshray.cluster.collective.transport import RayTransport, Transport
 
@@ -235,7 +243,8 @@ class Averager:
     async def all_reduce(
         self, tensors: Sequence[Any], weight: float, plan: RoundPlan, timeout: float
     ) -> tuple[list[Any], AllReduceReport]:
-        """Average ``tensors`` with the plan's participants, weighted by ``weight``."""
+        """Average ``tensors`` with the plan's participants, weighted by ``weight`` (one
+        number for all their values; see the module docstring for the contract)."""
         async with self._lock:
             return await self._all_reduce(tensors, weight, plan, timeout)
 
@@ -262,6 +271,7 @@ class Averager:
         zone_of = dict(plan.zones)
         my_zone = zone_of.get(self.peer_id, "")
         phases: collections.Counter[str] = collections.Counter()
+        weights = SegmentWeights.uniform(float(weight))  # per value, carried round to round
         for r, schedule in enumerate(plan.grid.rounds):
             found = schedule.group_of(self.peer_id)
             if found is None:
@@ -276,14 +286,14 @@ class Averager:
             runner = GroupRound(self.peer_id, plan, r, g, group, box, send, self.transport,
                                 self.clock, hold=functools.partial(self._hold, key),
                                 limits=limits, auth=self.auth)
-            outcome = await runner.run(flat, weight, deadlines)
+            outcome = await runner.run(flat, weights, deadlines)
             self.round_times.record(r, self.clock() - t0)
             self._finish(key)
             for rej in outcome.rejections:
                 self.rejection_counts[rej.reason.value] += 1
             if outcome.errored:
                 raise AveragingError(plan.epoch, f"round {r}: {outcome.errored}")
-            flat, weight = outcome.values, outcome.weight
+            flat, weights = outcome.values, outcome.weights
             rejections += outcome.rejections
             contributors |= set(outcome.contributors)
             partial |= set(outcome.partial_contributors)
@@ -307,9 +317,10 @@ class Averager:
             bytes_sent=sent,
             bytes_received=received,
             seconds=self.clock() - started,
-            total_weight=float(weight),
+            total_weight=weights.mean(flat.size),
             phases=tuple(sorted(phases.items())),
             cross_zone_bytes=cross_zone,
+            weights=weights,
         )
         return unflatten(flat, tensors, owned=flat is not given), report
 

@@ -4,11 +4,16 @@ Inside a group of m members, a flat float32 vector of ``numel`` values is split 
 contiguous parts; member j owns part j and computes its weighted average. Part sizes are
 proportional to each member's share, so a peer with less CPU or bandwidth reduces less
 (DeDLOC's load balancing). A contribution is accepted only within the step's ``Limits``
-(``ContributionBounds``, ``check_contribution``) and averaged by ``WeightedMean``.
+(``ContributionBounds``, ``check_contribution``, ``check_weights``) and averaged by
+``WeightedMean``, value by value: a contribution's weight may differ between segments of
+its values (``messages.SegmentWeights``: after a member died mid-round, the previous
+round's parts hold different weights), and each value's mean is weighted by the weights
+the contributions hold at that value.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moshray.cluster.collective.codecs import max_abs
-from moshray.cluster.messages import RejectReason, RoundPlan
+from moshray.cluster.messages import RejectReason, RoundPlan, SegmentWeights
 
 
 def part_sizes(numel: int, shares: Sequence[float]) -> tuple[int, ...]:
@@ -107,8 +112,8 @@ UNBOUNDED = Limits()
 
 @dataclass(frozen=True)
 class ContributionBounds:
-    """How a peer derives its step's ``Limits`` from what it holds (issue 44: a finite but
-    poisoned value such as 3e38, or a weight such as 1e30, must not reach the mean).
+    """How a peer derives its step's ``Limits`` from what it holds (a finite but poisoned
+    value such as 3e38, or a weight such as 1e30, must not reach the mean).
 
     - values: ``min(max_value, max(value_floor, value_factor * scale))``, ``scale`` being
       the largest magnitude of this peer's own input to the step (a non-finite scale, i.e.
@@ -151,22 +156,52 @@ class ContributionBounds:
         return Limits(value, wcap)
 
 
-def check_contribution(
-    values: np.ndarray, expected_numel: int, expected_dtype: np.dtype, weight: float,
-    limits: Limits = UNBOUNDED,
-) -> tuple[RejectReason, str] | None:
-    """Why a decoded part must be rejected, or None if it is acceptable.
-
-    Checks, in order: the weight (finite, >= 0, then at most ``limits.weight``), the dtype
-    of the wire values, the length against the receiver's own layout, finiteness of every
-    value, then every magnitude against ``limits.value``. The values are scanned by two
-    reductions (no temporary array).
-    """
+def _check_weight(weight: float, limits: Limits) -> tuple[RejectReason, str] | None:
     if not np.isfinite(weight) or weight < 0:
         return RejectReason.BAD_WEIGHT, f"weight {weight!r}"
     if weight > limits.weight:
         return (RejectReason.WEIGHT_OUT_OF_BOUNDS,
                 f"weight {weight:.3g} above the step's bound {limits.weight:.3g}")
+    return None
+
+
+def check_weights(weights: SegmentWeights, numel: int,
+                  limits: Limits = UNBOUNDED) -> tuple[RejectReason, str] | None:
+    """Why a contribution's weights for a ``numel``-value tensor must be rejected, or None.
+
+    ``BAD_WEIGHT``: not a well-formed ``SegmentWeights`` for ``numel`` values (its
+    ``problem``), or a segment's weight non-finite or negative; ``WEIGHT_OUT_OF_BOUNDS``: a
+    segment's weight above ``limits.weight``. One pass over the segments (few)."""
+    if not isinstance(weights, SegmentWeights):
+        return RejectReason.BAD_WEIGHT, f"weights of type {type(weights).__name__}"
+    problem = weights.problem(numel)
+    if problem is not None:
+        return RejectReason.BAD_WEIGHT, problem
+    for w in weights.weights:
+        problem = _check_weight(w, limits)
+        if problem is not None:
+            return problem
+    return None
+
+
+def check_contribution(
+    values: np.ndarray, expected_numel: int, expected_dtype: np.dtype,
+    weight: float | SegmentWeights, limits: Limits = UNBOUNDED,
+) -> tuple[RejectReason, str] | None:
+    """Why a decoded part must be rejected, or None if it is acceptable.
+
+    Checks, in order: the weight (finite, >= 0, then at most ``limits.weight``; with
+    ``SegmentWeights``, every segment's, and the profile's shape: ``check_weights``), the
+    dtype of the wire values, the length against the receiver's own layout, finiteness of
+    every value, then every magnitude against ``limits.value``. The values are scanned by
+    two reductions (no temporary array).
+    """
+    if isinstance(weight, SegmentWeights):
+        problem = check_weights(weight, expected_numel, limits)
+    else:
+        problem = _check_weight(weight, limits)
+    if problem is not None:
+        return problem
     if values.dtype != expected_dtype:
         return RejectReason.DTYPE_MISMATCH, f"got {values.dtype}, expected {expected_dtype}"
     if values.ndim != 1 or values.shape[0] != expected_numel:
@@ -182,63 +217,105 @@ def check_contribution(
 
 
 class WeightedMean:
-    """Streaming weighted mean of equally long float32 vectors.
+    """Streaming weighted mean of equally long float32 vectors, value by value.
 
-    ``add`` may be called in any order as contributions arrive; ``result`` returns
-    ``sum(w * x) / sum(w)`` (or the plain mean when every weight is zero) and the total
-    weight. Every operation is one correctly rounded float32 step (``fl(w * x)``, then
-    ``fl(acc + that)``, then ``fl(acc / sum(w))``), so equal inputs added in equal order
-    give equal bits on any machine.
+    Each vector comes with its weights (``SegmentWeights``, or one float for all its
+    values). ``result`` returns, at every value c, ``sum_k w_k(c) x_k(c) / sum_k w_k(c)``
+    over the vectors added (the plain mean over all of them where every weight at c is
+    zero), and the total weight at every value (``SegmentWeights``). Every operation is
+    one correctly rounded float32 step (``fl(w * x)``, then ``fl(acc + that)``, then
+    ``fl(acc / sum(w))``), so equal inputs added in equal order give equal bits on any
+    machine; with one weight per vector (no failure upstream) these are exactly the steps
+    of a mean with one scalar weight each.
 
     The all-reduce splits ``add`` in two: ``term`` (the scaled contribution, computed in a
     worker thread as soon as the bytes arrive, in place in a buffer it owns) and
     ``add_term`` (one float32 add, when the contribution's turn in member order comes).
+    The mean keeps the running total weight as pieces (the union of the segments added,
+    equal neighbours merged): a few numpy calls per piece, not per value.
     """
 
     def __init__(self, numel: int):
         self.numel = numel
-        self._acc: np.ndarray | None = None  # sum of w * x (adopts the first term's buffer)
-        self._plain: np.ndarray | None = None  # sum of values, only while weights are 0
-        self.total_weight = 0.0
+        # sum of w * x where the piece's total is > 0, else the plain sum of the values
+        # (adopts the first term's buffer)
+        self._acc: np.ndarray | None = None
+        self._cuts: tuple[int, ...] = ()  # where piece 1, 2, ... start
+        self._totals: tuple[float, ...] = (0.0,)  # per piece: the sum of its weights
         self.count = 0
 
     @staticmethod
-    def term(values: np.ndarray, weight: float, owned: bool = False) -> np.ndarray:
-        """What ``values`` adds to the mean: ``float32(weight) * values`` in float32 (the
-        values as float32 for a zero weight). ``owned``: ``values`` is a float32 buffer
-        nobody else holds, scaled in place (no allocation)."""
-        if owned and values.dtype == np.float32 and values.flags.writeable:
+    def _profile(weights: float | SegmentWeights) -> SegmentWeights:
+        if isinstance(weights, SegmentWeights):
+            return weights
+        return SegmentWeights.uniform(weights)
+
+    @staticmethod
+    def term(values: np.ndarray, weights: float | SegmentWeights,
+             owned: bool = False) -> np.ndarray:
+        """What ``values`` adds to the mean: ``float32(w) * values`` in float32 on each
+        segment of weight w (the values as float32 where w is zero). ``owned``: ``values``
+        is a float32 buffer nobody else holds, scaled in place (no allocation). ``weights``
+        must be well formed for ``values.size`` (``check_weights``)."""
+        profile = WeightedMean._profile(weights)
+        in_place = owned and values.dtype == np.float32 and values.flags.writeable
+        if len(profile.weights) == 1:
+            weight = profile.weights[0]
+            if in_place:
+                if weight > 0:
+                    np.multiply(values, np.float32(weight), out=values)
+                return values
             if weight > 0:
-                np.multiply(values, np.float32(weight), out=values)
-            return values
-        if weight > 0:
-            return np.multiply(values, np.float32(weight), dtype=np.float32)
-        return values.astype(np.float32)
+                return np.multiply(values, np.float32(weight), dtype=np.float32)
+            return values.astype(np.float32)
+        out = values if in_place else np.empty(values.size, dtype=np.float32)
+        for start, stop, weight in profile.segments(values.size):
+            if weight > 0:
+                np.multiply(values[start:stop], np.float32(weight), out=out[start:stop],
+                            dtype=np.float32)
+            elif out is not values:
+                out[start:stop] = values[start:stop]
+        return out
 
-    def add_term(self, term: np.ndarray, weight: float) -> None:
-        """Add a ``term(values, weight)``; the mean takes over its buffer."""
-        if weight > 0:
-            if self.total_weight == 0:
-                self._acc = term
-            else:
-                np.add(self._acc, term, out=self._acc)
-            self.total_weight += float(weight)
-        elif self.total_weight == 0:
-            # Only needed if every weight stays zero: then the result is the plain mean.
-            if self._plain is None:
-                self._plain = term
-            else:
-                np.add(self._plain, term, out=self._plain)
+    def add_term(self, term: np.ndarray, weights: float | SegmentWeights) -> None:
+        """Add a ``term(values, weights)``; the mean takes over its buffer."""
+        profile = self._profile(weights)
         self.count += 1
+        if self._acc is None:
+            self._acc = term
+            self._cuts = profile.cuts
+            self._totals = tuple(float(w) if w > 0 else 0.0 for w in profile.weights)
+            return
+        cuts = tuple(sorted(set(self._cuts) | set(profile.cuts)))
+        totals: list[float] = []
+        for start, stop, _ in SegmentWeights((0.0,) * (len(cuts) + 1), cuts).segments(
+                self.numel):
+            total = self._totals[bisect.bisect_right(self._cuts, start)]
+            weight = profile.weights[bisect.bisect_right(profile.cuts, start)]
+            if weight > 0:
+                if total == 0:  # only zero weights so far: their plain sum gives way
+                    self._acc[start:stop] = term[start:stop]
+                else:
+                    np.add(self._acc[start:stop], term[start:stop],
+                           out=self._acc[start:stop])
+                total += float(weight)
+            elif total == 0:  # kept only in case every weight here stays zero
+                np.add(self._acc[start:stop], term[start:stop], out=self._acc[start:stop])
+            totals.append(total)
+        merged = SegmentWeights.merged(totals, cuts)
+        self._cuts, self._totals = merged.cuts, merged.weights
 
-    def add(self, values: np.ndarray, weight: float) -> None:
-        self.add_term(self.term(values, weight), weight)
+    def add(self, values: np.ndarray, weights: float | SegmentWeights) -> None:
+        self.add_term(self.term(values, weights), weights)
 
-    def result(self) -> tuple[np.ndarray, float]:
-        """The mean, computed in place: the mean is used up (call once)."""
+    def result(self) -> tuple[np.ndarray, SegmentWeights]:
+        """The mean and the total weight at every value, computed in place: the mean is
+        used up (call once). Raises ValueError if nothing was added."""
         if self.count == 0:
             raise ValueError("no contribution to average")
-        if self.total_weight > 0:
-            return np.divide(self._acc, np.float32(self.total_weight), out=self._acc), \
-                self.total_weight
-        return np.divide(self._plain, np.float32(self.count), out=self._plain), 0.0
+        acc = self._acc
+        totals = SegmentWeights(self._totals, self._cuts)
+        for start, stop, total in totals.segments(self.numel):
+            divisor = np.float32(total) if total > 0 else np.float32(self.count)
+            np.divide(acc[start:stop], divisor, out=acc[start:stop])
+        return acc, totals

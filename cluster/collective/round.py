@@ -24,12 +24,16 @@ Protocol (group of members M = (m_0..m_{k-1}) plus receivers):
    (streaming: no barrier, all fetches in flight at once), validates it against the
    step's ``Limits`` (``partition.check_contribution``: shape, dtype, finiteness, value and
    weight bounds), and adds it to a weighted mean *in the group's member order* (a value
-   waits until the members before it are settled). When all live members have been heard,
-   or the contribution deadline passes, it checks the mean is finite, encodes it and sends
-   it to everyone in a ``PartResult`` (inline if small, else as a ref to one put).
+   waits until the members before it are settled), each value weighted by the weight its
+   contribution carries there (see "Weights per value"). When all live members have been
+   heard, or the contribution deadline passes, it checks the mean is finite, encodes it and
+   sends it to everyone in a ``PartResult`` with the part's total weight per value (inline
+   if small, else as a ref to one put).
 3. Every peer fetches the results, writes them straight into its output vector and checks
-   them (finite, within its value bound); a result that fails is re-reduced like a dead
-   owner's.
+   them (finite, within its value bound; total weights well formed and within the bound
+   times the group's size); a result that fails is re-reduced like a dead owner's. The
+   results' total weights, part after part, are the weights of this peer's values for the
+   next round.
 
 With a job key (``auth.py``) every ``Contribution`` and ``PartResult`` is signed (an HMAC
 over its fields and the SHA-256 of each part's encoded bytes); the ``Averager`` drops a
@@ -49,6 +53,29 @@ out by grid coordinate. So every group of a round whose inputs are equal compute
 bytes whichever member owns which part, and after a multi-round Moshpit grid every peer
 holds bitwise identical values (no failures), not only the members of one last-round group.
 
+Weights per value: a member that dies after sending its contribution leaves it in the parts
+whose live owners fetched it, and out of the parts the survivors re-reduce for dead owners:
+its own part of its value was never sent (it reduces that itself), and the copies of its
+other parts live in its object store, lost with it. So the group's result holds, say,
+weight 13 on two parts and 6 on the other two. With one weight per contribution the next
+round would weigh all of that aggregate's values alike and be off by a few percent wherever
+the weights differ. Instead every contribution carries its weight per segment of values
+(``messages.SegmentWeights``: the caller's one weight in a step's first round; after it the
+previous round's parts, equal neighbours merged: one segment with no failure, a few after
+one); the owner computes, at every value c of its part,
+``sum_k W_k(c) x_k(c) / sum_k W_k(c)`` (``WeightedMean``) and publishes that total weight
+``sum_k W_k(c)``, per segment of its part; the segments are signed with the contribution or
+result (``auth.py``) and checked against the step's weight bound like one weight. So every
+peer's result is, value by value, the exact weighted mean of the contributions it holds
+there. It costs no message and no round trip: the weights ride in the calls the round makes
+anyway, and with no failure they are one number and the arithmetic is the same float32
+steps as with a scalar weight (bitwise equal results). The alternative, dropping a member
+missing from any part from every part of its group, would need the owners to agree on who
+that is (one more exchange per round) and throw live contributions away. What no weighting
+recovers: a dead member's contribution stays missing from the parts it did not reach (its
+reports name it partial), and a member that dies before a later round takes its group's
+aggregate out of that round's group.
+
 Failures: every wait has a deadline, each fetch included. While a peer waits it probes the
 other members (a ``Probe`` call every ``PROBE_S``): a call to a dead actor fails as soon as
 Ray knows (process exit: about a second; a lost node: its health checks), and the waiter
@@ -57,7 +84,8 @@ contribution deadline drops out of that part's average. If a part's owner is dea
 result misses the round deadline (or is malformed, non-finite or out of bounds), each
 surviving member re-reduces that part itself from the contributions it received (plus its
 own; first asking the live members for the contributions they held back) in member order,
-so all survivors compute the same bytes; receivers keep their local values for such a part.
+so all survivors compute the same bytes; receivers keep their local values (and weights)
+for such a part.
 An owner with no valid value at all (its own was NaN or misshapen, none arrived) publishes
 an empty result: it keeps zeros, and the members re-reduce the part as a dead owner's, so
 junk never spreads. A weighted mean that comes out non-finite (accepted values that still
@@ -82,12 +110,13 @@ import moshray.cluster.collective.codecs as comp
 from moshray.cluster.collective.auth import JobAuth, payload_digest
 from moshray.cluster.collective.mailbox import GroupMailbox
 from moshray.cluster.collective.partition import (UNBOUNDED, Limits, WeightedMean,
-                                                  check_contribution, group_part_sizes,
-                                                  part_slices)
+                                                  check_contribution, check_weights,
+                                                  group_part_sizes, part_slices)
 from moshray.cluster.collective.shares import busy_seconds, peak_rate, round_throughput
 from moshray.cluster.collective.transport import Transport
 from moshray.cluster.messages import (Contribution, CopyRequest, Group, InBundle, Inline,
-                                      PartResult, Probe, Rejection, RejectReason, RoundPlan)
+                                      PartResult, Probe, Rejection, RejectReason, RoundPlan,
+                                      SegmentWeights)
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +144,12 @@ async def off_loop(nbytes: int, fn, *args):
 
 @dataclass
 class RoundOutcome:
-    """What one peer got out of one group round. ``errored``: why the round's values must
-    not be applied (a non-finite weighted mean), empty if they may."""
+    """What one peer got out of one group round. ``weights``: the total weight each value
+    of ``values`` holds (the next round's contribution carries it). ``errored``: why the
+    round's values must not be applied (a non-finite weighted mean), empty if they may."""
 
     values: np.ndarray
-    weight: float
+    weights: SegmentWeights
     contributors: tuple[str, ...]
     partial_contributors: tuple[str, ...]
     rejections: list[Rejection]
@@ -253,14 +283,19 @@ class GroupRound:
 
     # -- the round -----------------------------------------------------------------------
 
-    async def run(self, flat: np.ndarray, weight: float, deadlines: Deadlines) -> RoundOutcome:
+    async def run(self, flat: np.ndarray, weights: SegmentWeights,
+                  deadlines: Deadlines) -> RoundOutcome:
+        """Average ``flat`` (float32, this peer's values) with the group; ``weights``: the
+        weight of each of its values (the caller's weight, one segment, in a step's first
+        round; the previous round's ``RoundOutcome.weights`` after it)."""
         prober = asyncio.ensure_future(self._probe_members())
         try:
-            return await self._run(flat, weight, deadlines)
+            return await self._run(flat, weights, deadlines)
         finally:
             prober.cancel()
 
-    async def _run(self, flat: np.ndarray, weight: float, deadlines: Deadlines) -> RoundOutcome:
+    async def _run(self, flat: np.ndarray, weights: SegmentWeights,
+                   deadlines: Deadlines) -> RoundOutcome:
         members = self.group.members
         self.numel = flat.size
         # Small tensors have fewer owners than members (``owner_shares``): a member whose
@@ -270,7 +305,10 @@ class GroupRound:
         out = np.empty(flat.size, dtype=np.float32)  # every part is written exactly once
         per_part: dict[int, tuple[str, ...]] = {}
         failed: list[str] = []
-        weights: dict[int, float] = {}
+        totals: dict[int, SegmentWeights] = {}  # each part's total weight, per value
+
+        def ours(j: int) -> SegmentWeights:  # our own weights on part j
+            return weights.within(slices[j].start, slices[j].stop)
 
         phases: dict[str, float] = {}
         mark = self.clock()
@@ -283,48 +321,48 @@ class GroupRound:
 
         if self.me in members and sizes[members.index(self.me)] == 0:
             own = members.index(self.me)
-            await self._contribute(flat, weight, slices, own)
-            per_part[own], weights[own] = (), weight
+            await self._contribute(flat, weights, slices, own)
+            per_part[own], totals[own] = (), ours(own)
             lap("put")
         elif self.me in members:
             own = members.index(self.me)
             self.box.own_part = own
             for sender in self.box.contributions:  # arrived before our round started
                 self.box.fetch_part(sender, own)
-            await self._contribute(flat, weight, slices, own)
+            await self._contribute(flat, weights, slices, own)
             lap("put")
             values, total, contributors = await self._reduce_part(
-                own, flat[slices[own]], weight, sizes[own], deadlines.contributions,
+                own, flat[slices[own]], ours(own), sizes[own], deadlines.contributions,
                 deadlines.contributions,
             )
             self.box.reduced = True
             lap("reduce")
             await self._publish(own, values, total, contributors, out[slices[own]])
-            per_part[own], weights[own] = contributors, total
+            per_part[own], totals[own] = contributors, total
             lap("publish")
 
         for j, owner in enumerate(members):
             if j in per_part:
                 continue
             if sizes[j] == 0:  # nothing to receive
-                per_part[j], weights[j] = (), weight
+                per_part[j], totals[j] = (), ours(j)
                 continue
             result = await self._await_result(j, owner, sizes[j], out[slices[j]], deadlines)
             if result is not None:
-                per_part[j], weights[j] = result.contributors, result.total_weight
+                per_part[j], totals[j] = result.contributors, result.weights
                 continue
             failed.append(owner)
             if self.me in members:  # re-reduce from the contributions we hold
                 await self._gather_copies(owner, (self.clock() + deadlines.final) / 2)
                 values, total, contributors = await self._reduce_part(
-                    j, flat[slices[j]], weight, sizes[j], deadlines.contributions,
+                    j, flat[slices[j]], ours(j), sizes[j], deadlines.contributions,
                     deadlines.final, exclude=owner,
                 )
                 out[slices[j]] = values
-                per_part[j], weights[j] = contributors, total
-            else:  # a receiver keeps its local value for the part
+                per_part[j], totals[j] = contributors, total
+            else:  # a receiver keeps its local value for the part, with its weights
                 out[slices[j]] = flat[slices[j]]
-                per_part[j], weights[j] = (), weight
+                per_part[j], totals[j] = (), ours(j)
 
         lap("gather")
         log_ = self.box.fetch_log
@@ -338,12 +376,12 @@ class GroupRound:
         everyone = [set(c) for j, c in per_part.items() if sizes[j] > 0] or [set()]
         full = set.intersection(*everyone)
         partial = set.union(*everyone) - full
-        new_weight = (
-            sum(weights[j] * sizes[j] for j in weights) / max(flat.size, 1) if flat.size else weight
-        )
+        # each value keeps exactly the weight its part's reduction summed (no average over
+        # parts: after a failure the parts hold different weights, see module docstring)
+        new_weights = SegmentWeights.joined([(sizes[j], totals[j]) for j in range(len(sizes))])
         return RoundOutcome(
             values=out,
-            weight=float(new_weight),
+            weights=new_weights if flat.size else weights,
             contributors=tuple(sorted(full)),
             partial_contributors=tuple(sorted(partial)),
             rejections=self.rejections,
@@ -358,8 +396,10 @@ class GroupRound:
 
     # -- sending: our contribution, our part's result -------------------------------------
 
-    async def _contribute(self, flat: np.ndarray, weight: float, slices, own: int) -> None:
-        """Send ``flat``'s parts (``slices``; ``own`` is ours) to the part owners: inline
+    async def _contribute(self, flat: np.ndarray, weights: SegmentWeights, slices,
+                          own: int) -> None:
+        """Send ``flat``'s parts (``slices``; ``own`` is ours), with their ``weights``
+        (signed with them when there is a key), to the part owners: inline
         and one lazily made put (``InBundle``) for small parts, refs for large ones. What a
         member that owns nothing would get is handed to ``hold`` (sent on a
         ``CopyRequest``). Every call is watched: a failed one marks that peer dead."""
@@ -404,13 +444,13 @@ class GroupRound:
                 return refs
 
         tag = b"" if self.auth is None else self.auth.contribution_tag(
-            self.plan.epoch, self.round_index, self.group_index, self.me, float(weight),
+            self.plan.epoch, self.round_index, self.group_index, self.me, weights,
             flat.size, digests)
 
         def message(j: int) -> Contribution:
             return Contribution(epoch=self.plan.epoch, round_index=self.round_index,
                                 group_index=self.group_index, sender=self.me,
-                                weight=float(weight), numel=flat.size, part_refs=payloads(j),
+                                weights=weights, numel=flat.size, part_refs=payloads(j),
                                 digests=digests, tag=tag)
 
         for j, peer in enumerate(members):
@@ -424,10 +464,11 @@ class GroupRound:
                 continue
             self.watch_call(peer, self.send(peer, "receive_contribution", message(j)))
 
-    async def _publish(self, part: int, values: np.ndarray, total: float, contributors,
-                       dest: np.ndarray) -> None:
+    async def _publish(self, part: int, values: np.ndarray, total: SegmentWeights,
+                       contributors, dest: np.ndarray) -> None:
         """Write our reduced ``part`` into ``dest`` exactly as the others will decode it,
-        and send it to every other peer of the group (inline if small, else as one put)."""
+        and send it with its total weight per value (``total``) to every other peer of the
+        group (inline if small, else as one put)."""
         enc = await off_loop(values.nbytes, comp.encode, values, self.codec)
         # Keep exactly what the others will decode, so every peer holds equal values.
         await off_loop(values.nbytes, comp.decode_into, enc, dest)
@@ -449,7 +490,7 @@ class GroupRound:
             part=part,
             owner=self.me,
             numel=self.numel,
-            total_weight=total,
+            weights=total,
             contributors=tuple(contributors),
             ref=ref,
             digest=digest,
@@ -462,14 +503,16 @@ class GroupRound:
 
     # -- reducing a part ------------------------------------------------------------------
 
-    def _own_term(self, local: np.ndarray, size: int, weight: float):
+    def _own_term(self, local: np.ndarray, size: int, weights: SegmentWeights):
         """Our own value of a part as the others will see it (through the codec), as a term
         of the mean; or the reason it is rejected (NaN, wrong shape, bad weight, bounds)."""
-        return self._term(comp.encode(local, self.codec), size, weight)
+        return self._term(comp.encode(local, self.codec), size, weights)
 
-    def _accept(self, enc: comp.Encoded, size: int, weight: float, digest: bytes | None):
+    def _accept(self, enc: comp.Encoded, size: int, weights: SegmentWeights,
+                digest: bytes | None):
         """A fetched part as a term of the mean, or a ``(reason, detail)`` rejection.
-        ``digest``: what its sender signed for it (None: no key, nothing to check)."""
+        ``weights``: its sender's weights on the part; ``digest``: what its sender signed
+        for it (None: no key, nothing to check)."""
         codec = self.codec
         if digest is not None and not JobAuth.digest_matches(enc, digest):
             return (RejectReason.UNAUTHENTICATED,
@@ -481,57 +524,66 @@ class GroupRound:
                     f"got {enc.codec}/{enc.data.dtype}, expected {codec.name}/"
                     f"{codec.wire_dtype}")
         try:
-            return self._term(enc, size, weight)
+            return self._term(enc, size, weights)
         except (ValueError, TypeError, IndexError) as exc:  # e.g. 8-bit meta of another layout
             return RejectReason.SHAPE_MISMATCH, f"undecodable payload: {exc}"
 
-    def _term(self, enc: comp.Encoded, size: int, weight: float):
+    def _term(self, enc: comp.Encoded, size: int, weights: SegmentWeights):
         data = enc.data
         if data.ndim != 1 or data.shape[0] != self.codec.wire_length(size) or enc.numel != size:
-            return check_contribution(data, size, data.dtype, weight, self.limits) or (
+            return check_contribution(data, size, data.dtype, weights, self.limits) or (
                 RejectReason.SHAPE_MISMATCH, f"payload of {enc.numel} values, expected {size}")
         values = self.codec.decode(enc)
         # a fresh float32 buffer of ours, unless the codec hands back the wire buffer
         owned = values is not data and values.flags.writeable
-        problem = check_contribution(values, size, F32, weight, self.limits)
+        problem = check_contribution(values, size, F32, weights, self.limits)
         if problem is not None:
             return problem
-        return WeightedMean.term(values, weight, owned=owned)
+        return WeightedMean.term(values, weights, owned=owned)
 
     async def _reduce_part(
         self,
         part: int,
         local: np.ndarray,
-        weight: float,
+        weights: SegmentWeights,
         size: int,
         arrive_by: float,
         fetch_by: float,
         exclude: str | None = None,
-    ) -> tuple[np.ndarray, float, tuple[str, ...]]:
-        """Weighted mean of part ``part`` over our own value and the contributions that
-        arrive before ``arrive_by`` and are fetched before ``fetch_by`` (``exclude``: a dead
-        owner whose part we re-reduce after the contribution deadline: then exactly the
-        contributions that had arrived count, and only their fetches are waited for).
+    ) -> tuple[np.ndarray, SegmentWeights, tuple[str, ...]]:
+        """Weighted mean of part ``part`` over our own value (``local``, with our
+        ``weights`` on the part) and the contributions that arrive before ``arrive_by`` and
+        are fetched before ``fetch_by`` (``exclude``: a dead owner whose part we re-reduce
+        after the contribution deadline: then exactly the contributions that had arrived
+        count, and only their fetches are waited for), and its total weight per value.
 
-        All fetches run at once; values enter the mean in the group's member order, each
-        as soon as every member before it is settled (added, rejected or known absent), so
-        any peer reducing the same inputs computes bitwise identical results. No valid value
-        at all, or a non-finite mean (then ``errored`` is set): zeros, weight 0, no
-        contributors.
+        Each value is weighted by the weight its contribution carries there
+        (``Contribution.weights``), so a part whose contributions hold different weights
+        on different values (after a failure in an earlier round) is still the exact
+        weighted mean, value by value. A contribution whose weights are malformed, negative,
+        non-finite or above the step's bound is rejected as a whole. All fetches run at
+        once; values enter the mean in the group's member order, each as soon as every
+        member before it is settled (added, rejected or known absent), so any peer reducing
+        the same inputs computes bitwise identical results. No valid value at all, or a
+        non-finite mean (then ``errored`` is set): zeros, weight 0, no contributors.
         """
         box, clock, timed = self.box, self.clock, self._timed
         order = [m for m in self.group.members if m != exclude]
         mean = WeightedMean(size)
-        held: dict[str, tuple[np.ndarray, float]] = {}
+        held: dict[str, tuple[np.ndarray, SegmentWeights]] = {}
         settled: set[str] = {self.me}
         preparing: dict[str, asyncio.Future] = {}  # validation + scaling, in worker threads
+        start = sum(self.sizes[:part])  # our part's first value in the whole tensor
+
+        def on_part(c: Contribution) -> SegmentWeights:  # a sender's weights on our part
+            return c.weights.within(start, start + size)
 
         nbytes = size * F32.itemsize
-        got = await off_loop(nbytes, timed, self._own_term, local, size, weight)
+        got = await off_loop(nbytes, timed, self._own_term, local, size, weights)
         if isinstance(got, tuple):
             self.reject(self.me, part, *got)
         else:
-            held[self.me] = (got, weight)
+            held[self.me] = (got, weights)
         fetching: dict[str, asyncio.Task] = {}
         contributors: list[str] = []
         added = 0  # members of ``order`` whose turn has passed
@@ -549,6 +601,9 @@ class GroupRound:
                     self.reject(sender, part, RejectReason.SHAPE_MISMATCH,
                                 f"tensor of {c.numel} values", c.numel)
                     settled.add(sender)
+                elif (problem := check_weights(c.weights, self.numel, self.limits)):
+                    self.reject(sender, part, *problem)
+                    settled.add(sender)
                 else:
                     fetching[sender] = box.fetch_part(sender, part)
             for sender, task in list(fetching.items()):
@@ -562,11 +617,11 @@ class GroupRound:
                     settled.add(sender)
                     continue
                 self.bytes_received += getattr(enc, "nbytes", 0)
-                weight_of = box.contributions[sender].weight
+                weights_of = on_part(box.contributions[sender])
                 digest = None if self.auth is None else \
                     box.contributions[sender].digests[part]
                 future = asyncio.ensure_future(
-                    off_loop(nbytes, timed, self._accept, enc, size, weight_of, digest))
+                    off_loop(nbytes, timed, self._accept, enc, size, weights_of, digest))
                 future.add_done_callback(lambda _: box.notify())
                 preparing[sender] = future
             for sender, future in list(preparing.items()):
@@ -578,7 +633,7 @@ class GroupRound:
                 if isinstance(got, tuple):
                     self.reject(sender, part, *got)
                 else:
-                    held[sender] = (got, box.contributions[sender].weight)
+                    held[sender] = (got, on_part(box.contributions[sender]))
             while added < len(order) and order[added] in settled:
                 member = order[added]
                 added += 1
@@ -601,7 +656,7 @@ class GroupRound:
             # Zeros for ourselves (a NaN gradient must not reach our parameters, nor through
             # us as a donor everyone's); a published empty result makes the receivers
             # re-reduce the part from what they hold (see ``_await_result``).
-            return np.zeros(size, dtype=np.float32), 0.0, ()
+            return np.zeros(size, dtype=np.float32), SegmentWeights.uniform(0.0), ()
         values, total = await off_loop(nbytes, timed, mean.result)
         self.reduced_bytes += values.nbytes * mean.count
         if not math.isfinite(await off_loop(nbytes, timed, comp.max_abs, values)):
@@ -609,7 +664,7 @@ class GroupRound:
             # same as no valid value, and the step must not be applied.
             self.errored = f"part {part}: the weighted mean is not finite"
             log.error("epoch %d round %d: %s", self.plan.epoch, self.round_index, self.errored)
-            return np.zeros(size, dtype=np.float32), 0.0, ()
+            return np.zeros(size, dtype=np.float32), SegmentWeights.uniform(0.0), ()
         return values, total, tuple(sorted(contributors))
 
     # -- receiving the others' results ----------------------------------------------------
@@ -631,8 +686,10 @@ class GroupRound:
         self, part: int, owner: str, size: int, dest: np.ndarray, deadlines: Deadlines
     ) -> PartResult | None:
         """Write the owner's result for ``part`` into ``dest``; None if the owner died, is
-        late or sent junk (malformed, a total weight or a value that is non-finite or
-        above our bounds: ``dest`` may then hold it, and the caller overwrites it)."""
+        late or sent junk (malformed, total weights that are malformed for the part,
+        negative, non-finite or above our bound times the group's size, a value that is
+        non-finite or above our bound: ``dest`` may then hold it, and the caller overwrites
+        it)."""
         while part not in self.box.results:
             if owner in self.box.dead:
                 return None
@@ -649,9 +706,11 @@ class GroupRound:
             log.warning("result of part %d from %s is for a tensor of %d values, not %d; "
                         "re-reducing", part, owner, result.numel, self.numel)
             return None
-        if not 0 <= result.total_weight <= self.limits.weight * len(self.group.members):
-            log.warning("result of part %d from %s has total weight %r (bound %.3g per "
-                        "member); re-reducing", part, owner, result.total_weight,
+        bound = Limits(weight=self.limits.weight * len(self.group.members))
+        problem = check_weights(result.weights, size, bound)
+        if problem is not None:
+            log.warning("result of part %d from %s has bad total weights (%s; bound %.3g "
+                        "per member); re-reducing", part, owner, problem[1],
                         self.limits.weight)
             return None
         try:  # a result that came in time may still be fetched until the final deadline

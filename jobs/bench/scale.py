@@ -425,8 +425,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of the peers that die mid-round in the last step")
     parser.add_argument("--max-group", type=int, default=None, metavar="G",
                         help="largest averaging group (default: the product's)")
-    parser.add_argument("--compression", default="none", help="the codec (codecs.py name)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compression", default="none",
+                        help="the codec of the averaging (a codecs.py name; default none)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the churn, the deaths and the grid (default 0)")
     parser.add_argument("--out", default="runs/bench-scale", metavar="DIR",
                         help="where the plot and scale.json go")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")

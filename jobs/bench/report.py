@@ -120,6 +120,54 @@ def _allreduce_rows(f: Mapping) -> Rows:
     return rows
 
 
+def _scale_largest(f: Mapping) -> tuple[str, Mapping]:
+    by = f.get("by_peers") or {}
+    if not by:
+        return "-", {}
+    n = max(by, key=int)
+    return n, by[n]
+
+
+def _scale_line(f: Mapping) -> str:
+    n, top = _scale_largest(f)
+    return (f"at {n} simulated peers: Coordinator "
+            f"{fmt(top.get('coordinator_ms_per_step'), '.0f', ' ms')} per global step "
+            f"(target <= 50){_met(top.get('coordinator_ms_per_step'), 50, at_most=True)}, "
+            f"10% dying mid-round: {fmt(top.get('averaged_share_with_deaths'), '.2f')} of the "
+            f"live contributions averaged exactly (target >= 0.85)"
+            f"{_met(top.get('averaged_share_with_deaths'), 0.85)}")
+
+
+def _scale_rows(f: Mapping) -> Rows:
+    by = f.get("by_peers") or {}
+    fits = f.get("fits") or {}
+    rows: Rows = [("peers (simulated, in one process)", ", ".join(sorted(by, key=int)) or "-"),
+                  ("largest averaging group", fmt(f.get("max_group"), "d"))]
+    figures = (("Coordinator CPU per global step", "coordinator_ms_per_step", ".1f", " ms"),
+               ("messages per peer per step (control plane)", "messages_per_peer_per_step",
+                ".1f", ""),
+               ("control-plane bytes per peer per step", "control_bytes_per_peer_per_step",
+                ".0f", " B"),
+               ("plan size", "plan_bytes", ".0f", " B"),
+               ("store (GCS) writes per step", "store_writes_per_step", ".1f", ""),
+               ("Coordinator memory after the memory run", "coordinator_memory_mb", ".1f",
+                " MB"),
+               ("averaging rounds (grid dimensions)", "grid_rounds", "d", ""),
+               ("averaging bytes sent per peer per step", "bytes_per_peer_per_step", ".0f",
+                " B"),
+               ("the grid's 2 x rounds x tensor bytes", "grid_bytes_per_peer_per_step", ".0f",
+                " B"),
+               ("live contributions averaged exactly, no deaths", "averaged_share", ".3f", ""),
+               ("the same with 10% dying mid-round", "averaged_share_with_deaths", ".3f", ""),
+               ("survivors' results exact with deaths", "exact_results_with_deaths", ".3f", ""),
+               ("largest error against the exact mean", "max_abs_error", ".1e", ""))
+    for label, key, spec, unit in figures:
+        values = " / ".join(fmt(by[n].get(key), spec, unit) for n in sorted(by, key=int))
+        fit = fits.get(key)
+        rows.append((label, values + (f" (fit {fit})" if fit else "")))
+    return rows
+
+
 def _counts(f: Mapping) -> list[tuple[str, Mapping]]:
     counts = f.get("counts") or {}
     return sorted(counts.items(), key=lambda kv: int(kv[0]))
@@ -499,6 +547,8 @@ HEADLINES: tuple[Headline, ...] = (
              "moshray bench links --profile zones --compare --short --nodes 4 --zone-b 2 --json",
              _zones_line, _zones_rows, key="links-zones",
              takes=lambda command: "--compare" in command and "zones" in command),
+    Headline("scale", "the Coordinator and the collective at 16 to 1,024 simulated peers",
+             "moshray bench scale", _scale_line, _scale_rows),
     Headline("overlap", "overlapped averaging against synchronous steps",
              "moshray bench overlap --nodes 2 --seconds 90", _overlap_line, _overlap_rows),
 )

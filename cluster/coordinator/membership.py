@@ -54,7 +54,7 @@ class Membership:
     # node id -> the draining deadline of the latest notice or drain for it: peers that
     # register there later (a replica still starting when the notice came) drain too
     _draining_nodes: dict[str, float] = field(default_factory=dict)
-    # the members' ids in order, rebuilt only when one joins or goes (``_order``)
+    # the members' ids in order, rebuilt only when one joins or goes (``ordered``)
     _sorted: list[str] | None = field(default=None, repr=False, compare=False)
     # no member was last seen before this (a lower bound: heartbeats only raise it), so
     # ``expire`` has nothing to drop before ``_seen_floor + peer_ttl_s``
@@ -92,8 +92,10 @@ class Membership:
         self._sorted = None
         return True
 
-    def _order(self) -> list[str]:
-        """The members' ids, sorted (kept until one joins or goes: O(1) per call)."""
+    def ordered(self) -> list[str]:
+        """The members' ids, sorted: the same list object until one joins or goes (O(1) per
+        call; a caller may compare it by identity to know nothing changed). Do not mutate
+        it."""
         if self._sorted is None:
             self._sorted = sorted(self._members)
         return self._sorted
@@ -132,7 +134,7 @@ class Membership:
     def live(self, now: float) -> tuple[PeerInfo, ...]:
         """Peers that may take part in the next round (alive and not draining)."""
         members, ttl = self._members, self.config.peer_ttl_s
-        return tuple(members[p].info for p in self._order()
+        return tuple(members[p].info for p in self.ordered()
                      if now - members[p].last_seen <= ttl
                      and members[p].draining_deadline is None)
 
@@ -140,7 +142,7 @@ class Membership:
         """Peers heard from within the TTL, draining ones included (they are still up until
         their deadline, e.g. to hand their state to a joiner)."""
         members, ttl = self._members, self.config.peer_ttl_s
-        return tuple(members[p].info for p in self._order()
+        return tuple(members[p].info for p in self.ordered()
                      if now - members[p].last_seen <= ttl)
 
     def is_member(self, peer_id: str) -> bool:
@@ -149,7 +151,7 @@ class Membership:
 
     def members(self) -> tuple[str, ...]:
         """Registered peers not yet left or expired (draining or not), sorted."""
-        return tuple(self._order())
+        return tuple(self.ordered())
 
     def draining(self) -> tuple[str, ...]:
         return tuple(sorted(p for p, m in self._members.items() if m.draining_deadline is not None))

@@ -279,7 +279,7 @@ class StepService:
         """Who a restarted Coordinator awaits: the members, the peers awaited now and those
         known before the last restart, sorted; built again only when one of them changed
         (the snapshot is taken after every call)."""
-        order = self.membership._order()  # the same list object until a member changes
+        order = self.membership.ordered()  # the same list object until a member changes
         key = (self.progress.awaited, self._known_before)
         if self._peers_of is not order or self._peers_key != key:
             self._peers_of, self._peers_key = order, key

@@ -393,12 +393,18 @@ def summarize(stats: dict, statuses: list[dict], leaving: set[str], wall_s: floa
 
 def done_line(summary: dict, run_dir: str | None = None) -> str:
     """The run's end: steps, samples, average samples/s over the whole run, preemptions,
-    the loss (4 significant digits) and, with ``run_dir``, where its outputs are."""
+    the loss (4 significant digits); what the replica starts came to (``replica_starts``:
+    how many trained, how long they took, how many were gone before they trained); and,
+    with ``run_dir``, where its outputs are."""
     line = (f"done: {summary['steps']} steps, {summary['samples']} samples in "
             f"{summary['wall_s']:.1f} s ({summary['samples_per_s']:.1f} samples/s), "
             f"{summary['preemptions']} preemptions survived, loss "
             f"{sig4(summary['initial_loss'])} -> {sig4(summary['final_loss'])}, replicas "
             f"consistent: {summary['replicas_consistent']}")
+    if summary.get("replica_starts"):
+        from moshray.jobs.controller.replica_states import starts_line
+
+        line += f"\nreplica starts: {starts_line(summary['replica_starts'])}"
     if run_dir is not None:
         from pathlib import Path
 

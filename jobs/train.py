@@ -61,6 +61,7 @@ from moshray.jobs.controller.driver_calls import (
     final_state,
 )
 from moshray.jobs.controller.durability import CHECKPOINT_ENV, DurabilityGuard
+from moshray.jobs.controller.replica_states import replica_starts
 
 log = logging.getLogger("moshray.train")
 POLL_S = 0.5
@@ -539,6 +540,7 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
         summary["model"] = run_report.save_model(config.run_dir, state)
     summary["replica_lifecycle"] = controller.states()
     summary["replica_timelines"] = controller.timelines()
+    summary["replica_starts"] = replica_starts(summary["replica_timelines"]).to_json()
     summary["nodes_joined"] = len(controller.joined_at)
     summary["replica_failures"] = len(controller.job_failures)  # loops that raised
     summary["checkpoint_failures"] = controller.checkpoint_failures_total

@@ -212,7 +212,7 @@ def test_short_chaos_run_loses_nothing_and_quarantines_the_bad_replicas(tmp_path
 
 
 def test_join_times_run_from_a_replicas_start_to_its_first_training_state():
-    from moshray.jobs.bench.chaos_plan import join_seconds
+    from moshray.jobs.controller.replica_states import join_seconds
 
     timelines = {"r1": [("starting", 1.0), ("syncing", 3.0), ("training", 7.5), ("gone", 9)],
                  "r2": [("starting", 2.0), ("gone", 4.0)]}

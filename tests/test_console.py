@@ -194,6 +194,26 @@ def test_the_end_line_names_the_run_directory_the_plot_and_the_summary(tmp_path)
     assert str(tmp_path) in last and "summary.json" in last and "training.png" in last
 
 
+def test_the_end_lines_say_what_the_replica_starts_came_to():
+    from moshray.jobs.controller.replica_states import replica_starts
+
+    timelines = {"r0": [("starting", 0.0), ("syncing", 4.0), ("training", 9.0)],
+                 "r1": [("starting", 10.0), ("training", 16.5), ("gone", 40.0)],
+                 "r2": [("starting", 20.0), ("gone", 23.0)],  # its node went first
+                 "r3": [("starting", 50.0)]}  # still starting at the end
+    summary = {"steps": 10, "samples": 640, "wall_s": 5.0, "samples_per_s": 128.0,
+               "preemptions": 1, "initial_loss": 5.0, "final_loss": 3.0,
+               "replicas_consistent": True,
+               "replica_starts": replica_starts(timelines).to_json()}
+    assert summary["replica_starts"] == {
+        "started": 4, "trained": 2, "to_training_median_s": 7.75, "to_training_max_s": 9.0,
+        "gone_untrained": 1, "gone_untrained_s": 3.0}
+    assert done_line(summary).splitlines()[1] == (
+        "replica starts: 4 replicas started, 2 trained (start -> training median 7.8 s, "
+        "max 9.0 s), 1 gone before training (3.0 s of starting)")
+    assert len(done_line(dict(summary, replica_starts=None)).splitlines()) == 1
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(__import__("shutil").which("tmux") is None, reason="needs tmux")

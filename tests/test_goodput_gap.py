@@ -10,7 +10,8 @@ from moshray.autoscaler.traces import NodeEvent
 import moshray.jobs.bench.goodput_curves as gc
 import moshray.jobs.bench.goodput_rates as gr
 from moshray.jobs.bench.goodput_curves import Progress
-from moshray.jobs.bench.goodput_gap import CLASSES, gap_split, replica_starts
+from moshray.jobs.bench.goodput_gap import CLASSES, gap_split
+from moshray.jobs.controller.replica_states import replica_starts
 
 RATES = {1: 6.0, 2: 10.0}
 

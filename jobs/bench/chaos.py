@@ -76,10 +76,10 @@ from moshray.jobs.bench.chaos_faults import (SmallDisk, chaos_job, order_user_er
                                              small_disk_refusal, user_error_raised)
 from moshray.jobs.bench.chaos_plan import (NETWORK_RULED_OUT, NODE_KINDS, RULED_OUT,
                                            SCHEDULES, ChaosPlan, FaultLedger, draw_plan, invariant_failures,
-                                           join_seconds, node_fault_outcome, stall_causes,
-                                           stalled_seconds)
+                                           node_fault_outcome, stall_causes, stalled_seconds)
 from moshray.jobs.bench.chaos_schedule import write_trace
 from moshray.jobs.bench.results import add_results_argument, save_result
+from moshray.jobs.controller.replica_states import join_seconds
 
 log = logging.getLogger("moshray.bench_chaos")
 

@@ -287,18 +287,6 @@ def invariant_failures(fig: dict) -> list[str]:
     return out
 
 
-def join_seconds(timelines: dict[str, list]) -> list[float]:
-    """Seconds from each replica's start to its first ``training`` state (replicas that
-    never trained are left out)."""
-    out = []
-    for steps in timelines.values():
-        start = steps[0][1]
-        trained = [at for state, at in steps if state == "training"]
-        if trained:
-            out.append(round(trained[0] - start, 2))
-    return out
-
-
 def stall_causes(advances: list[float], events: Iterable[tuple[float, str]],
                  threshold: float = STALL_S, lead_s: float = STALL_S) -> dict[str, float]:
     """Stalled seconds by cause: each gap longer than ``threshold`` between global steps

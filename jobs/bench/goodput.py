@@ -112,7 +112,8 @@ import time
 from pathlib import Path
 
 from moshray.jobs.bench.goodput_curves import participation, summarize
-from moshray.jobs.bench.goodput_gap import GAP_WINDOW_S, gap_split, replica_starts
+from moshray.jobs.bench.goodput_gap import GAP_WINDOW_S, gap_split
+from moshray.jobs.controller.replica_states import replica_starts
 from moshray.jobs.bench.goodput_rates import (
     MOSHRAY, RAYTRAIN, RAYTRAIN_TORCHFT, BenchError, compare_rates, count_seconds, ideal_curve,
     live_timeline, ratio)

@@ -19,21 +19,18 @@ the slice's end minus at its start, so a rollback to a checkpoint makes that neg
 too (:class:`SliceGap`, ``by_slice`` in the JSON), and ``worst_line`` names the slices that
 missed the most: where in the trace the shortfall sits.
 
-What the node events cost moshray is mostly its joins: :func:`replica_starts` reads the
-controller's replica timelines (``summary["replica_timelines"]``) and says how many replicas
-were started, how many trained, how long each took from its start to training, and how many
-were gone before they ever trained (a node that lived shorter than a join), with the seconds
-they spent starting.
+What the node events cost moshray is mostly its joins: the run summary's
+``replica_starts`` (``jobs/controller/replica_states.replica_starts``, from the controller's
+replica timelines) says how many replicas were started, how many trained, how long each took
+from its start to training, and how many were gone before they ever trained.
 """
 
 from __future__ import annotations
 
 import bisect
-import statistics
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from moshray.jobs.bench.chaos_plan import join_seconds
 from moshray.jobs.bench.goodput_rates import ideal_curve, ratio
 
 CLASSES = ("startup", "node_events", "steady")
@@ -178,47 +175,3 @@ def gap_split(curve: Sequence[tuple[float, float]], events: Iterable,
     return GapSplit(window_s, tuple(slices))
 
 
-@dataclass(frozen=True)
-class ReplicaStarts:
-    """The replicas a run started: ``trained`` of ``started`` reached training, after
-    ``to_training_s`` seconds each (from the start); ``gone_untrained`` were gone first,
-    after ``gone_untrained_s`` seconds of starting in all."""
-
-    started: int
-    to_training_s: tuple[float, ...]
-    gone_untrained: int
-    gone_untrained_s: float
-
-    @property
-    def trained(self) -> int:
-        return len(self.to_training_s)
-
-    def to_json(self) -> dict:
-        waits = self.to_training_s
-        return {"started": self.started, "trained": self.trained,
-                "to_training_median_s": statistics.median(waits) if waits else None,
-                "to_training_max_s": max(waits) if waits else None,
-                "gone_untrained": self.gone_untrained,
-                "gone_untrained_s": round(self.gone_untrained_s, 2)}
-
-    def line(self) -> str:
-        """``26 replicas started, 12 trained (start -> training median 14.0 s, max 18.6 s),
-        14 gone before training (59.7 s of starting)``."""
-        j = self.to_json()
-        waits = (f" (start -> training median {j['to_training_median_s']:.1f} s, "
-                 f"max {j['to_training_max_s']:.1f} s)" if self.trained else "")
-        return (f"{self.started} replicas started, {self.trained} trained{waits}, "
-                f"{self.gone_untrained} gone before training "
-                f"({self.gone_untrained_s:.1f} s of starting)")
-
-
-def replica_starts(timelines: Mapping[str, Sequence]) -> ReplicaStarts:
-    """Summarize the controller's ``{replica: [(state, t_s), ...]}`` timelines (states in
-    time order, the first one the start). A replica still starting at the end counts as
-    started only. Raises nothing on an empty mapping (all counts 0)."""
-    runs = {replica: steps for replica, steps in timelines.items() if steps}
-    gone_s = [next(t for state, t in steps if state == "gone") - steps[0][1]
-              for steps in runs.values()
-              if not any(state == "training" for state, _ in steps)
-              and any(state == "gone" for state, _ in steps)]
-    return ReplicaStarts(len(runs), tuple(join_seconds(runs)), len(gone_s), sum(gone_s))

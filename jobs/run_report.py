@@ -27,6 +27,10 @@ INTERVAL_S = 10.0  # off a terminal: one progress line every INTERVAL_S seconds
 # Lines Ray's log monitor forwards from its own processes, by the "pid" it gives them:
 # these are Ray's internals (their files under the session's logs/ keep them).
 RAY_INTERNAL_PIDS = frozenset({"raylet", "gcs_server"})
+# moshray's own control actors whose lines stay off the console too: what they log (a
+# watcher's "terminate notice, 0.4 s left") is counted on the progress line and in the
+# summary, and kept in the session's worker logs.
+CONTROL_ACTORS = frozenset({"NoticeWatcher"})
 
 
 def run_fraction(epoch: int, elapsed: float, max_steps: int | None,
@@ -255,9 +259,11 @@ class Console:
             pass
 
 
-def quiet_ray_logs(internal: frozenset = RAY_INTERNAL_PIDS) -> bool:
+def quiet_ray_logs(internal: frozenset = RAY_INTERNAL_PIDS,
+                   control: frozenset = CONTROL_ACTORS) -> bool:
     """Keep the lines Ray forwards from its own processes (``internal``: raylet, GCS
-    server) off this driver's console; the replicas' own output still shows, printed
+    server) and from moshray's control actors (``control``, by actor class name) off this
+    driver's console; the replicas' own output still shows, printed
     with the progress bar cleared around it. Ray's session log files keep everything.
     Call after ``ray.init(log_to_driver=True)``; idempotent; returns whether Ray's
     printer was found (False: Ray's internals changed, nothing is filtered)."""
@@ -274,7 +280,7 @@ def quiet_ray_logs(internal: frozenset = RAY_INTERNAL_PIDS) -> bool:
         return True
 
     def filtered(data: dict) -> None:
-        if data.get("pid") in internal:
+        if data.get("pid") in internal or data.get("actor_name") in control:
             return
         from tqdm import tqdm
 

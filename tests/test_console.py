@@ -160,8 +160,9 @@ def test_an_error_ends_the_bar_so_its_message_starts_a_line_of_its_own():
 
 def test_rays_own_processes_lines_stay_off_the_console_and_the_replicas_lines_show():
     """Ray's log monitor forwards lines of its raylet and GCS server (``gcs_server ...
-    Failed to kill actor NIL_ID``) to the driver's printer: they are dropped there (Ray's
-    session log files keep them); a replica's own output is printed."""
+    Failed to kill actor NIL_ID``) and of moshray's notice watchers to the driver's printer:
+    they are dropped there (Ray's session log files keep them); a replica's own output is
+    printed."""
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as hub
 
     from moshray.jobs.run_report import quiet_ray_logs
@@ -176,7 +177,9 @@ def test_rays_own_processes_lines_stay_off_the_console_and_the_replicas_lines_sh
         raylet = {"pid": "raylet", "lines": ["[raylet] worker died"], "is_err": True}
         replica = {"pid": 4242, "actor_name": "ReplicaActor", "lines": ["loss 2.5"],
                    "is_err": False}
-        for data in (gcs, raylet, replica):
+        watcher = {"pid": 4343, "actor_name": "NoticeWatcher", "is_err": True,
+                   "lines": ["node 423f49c1d176: terminate notice, 0.4 s left"]}
+        for data in (gcs, raylet, watcher, replica):
             hub.emit(data)
     finally:
         hub.handlers = saved

@@ -148,6 +148,7 @@ class CheckpointManifest:
         return {name: size for name, size, _ in self.files if name != INDEX}
 
     def sha256(self, name: str) -> str:
+        """The sha256 (hex) the manifest gives the file ``name`` (one it names)."""
         return next(h for f, _, h in self.files if f == name)
 
 

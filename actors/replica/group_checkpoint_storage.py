@@ -33,6 +33,7 @@ import io
 import json
 import os
 import pickle
+import re
 import uuid
 from collections.abc import Mapping
 
@@ -50,13 +51,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from moshray.actors.replica.group_checkpoint import CheckpointError
+from moshray.actors.replica.group_checkpoint import INDEX, CheckpointError
 
-METADATA = ".metadata"  # DCP's name for its index, which here holds JSON
 INDEX_FORMAT = "moshray-dcp-index"
 INDEX_VERSION = 1
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
            if isinstance(d, torch.dtype)}
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")  # in torch's weights-only refusal
 # What torch.load raises on bytes it cannot or will not load (a weights-only refusal is an
 # UnpicklingError).
 _UNPICKLE_ERRORS = (pickle.UnpicklingError, EOFError, RuntimeError, AttributeError,
@@ -112,7 +113,7 @@ def index_from_json(blob: bytes, shards: Mapping[str, int], where: str) -> Metad
     try:
         d = json.loads(blob.decode("utf-8"))
     except ValueError:  # a pickle, or other bytes: never unpickled
-        raise CheckpointError(f"{where}: {METADATA} refused, not a group checkpoint index: "
+        raise CheckpointError(f"{where}: {INDEX} refused, not a group checkpoint index: "
                               f"not JSON") from None
     try:
         if not isinstance(d, dict) or (d.get("format"), d.get("version")) != (
@@ -152,7 +153,7 @@ def index_from_json(blob: bytes, shards: Mapping[str, int], where: str) -> Metad
                         version=d["dcp_version"])
     except (_Malformed, ValueError, KeyError, TypeError, AttributeError) as exc:
         why = str(exc) if isinstance(exc, _Malformed) else f"{type(exc).__name__}: {exc}"
-        raise CheckpointError(f"{where}: {METADATA} refused, not a group checkpoint index: "
+        raise CheckpointError(f"{where}: {INDEX} refused, not a group checkpoint index: "
                               f"{' '.join(why.split())[:200]}") from None
 
 
@@ -200,8 +201,8 @@ class IndexWriter(FileSystemWriter):
         storage = {r.index: r.storage_data for per_rank in results for r in per_rank}
         text = index_to_json(dataclasses.replace(metadata, storage_data=storage,
                                                  version=CURRENT_DCP_VERSION))
-        tmp, final = os.path.join(self.path, METADATA + ".tmp"), os.path.join(self.path,
-                                                                             METADATA)
+        final = os.path.join(self.path, INDEX)
+        tmp = final + ".tmp"
         with open(tmp, "w") as f:
             f.write(text)
             f.flush()
@@ -229,10 +230,10 @@ class IndexReader(StorageReader):
             self.path = os.fspath(checkpoint_id)
 
     def read_metadata(self) -> Metadata:
-        with open(os.path.join(self.path, METADATA), "rb") as f:
+        with open(os.path.join(self.path, INDEX), "rb") as f:
             blob = f.read()
         if hashlib.sha256(blob).hexdigest() != self.metadata_sha256:
-            raise CheckpointError(f"{self.path}: file {METADATA}: sha256 differs from the "
+            raise CheckpointError(f"{self.path}: file {INDEX}: sha256 differs from the "
                                   f"manifest (corrupt or replaced); not loaded")
         return index_from_json(blob, self.shards, self.path)
 
@@ -312,9 +313,11 @@ def weights_only(stream: io.BytesIO, where: str):
     try:
         return torch.load(stream, map_location="cpu", weights_only=True)
     except _UNPICKLE_ERRORS as exc:
+        named = _GLOBAL.search(str(exc))  # what it would have called or built
+        why = (f"it names {named.group(1)}, neither a tensor nor a plain value" if named
+               else " ".join(str(exc).split())[:120])
         raise CheckpointError(f"{where}: refused by the weights-only loader "
-                              f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
-                              ) from None
+                              f"({type(exc).__name__}: {why})") from None
 
 
 def save(state: dict, directory: str) -> None:

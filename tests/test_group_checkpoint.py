@@ -56,7 +56,8 @@ def test_the_first_difference_between_checkpoint_and_model_is_named_in_one_line(
 
 
 def test_the_manifest_round_trips_and_a_torn_or_foreign_one_is_refused():
-    saved = manifest([("w", (4, 2))], files=[("__0_0.distcp", 10), (".metadata", 5)])
+    saved = manifest([("w", (4, 2))], files=[("__0_0.distcp", 10, "a" * 64),
+                                              (".metadata", 5, "b" * 64)])
     assert CheckpointManifest.from_json(saved.to_json()) == saved
     with pytest.raises(CheckpointError, match="^ck: format 'other' version 1, expected"):
         CheckpointManifest.from_json('{"format": "other", "version": 1}', "ck")

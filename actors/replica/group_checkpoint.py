@@ -1,23 +1,41 @@
 """Sharded checkpoints of a replica group: every rank writes its own shard
 with ``torch.distributed.checkpoint`` (DCP), and a checkpoint written by W ranks loads into a
-group of any other size W' (DCP reshards on load).
+group of any other size W' (DCP reshards on load). Loading one runs no code from storage:
+nothing a checkpoint holds is unpickled (below).
 
 Layout of a checkpoint directory ``path``::
 
-    path/__<rank>_0.distcp     each rank's shard of the model and optimizer state (DCP)
-    path/.metadata             DCP's index of every tensor's chunks (rank 0, after all wrote)
-    path/moshray.json          the manifest (``CheckpointManifest``): step, world size, the
-                               unsharded shape of every state entry, the size of every file
+    path/__<rank>_0.distcp     each rank's shard of the model and optimizer state: one
+                               ``torch.save`` per tensor chunk or non-tensor value (DCP)
+    path/.metadata             DCP's index of every entry's chunks (rank 0, after all wrote),
+                               as JSON (``group_checkpoint_storage``), not DCP's pickle
+    path/moshray.json          the manifest (``CheckpointManifest``, format version 2): step,
+                               world size, the unsharded shape of every state entry, and the
+                               size and sha256 of every file
+
+Loads no code: DCP's own reader unpickles ``.metadata`` and reads non-tensor entries (an
+optimizer's ``param_groups``) with a full unpickle, and the checkpoint lives where every
+worker may write. Here DCP saves and loads through ``group_checkpoint_storage``: the index
+is JSON and decoded into DCP's dataclasses by hand, and every shard entry, tensor or not, is
+read with ``torch.load(weights_only=True)`` (tensors and plain values only). A manifest of
+version 1 (an older moshray's: no hashes, a pickled index) is refused, not loaded.
+
+Checked before anything is read: a load (``load_sharded``) has rank 0 read the manifest
+(``read_manifest``: the format and version, the files it names, each there at its size; a
+name other than ``.metadata`` or a rank's ``__<rank>_<n>.distcp`` is refused), compare it
+with the model (``first_difference``), then hash every file it names and decode the index
+(``verify_files``), and tell the others, so on any refusal no rank reads a shard and the
+group stays sound. Each refusal is a ``CheckpointError`` of one line naming the checkpoint
+and the file. A file whose hash matches can still be refused while loading (a manifest
+rewritten to match a planted file): the weights-only loader refuses what is not a tensor
+or a plain value, having built nothing else.
 
 Visible only when whole: the ranks write into a staging directory beside ``path``
 (``staging_path``: ``<path>.partial-<nonce>``, the same file system), rank 0 adds the manifest
 once ``dcp.save`` has returned (DCP's last phase gathers every rank's write results before
 it returns, so every shard is on disk by then), and renames the directory to ``path`` (one
 ``rename(2)``: atomic on a POSIX file system). A reader sees no directory or a whole one; a
-failed save leaves ``<path>.partial-*`` behind, which nothing reads. A load also checks that
-every file the manifest names is there with its size (a torn copy is refused), and that the
-checkpoint's state names and shapes are the model's (``first_difference``); rank 0 checks and
-tells the others before any rank loads anything, so a refused load leaves the group sound.
+failed save leaves ``<path>.partial-*`` behind, which nothing reads.
 
 Durable storage: ``path`` may also be a URI ``pyarrow.fs`` understands (``s3://bucket/dir``,
 ``gs://bucket/dir``, with options as query parameters), the location a group job on several
@@ -25,24 +43,28 @@ machines needs. The ranks then stage on their node's disk (``local_staging``), r
 the shards and ``.metadata`` to ``path`` and writes the manifest last: an object store has
 no rename, so the manifest is the commit (a reader takes a directory only with its manifest
 and every file it names at its size; a save that failed leaves shards without a manifest).
-A load downloads the checkpoint to a node-local directory first (rank 0; the others read the
-same directory, as the group is on one node), and removes it after.
+A load downloads the files the manifest names to a node-local directory first (rank 0,
+``fetch``, which checks the copies' hashes; the others read the same directory, as the group
+is on one node), and removes it after.
 
 Resharding: each rank asks ``get_state_dict`` for the state of the model and optimizer it
 holds, laid out as the *loading* group shards it (FSDP2 DTensor shards of 1/W', or whole
 tensors under DDP), and ``dcp.load`` fills each of those tensors from whichever saved chunks
-overlap it (DCP's ``.metadata`` records the offsets of each chunk); ``set_state_dict`` then
-hands the optimizer its state. All ranks must see the same directory: the group's ranks are
-on one node (``ReplicaGroup.start`` packs them), or ``path`` is on a shared file system.
+overlap it (the index records the offsets of each chunk); ``set_state_dict`` then hands the
+optimizer its state. All ranks must see the same directory: the group's ranks are on one
+node (``ReplicaGroup.start`` packs them), or ``path`` is on a shared file system.
 
 The pure parts (manifest, comparisons, staging names) are apart from the rank-side I/O
-(``save_state``, ``load_state``), which the ``GroupRank`` actor calls.
+(``save_state``, ``load_state``), which the ``GroupRank`` actor calls; DCP itself is imported
+on the ranks only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -52,12 +74,21 @@ import pyarrow.fs as pafs
 import torch
 
 FORMAT = "moshray-group-checkpoint"
-VERSION = 1
+VERSION = 2
 MANIFEST = "moshray.json"
+INDEX = ".metadata"  # DCP's index (JSON here, see group_checkpoint_storage)
+_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's shard file of a rank
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_READ_BYTES = 8 * 1024 * 1024
 
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be written or read here; ``str()`` is one line."""
+
+
+class OlderCheckpointError(CheckpointError):
+    """A checkpoint in a format an older moshray wrote and this one refuses to load (its
+    manifest version is older): the message says what to do."""
 
 
 # -- the manifest and the checks (pure) --------------------------------------------------------
@@ -66,38 +97,78 @@ class CheckpointError(ValueError):
 @dataclass(frozen=True)
 class CheckpointManifest:
     """What a checkpoint holds, written last (see module docstring). ``state``: the unsharded
-    shape of each model entry, in the model's order; ``files``: each file's size in bytes."""
+    shape of each model entry, in the model's order; ``files``: each file's name, size in
+    bytes and sha256 (hex)."""
 
     step: int
     world_size: int
     parallel: str
     optimizer: str
     state: tuple[tuple[str, tuple[int, ...]], ...]
-    files: tuple[tuple[str, int], ...] = ()
+    files: tuple[tuple[str, int, str], ...] = ()
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, "version": VERSION, "step": self.step,
                            "world_size": self.world_size, "parallel": self.parallel,
                            "optimizer": self.optimizer,
                            "state": [[k, list(s)] for k, s in self.state],
-                           "files": [[f, n] for f, n in self.files]}, indent=1)
+                           "files": [[f, n, h] for f, n, h in self.files]}, indent=1)
 
     @classmethod
     def from_json(cls, text: str, where: str = "checkpoint") -> CheckpointManifest:
-        """Parse a manifest; ``CheckpointError`` (one line) for another format or version."""
+        """Parse a manifest; ``CheckpointError`` (one line) for another format or version
+        (``OlderCheckpointError`` for an older moshray's), or for files that are not a group
+        checkpoint's (``file_difference``)."""
         try:
             d = json.loads(text)
+            if d.get("format") == FORMAT and d.get("version") == 1:
+                raise OlderCheckpointError(
+                    f"{where}: written by an older moshray (manifest version 1, no hashes, "
+                    f"its {INDEX} a pickle), which this version does not load; start fresh "
+                    f"(another checkpoint location or run id) or remove it")
             if d.get("format") != FORMAT or d.get("version") != VERSION:
                 raise CheckpointError(f"{where}: format {d.get('format')!r} version "
                                       f"{d.get('version')!r}, expected {FORMAT!r} {VERSION}")
-            return cls(int(d["step"]), int(d["world_size"]), str(d["parallel"]),
-                       str(d["optimizer"]), tuple((k, tuple(s)) for k, s in d["state"]),
-                       tuple((f, int(n)) for f, n in d["files"]))
-        except (ValueError, KeyError, TypeError) as exc:
+            manifest = cls(int(d["step"]), int(d["world_size"]), str(d["parallel"]),
+                           str(d["optimizer"]), tuple((k, tuple(s)) for k, s in d["state"]),
+                           tuple((str(f), int(n), str(h)) for f, n, h in d["files"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             if isinstance(exc, CheckpointError):
                 raise
             raise CheckpointError(f"{where}: unreadable manifest ({type(exc).__name__}: "
                                   f"{exc})") from None
+        odd = file_difference(manifest)
+        if odd:
+            raise CheckpointError(f"{where}: refused: {odd}")
+        return manifest
+
+    @property
+    def shards(self) -> dict[str, int]:
+        """The shard files (all but the index), name -> size in bytes."""
+        return {name: size for name, size, _ in self.files if name != INDEX}
+
+    def sha256(self, name: str) -> str:
+        """The sha256 (hex) the manifest gives the file ``name`` (one it names)."""
+        return next(h for f, _, h in self.files if f == name)
+
+
+def file_difference(manifest: CheckpointManifest) -> str | None:
+    """The first file entry of ``manifest`` that is not a group checkpoint's, in one line,
+    or None: a name other than ``.metadata`` or ``__<rank>_<n>.distcp`` of a rank below the
+    world size (a name with a path in it included), a name twice, a negative size, a
+    sha256 that is not 64 hex digits, or no ``.metadata`` at all. Pure."""
+    seen = set()
+    for name, size, digest in manifest.files:
+        shard = _SHARD.match(name)
+        if name != INDEX and not (shard and int(shard.group(1)) < manifest.world_size):
+            return f"the manifest names {name!r}, not a file of a group checkpoint of " \
+                   f"{manifest.world_size} ranks"
+        if name in seen:
+            return f"the manifest names {name} twice"
+        if size < 0 or not _SHA256.match(digest):
+            return f"the manifest gives {name} a size of {size} and sha256 {digest!r}"
+        seen.add(name)
+    return None if INDEX in seen else f"the manifest names no {INDEX}"
 
 
 @dataclass(frozen=True)
@@ -147,7 +218,7 @@ def first_difference(saved: CheckpointManifest, model: tuple[tuple[str, tuple[in
 def torn_file(saved: CheckpointManifest, present: Mapping[str, int]) -> str | None:
     """The first file the manifest names that is missing or has another size in ``present``
     (name -> bytes on disk), in one line; ``None`` when all are whole."""
-    for name, size in saved.files:
+    for name, size, _ in saved.files:
         if name not in present:
             return f"file {name} is missing"
         if present[name] != size:
@@ -206,10 +277,14 @@ def list_checkpoints(base: str) -> list[str]:
 
 def newest(base: str) -> str | None:
     """The newest whole checkpoint (``step-<n>`` with its manifest and every file it names)
-    under ``base``, or None; a torn or partial one is passed over for an older one."""
+    under ``base``, or None; a torn or partial one is passed over for an older one. An older
+    moshray's (``OlderCheckpointError``) is raised, not passed over: a job would otherwise
+    start afresh beside it without a word."""
     for location in list_checkpoints(base):
         try:
             read_manifest(location)
+        except OlderCheckpointError:
+            raise
         except CheckpointError:
             continue
         return location
@@ -219,11 +294,14 @@ def newest(base: str) -> str | None:
 # -- the rank side (I/O; every rank of the group calls these, in the same order) ---------------
 
 
-def _dcp():
-    import torch.distributed.checkpoint as dcp
+def _storage():
+    """DCP through this format's storage (``group_checkpoint_storage``) and DCP's state dict
+    API, imported on first use (about a second; drivers never need them)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    return dcp, get_state_dict, set_state_dict
+    from moshray.actors.replica import group_checkpoint_storage
+
+    return group_checkpoint_storage, get_state_dict, set_state_dict
 
 
 def _files(fs: pafs.FileSystem, root: str) -> dict[str, int]:
@@ -232,10 +310,28 @@ def _files(fs: pafs.FileSystem, root: str) -> dict[str, int]:
     return {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
 
 
+def _sha256(fs: pafs.FileSystem, path: str, keep: bool = False) -> tuple[str, bytes | None]:
+    """The sha256 (hex) of the file ``path``, read in pieces; with ``keep``, its bytes too."""
+    h, kept = hashlib.sha256(), []
+    with fs.open_input_stream(path) as stream:
+        while piece := stream.read(_READ_BYTES):
+            h.update(piece)
+            if keep:
+                kept.append(piece)
+    return h.hexdigest(), b"".join(kept) if keep else None
+
+
+def _unreadable(path: str, exc: Exception) -> CheckpointError:
+    return CheckpointError(f"{path}: unreadable ({type(exc).__name__}: "
+                           f"{' '.join(str(exc).split())[:200]})")
+
+
 def read_manifest(path: str) -> CheckpointManifest:
     """The manifest of the checkpoint at ``path`` (a path or a URI), its files checked
-    against it; ``CheckpointError`` (one line) when there is none (not a whole checkpoint),
-    it is torn, or the storage cannot be read."""
+    against it by name and size (not by content: ``verify_files``); ``CheckpointError`` (one
+    line) when there is none (not a whole checkpoint), it is torn, of another format or
+    version (``OlderCheckpointError``: an older moshray's), it names a file a group
+    checkpoint does not have, or the storage cannot be read."""
     try:
         fs, root = resolve(path)
         present = _files(fs, root)
@@ -248,12 +344,35 @@ def read_manifest(path: str) -> CheckpointManifest:
     except (OSError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise
-        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: "
-                              f"{' '.join(str(exc).split())[:200]})") from None
+        raise _unreadable(path, exc) from None
     torn = torn_file(manifest, present)
     if torn:
         raise CheckpointError(f"{path}: torn checkpoint: {torn}")
     return manifest
+
+
+def verify_files(path: str, manifest: CheckpointManifest, where: str | None = None) -> None:
+    """Check the files of the checkpoint at ``path`` (a path or a URI) against ``manifest``
+    before anything reads them: each file's sha256, then the index (``.metadata``) decoded
+    as JSON, every chunk it places in a shard file the manifest names, within its size.
+    Reads every file once, in pieces, and builds nothing from a shard. ``CheckpointError``
+    (one line, naming the file) for the first that differs, an index that is not this
+    format's (a pickle among them: it is never unpickled), or storage that cannot be
+    read; the message names ``where`` (default ``path``)."""
+    storage, _, _ = _storage()
+    where = where or path
+    try:
+        fs, root = resolve(path)
+        index = None
+        for name, _, digest in manifest.files:
+            found, blob = _sha256(fs, f"{root}/{name}", keep=name == INDEX)
+            if found != digest:
+                raise CheckpointError(f"{where}: file {name}: sha256 differs from the "
+                                      f"manifest (corrupt or replaced); not loaded")
+            index = blob if name == INDEX else index
+    except OSError as exc:
+        raise _unreadable(where, exc) from None
+    storage.index_from_json(index, manifest.shards, where)
 
 
 def exists(location: str) -> bool:
@@ -267,21 +386,28 @@ def exists(location: str) -> bool:
 
 def save_state(model: torch.nn.Module, opt: torch.optim.Optimizer, staging: str, final: str,
                manifest: CheckpointManifest, rank: int) -> str | None:
-    """Write this rank's shard of ``model`` and ``opt`` into ``staging``; rank 0 then adds
-    the manifest (``manifest`` with the shapes and files filled in) and renames ``staging``
-    to ``final``, or for a remote ``final`` uploads the files and writes the manifest
-    there last (module docstring). A collective: every rank calls it. Returns ``None``, or
-    on rank 0 why ``final`` was not written (it appeared meanwhile; the staging directory
-    is removed). Storage errors (``OSError``) propagate."""
-    dcp, get_state_dict, _ = _dcp()
+    """Write this rank's shard of ``model`` and ``opt`` into ``staging`` (DCP, the index as
+    JSON); rank 0 then adds the manifest (``manifest`` with the shapes and every file's size
+    and sha256 filled in) and renames ``staging`` to ``final``, or for a remote ``final``
+    uploads the files and writes the manifest there last (module docstring). A
+    collective: every rank calls it. Returns ``None``, or on rank 0 why ``final`` was not
+    written (it appeared meanwhile; the staging directory is removed). Storage errors
+    (``OSError``) propagate; ``CheckpointError`` if DCP wrote a file this format does not
+    name (nothing is published then)."""
+    storage, get_state_dict, _ = _storage()
     msd, osd = get_state_dict(model, opt)  # FSDP2: DTensor shards, DDP: whole tensors
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=staging)
+    storage.save({"model": msd, "optim": osd}, staging)
     if rank:
         return None
-    files = tuple(sorted((e.name, e.stat().st_size) for e in os.scandir(staging)
-                         if e.is_file()))
+    local = pafs.LocalFileSystem()
+    files = tuple(sorted((e.name, e.stat().st_size, _sha256(local, e.path)[0])
+                         for e in os.scandir(staging) if e.is_file()))
     manifest = CheckpointManifest(manifest.step, manifest.world_size, manifest.parallel,
                                   manifest.optimizer, state_shapes(model.state_dict()), files)
+    odd = file_difference(manifest)
+    if odd:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"{final}: not saved: {odd}")
     if is_remote(final):
         try:
             return _upload(staging, final, manifest)
@@ -304,7 +430,7 @@ def _upload(staging: str, final: str, manifest: CheckpointManifest) -> str | Non
         return f"{final}: exists (written meanwhile); not replaced"
     fs, root = resolve(final)
     fs.create_dir(root, recursive=True)
-    for name, _ in manifest.files:
+    for name, _, _ in manifest.files:
         pafs.copy_files(os.path.join(staging, name), f"{root}/{name}",
                         source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
     with fs.open_output_stream(f"{root}/{MANIFEST}") as out:
@@ -312,27 +438,38 @@ def _upload(staging: str, final: str, manifest: CheckpointManifest) -> str | Non
     return None
 
 
-def fetch(path: str, into: str) -> str:
-    """A remote checkpoint's files (those its manifest names, and the manifest) copied into
-    the local directory ``into``; returns ``into``. ``OSError`` from the storage."""
-    fs, root = resolve(path)
-    manifest = read_manifest(path)
-    os.makedirs(into, exist_ok=True)
-    for name in [f for f, _ in manifest.files] + [MANIFEST]:
-        pafs.copy_files(f"{root}/{name}", os.path.join(into, name), source_filesystem=fs,
-                        destination_filesystem=pafs.LocalFileSystem())
+def fetch(path: str, into: str, manifest: CheckpointManifest) -> str:
+    """The files ``manifest`` (read from the remote checkpoint ``path``) names, copied into
+    the local directory ``into`` and checked there (``verify_files``: what a load reads is
+    what was hashed); returns ``into``. ``CheckpointError`` (one line) for a copy that
+    differs or storage that cannot be read; ``into`` is removed then."""
+    try:
+        fs, root = resolve(path)
+        os.makedirs(into, exist_ok=True)
+        for name, _, _ in manifest.files:
+            pafs.copy_files(f"{root}/{name}", os.path.join(into, name), source_filesystem=fs,
+                            destination_filesystem=pafs.LocalFileSystem())
+        verify_files(into, manifest, where=path)
+    except (CheckpointError, OSError) as exc:
+        shutil.rmtree(into, ignore_errors=True)
+        if isinstance(exc, CheckpointError):
+            raise
+        raise _unreadable(path, exc) from None
     return into
 
 
-def load_state(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
+def load_state(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str,
+               manifest: CheckpointManifest) -> None:
     """Fill ``model`` and ``opt`` (sharded as this group shards them) from the checkpoint at
     ``path`` (a local directory: a remote checkpoint is ``fetch``ed first), resharding as
-    needed (see module docstring). A collective: every rank calls it, after
-    ``read_manifest`` and ``first_difference`` found nothing wrong."""
-    dcp, get_state_dict, set_state_dict = _dcp()
+    needed (see module docstring). A collective: every rank calls it with the ``manifest``
+    rank 0 read, after ``first_difference`` and ``verify_files`` found nothing wrong. Reads
+    no code whatever the files hold; ``CheckpointError`` (one line, on every rank) when an
+    entry is refused while loading, which may leave ``model`` and ``opt`` part-filled."""
+    storage, get_state_dict, set_state_dict = _storage()
     msd, osd = get_state_dict(model, opt)  # a fresh optimizer gets zero state to fill here
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=resolve(path)[1])
+    storage.load(state, resolve(path)[1], manifest.shards, manifest.sha256(INDEX))
     set_state_dict(model, opt, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
 

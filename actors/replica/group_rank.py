@@ -41,7 +41,7 @@ from moshray.actors.replica.group_loop import ComputeQueue, LoopHost, LoopTask
 from moshray.actors.replica.group_checkpoint import (
     CheckpointAnswer, CheckpointError, CheckpointManifest, exists as checkpoint_exists, fetch,
     first_difference, is_remote, load_state, local_staging, read_manifest, save_state,
-    state_shapes,
+    state_shapes, verify_files,
 )
 from moshray.actors.replica.group_spec import (
     OPTIMIZERS, GroupConfig, GroupError, GroupTask, RankMemory, RankReport, Rendezvous,
@@ -565,9 +565,11 @@ class GroupRank:
 
     async def load_sharded(self, path: str, task: GroupTask) -> CheckpointAnswer:
         """Load the checkpoint at ``path`` into the model held, or into one built from
-        ``task`` when none is held, resharded to this group. Rank 0 reads the manifest and
-        compares it with the model (``first_difference``) and tells the others, so on a
-        refusal no rank loads anything and the model held (if any) is unchanged."""
+        ``task`` when none is held, resharded to this group. Rank 0 reads the manifest,
+        compares it with the model (``first_difference``), checks every file's hash and the
+        index (``verify_files``; a remote checkpoint is fetched to this node and checked
+        there) and tells the others, so on a refusal no rank loads anything and the model
+        held (if any) is unchanged."""
         if isinstance(task, LoopTask):
             self._host(task)  # its prepare() builds the model before the load runs
         return await self._run(self._load_sharded, path, task)
@@ -577,27 +579,30 @@ class GroupRank:
             self._build(task)
         model = self.model if self.model is not None else task.build_model().to(self.device)
         optimizer = self.optimizer_name if self.model is not None else task.optimizer
-        verdict: list = [None, None, path]  # (step, why refused, where the files are here)
+        # (step, why refused, where the files are here, the manifest they were checked with)
+        verdict: list = [None, None, path, None]
         if self.rank == 0:
             try:
                 manifest = read_manifest(path)
                 verdict = [manifest.step, first_difference(
-                    manifest, state_shapes(model.state_dict()), optimizer), path]
+                    manifest, state_shapes(model.state_dict()), optimizer), path, manifest]
                 if verdict[1]:
                     verdict[1] = f"{path} does not fit the model: {verdict[1]}"
                 elif is_remote(path):  # onto this node's disk, for every rank here
-                    verdict[2] = fetch(path, local_staging(os.urandom(4).hex()))
+                    verdict[2] = fetch(path, local_staging(os.urandom(4).hex()), manifest)
+                else:
+                    verify_files(path, manifest)
             except (CheckpointError, OSError) as exc:
                 verdict = [None, f"{type(exc).__name__}: {exc}"
-                           if isinstance(exc, OSError) else str(exc), path]
+                           if isinstance(exc, OSError) else str(exc), path, None]
         dist.broadcast_object_list(verdict, src=0)
-        step, refused, local = verdict
+        step, refused, local, manifest = verdict
         if refused:
             return CheckpointAnswer(None, refused)
         if self.model is None:
             self._hold(task, model)
         try:
-            load_state(self.model, self.opt, local)
+            load_state(self.model, self.opt, local, manifest)
         finally:
             if local != path:  # a fetched copy: gone once every rank has read it
                 dist.barrier()

@@ -173,6 +173,106 @@ class RoundPlan:
     def handle_of(self, peer: str) -> ActorHandle:
         return dict(self.handles)[peer]
 
+    def views(self) -> dict[str, "PeerPlan"]:
+        """Every participant's ``PeerPlan``, by peer id, built in one pass over the grid:
+        O(participants x rounds x group size) in all, so a Coordinator can send each
+        participant its own part instead of the whole plan."""
+        seats: dict[str, list[GroupSeat]] = {peer: [] for peer in self.participants}
+        for r, schedule in enumerate(self.grid.rounds):
+            for g, group in enumerate(schedule.groups):
+                seat = GroupSeat(r, g, group)
+                for peer in group.everyone:
+                    seats[peer].append(seat)
+        lookup = _PlanLookup(self)
+        return {peer: lookup.view(peer, tuple(own)) for peer, own in seats.items()}
+
+    def view_of(self, peer: str) -> "PeerPlan":
+        """``peer``'s ``PeerPlan`` alone (equal to ``views()[peer]``), in one pass over the
+        grid: for a caller that holds the whole plan (a test, a locally built plan).
+        Raises ``KeyError`` if ``peer`` is not a participant."""
+        if peer not in self.participants:
+            raise KeyError(f"{peer} is not a participant of the plan of epoch {self.epoch}")
+        own = []
+        for r, schedule in enumerate(self.grid.rounds):
+            found = schedule.group_of(peer)
+            if found is not None:
+                own.append(GroupSeat(r, found[0], found[1]))
+        return _PlanLookup(self).view(peer, tuple(own))
+
+
+@dataclass(frozen=True)
+class GroupSeat:
+    """One group a peer averages in: group ``group_index`` of round ``round_index`` of a
+    plan (the indices every message of that group round carries and signs)."""
+
+    round_index: int
+    group_index: int
+    group: Group
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """One participant's part of a ``RoundPlan``: what the Coordinator sends it (pushed,
+    and in report replies) instead of the whole plan, so a step costs O(N) bytes in all,
+    not O(N^2). ``RoundPlan.views`` builds every participant's at once.
+
+    ``seats``: the groups ``peer`` is in, in round order (a round it sits out has none);
+    ``shares``, ``handles`` and ``zones`` cover ``peer`` and everyone in those groups (its
+    *mates*), which is every peer it sends to or sizes a part for. ``peer_count`` is the
+    plan's participant count (the weight bound of ``partition.ContributionBounds``);
+    ``epoch``, ``compression``, ``min_part`` and ``branch`` are the plan's. The collective
+    computes from a view exactly what it computes from the whole plan (the same groups,
+    indices, shares and codec).
+    """
+
+    epoch: int
+    peer: str
+    peer_count: int
+    seats: tuple[GroupSeat, ...]
+    shares: tuple[tuple[str, float], ...]
+    handles: tuple[tuple[str, ActorHandle], ...] = field(compare=False, repr=False)
+    compression: str = "none"
+    min_part: int = 1
+    zones: tuple[tuple[str, str], ...] = ()
+    branch: int = 0
+
+    @property
+    def mates(self) -> tuple[str, ...]:
+        """``peer`` and everyone it shares a group with, in order of first seat."""
+        return tuple(dict.fromkeys(p for s in self.seats for p in s.group.everyone)
+                     or (self.peer,))
+
+    def share_of(self, peer: str) -> float:
+        """``peer``'s share (1.0 when the plan gave it none, as ``RoundPlan.share_of``)."""
+        return dict(self.shares).get(peer, 1.0)
+
+    def handle_of(self, peer: str) -> ActorHandle:
+        """``peer``'s handle; ``KeyError`` for a peer that is not a mate."""
+        return dict(self.handles)[peer]
+
+
+class _PlanLookup:
+    """A plan's shares, handles and zones as dicts (built once per plan), and the view of
+    one peer from its seats."""
+
+    def __init__(self, plan: RoundPlan):
+        self.plan = plan
+        self.shares = dict(plan.shares)
+        self.handles = dict(plan.handles)
+        self.zones = dict(plan.zones)
+        self.count = len(plan.participants)
+
+    def view(self, peer: str, seats: tuple[GroupSeat, ...]) -> PeerPlan:
+        mates = dict.fromkeys(p for s in seats for p in s.group.everyone) or {peer: None}
+        plan = self.plan
+        return PeerPlan(
+            epoch=plan.epoch, peer=peer, peer_count=self.count, seats=seats,
+            shares=tuple((p, self.shares[p]) for p in mates if p in self.shares),
+            handles=tuple((p, self.handles[p]) for p in mates if p in self.handles),
+            compression=plan.compression, min_part=plan.min_part,
+            zones=tuple((p, self.zones[p]) for p in mates if p in self.zones),
+            branch=plan.branch)
+
 
 @dataclass(frozen=True)
 class SegmentWeights:

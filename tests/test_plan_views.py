@@ -16,7 +16,9 @@ from moshray.cluster.collective.auth import new_job_key
 from moshray.cluster.collective.averager import Averager
 from moshray.cluster.collective.partition import group_part_sizes
 from moshray.cluster.collective.transport import LocalNetwork
+from moshray.cluster.coordinator.core import CoordinatorCore
 from moshray.cluster.coordinator.membership import Membership, MembershipConfig
+from moshray.cluster.coordinator.progress import ProgressReport
 from moshray.cluster.messages import PeerInfo, RoundPlan
 
 
@@ -99,6 +101,28 @@ def test_a_peer_out_of_the_plan_has_no_view():
     plan = plan_of(5)
     with pytest.raises(KeyError):
         plan.view_of("p999")
+
+
+def test_the_coordinator_pushes_and_replies_each_participant_its_own_view():
+    pushed = []
+    core = CoordinatorCore(MembershipConfig(max_group=2), clock=lambda: 0.0,
+                           target_batch_size=8)
+    core.push_plan = lambda plan, views: pushed.append((plan, views))
+    peers = [f"p{i}" for i in range(8)]
+    for p in peers:
+        core.register(p, handle=f"handle-{p}", node_id=f"n-{p}")
+        assert core.mark_ready(p, 0)
+    replies = {p: core.report(ProgressReport(p, 0, 1)) for p in peers}
+    (plan, views), = pushed
+    assert sorted(views) == sorted(plan.participants) == peers
+    for p in peers:
+        assert views[p] == plan.view_of(p)
+        assert len(views[p].handles) < len(peers)  # its group-mates only (2 x 2 x 2 grid)
+    # each report after the plan is answered with the reporter's own view
+    late = [p for p in peers if replies[p].plan is None]
+    assert late  # the plan came at the last report: the others learn of it now
+    for p in peers:
+        assert core.report(ProgressReport(p, 0, 1)).plan == views[p]
 
 
 def averagers(plan: RoundPlan, key: bytes):

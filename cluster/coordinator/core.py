@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from moshray.cluster.coordinator.durable import DurableState
 from moshray.cluster.coordinator.expert_registry import ExpertRegistry, HeartbeatStatus, HostRecord
@@ -37,7 +37,7 @@ from moshray.cluster.coordinator.notices import NoticeBook, NoticeRecord
 from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport, ProgressTracker
 from moshray.cluster.coordinator.shard_ledger import REJOIN_GRACE_S, ShardService
 from moshray.cluster.coordinator.steps import REBUILD_S, StepService
-from moshray.cluster.messages import CheckpointRef, RoundPlan
+from moshray.cluster.messages import CheckpointRef, PeerPlan, RoundPlan
 
 __all__ = ["CoordinatorCore", "NoticeRecord", "REBUILD_S", "REJOIN_GRACE_S"]
 
@@ -71,9 +71,10 @@ class CoordinatorCore:
         self.notices = NoticeBook()
         self.shards = ShardService()
         self.experts = ExpertRegistry(clock=clock)  # DMoE expert hosts (replaces the DHT)
-        # Called with every new plan the moment it exists (the actor shell pushes it to the
-        # participants); None in pure tests, where plans travel only in report replies.
-        self.push_plan: Callable[[RoundPlan], None] | None = None
+        # Called with every new plan and its participants' views (peer id -> ``PeerPlan``)
+        # the moment it exists (the actor shell pushes each participant its view); None in
+        # pure tests, where views travel only in report replies.
+        self.push_plan: Callable[[RoundPlan, Mapping[str, PeerPlan]], None] | None = None
         # A node's zone (its ray.io/availability-zone label; "" = unknown): peers of one zone
         # average inside it first (grid.plan_zoned). The actor shell reads Ray's node table.
         self.zone_of: Callable[[str], str] = lambda node_id: ""
@@ -83,9 +84,9 @@ class CoordinatorCore:
         if restarted:
             self.steps.open_rebuild_window(clock())
 
-    def _on_plan(self, plan: RoundPlan) -> None:
+    def _on_plan(self, plan: RoundPlan, views: Mapping[str, PeerPlan]) -> None:
         if self.push_plan is not None:
-            self.push_plan(plan)
+            self.push_plan(plan, views)
 
     # the services' state, for callers and tests that look inside
     @property

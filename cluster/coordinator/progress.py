@@ -8,9 +8,11 @@ SGD the ready peers' micro-batches, their local steps, average ``local_steps``),
 asks ``Membership`` for the plan of the next epoch over
 *every* ready, live, non-draining peer at the current epoch, each contributing what it has
 (zero samples allowed). A ready peer still finishing the previous step gets a short grace
-(``grace_s``) to report at the current epoch before the plan is made without it. The plan
-goes to each participant as soon as it exists (the Coordinator pushes it; see
-``take_new_plan``) and in the reply to its next report. Peers that hold another digest than
+(``grace_s``) to report at the current epoch before the plan is made without it. Each
+participant gets its view of the plan (``messages.PeerPlan``: its groups, their members'
+handles, shares and zones) as soon as the plan exists (the Coordinator pushes it; see
+``take_new_plan`` and ``views_of``) and in the reply to its next report; the tracker keeps
+the whole plan. Peers that hold another digest than
 the majority at the same epoch, or that fell behind the last plan without being in it, are
 told to resync from a donor. After a notice or a lost peer the Coordinator plans the next
 step as soon as no step is in flight (``plan_now`` with ``empty_ok``). Time is injected.
@@ -51,7 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from moshray.cluster.coordinator.membership import Membership
-from moshray.cluster.messages import RoundPlan
+from moshray.cluster.messages import PeerPlan, RoundPlan
 from moshray.cluster.coordinator.quarantine import Quarantine
 from moshray.cluster.coordinator.step_samples import StepSamples
 
@@ -118,7 +120,9 @@ def join_wait(w: JoinWait, now: float, grace_s: float, cap_s: float) -> bool:
 
 @dataclass(frozen=True)
 class ProgressReply:
-    plan: RoundPlan | None  # plan of epoch + 1 when this peer takes part in it
+    # this peer's part of the plan of epoch + 1 when it takes part in it (``PeerPlan``:
+    # its groups and their members' handles, not the whole plan)
+    plan: PeerPlan | None
     stop: bool = False
     resync: bool = False  # reload state from a donor before going on
     global_epoch: int = 0
@@ -184,6 +188,9 @@ class ProgressTracker:
     _loss: dict[int, tuple[float, int]] = field(default_factory=dict)
     _full_since: float | None = None  # when the current epoch's batch became full
     _unpushed: RoundPlan | None = None  # made since the last take_new_plan
+    # the participants' views (``RoundPlan.views``) of ``_views_of``, built once per plan
+    _views: dict[str, PeerPlan] = field(default_factory=dict, repr=False)
+    _views_of: RoundPlan | None = field(default=None, repr=False)
     _held: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer -> (epoch, seen)
     _top_held: int = 0  # the newest epoch any peer was ever seen holding (committed)
     _joining: dict[str, JoinWait] = field(default_factory=dict)  # peer -> its donor requests
@@ -200,6 +207,14 @@ class ProgressTracker:
         """The plan made since the last call (for the Coordinator to push), else None."""
         plan, self._unpushed = self._unpushed, None
         return plan
+
+    def views_of(self, plan: RoundPlan) -> dict[str, PeerPlan]:
+        """Each participant's ``PeerPlan`` of ``plan``, by peer id: built once for the
+        latest plan (O(N)), so the pushes and every report's reply look theirs up in O(1).
+        Do not mutate it."""
+        if plan is not self._views_of:
+            self._views, self._views_of = plan.views(), plan
+        return self._views
 
     @property
     def epoch(self) -> int:
@@ -339,11 +354,12 @@ class ProgressTracker:
         return not (plan is not None and plan.epoch > state_epoch
                     and any(self.membership.is_member(p) for p in plan.participants))
 
-    def _next_plan(self, peer_id: str, epoch: int) -> RoundPlan | None:
-        """The latest plan if ``peer_id`` takes part in it and holds the epoch before it."""
+    def _next_plan(self, peer_id: str, epoch: int) -> PeerPlan | None:
+        """``peer_id``'s view of the latest plan if it takes part in it and holds the epoch
+        before it (O(1))."""
         plan = self.plan
-        if plan is not None and plan.epoch == epoch + 1 and peer_id in plan.participants:
-            return plan
+        if plan is not None and plan.epoch == epoch + 1:
+            return self.views_of(plan).get(peer_id)
         return None
 
     def _rebuilding(self, now: float) -> bool:

@@ -21,12 +21,12 @@ accepted (``ProgressTracker.await_rejoin``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from moshray.cluster.coordinator.membership import Membership, MembershipConfig
 from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport, ProgressTracker
 from moshray.cluster.coordinator.quarantine import QuarantineRecord
-from moshray.cluster.messages import CheckpointRef, PeerInfo, RoundPlan
+from moshray.cluster.messages import CheckpointRef, PeerInfo, PeerPlan, RoundPlan
 
 # After a restart, the least time every live replica has to be heard from (they heartbeat
 # every second) before an older state may be accepted in its place. Only a floor: the rebuild
@@ -38,8 +38,9 @@ REBUILD_S = 3.0
 class StepService:
     """Membership and collaborative steps (see the module docstring).
 
-    ``on_plan`` is called with every new plan the moment it exists (the actor pushes it to
-    the participants); None in pure tests, where plans travel only in report replies.
+    ``on_plan(plan, views)`` is called with every new plan and its participants' views
+    (``RoundPlan.views``, by peer id) the moment it exists (the actor pushes each
+    participant its view); None in pure tests, where views travel only in report replies.
     """
 
     def __init__(self, config: MembershipConfig, target_batch_size: int = 256,
@@ -49,7 +50,7 @@ class StepService:
                                         grace_s=step_grace_s, hold_s=2 * config.peer_ttl_s)
         self._lost_peer = False  # a ready peer left: re-plan without it (``replan``)
         self.checkpoint: CheckpointRef | None = None  # the newest one saved (``note_checkpoint``)
-        self.on_plan: Callable[[RoundPlan], None] | None = None
+        self.on_plan: Callable[[RoundPlan, Mapping[str, PeerPlan]], None] | None = None
         self._known_before: tuple[str, ...] = ()  # members before a restart (``restore``)
         self._peers_key: tuple | None = None  # ``_awaited_after_restart``'s cache
         self._peers_of: list[str] | None = None
@@ -144,10 +145,10 @@ class StepService:
         return False
 
     def publish(self) -> None:
-        """Hand the plan made since the last call (if any) to ``on_plan``."""
+        """Hand the plan made since the last call (if any) and its views to ``on_plan``."""
         plan = self.progress.take_new_plan()
         if plan is not None and self.on_plan is not None:
-            self.on_plan(plan)
+            self.on_plan(plan, self.progress.views_of(plan))
 
     def _no_step_in_flight(self, now: float) -> bool:
         """Every ready live peer reported at the current epoch (none is inside a round)."""

@@ -138,7 +138,7 @@ class StepService:
         one. True if a plan was made (and published)."""
         if self.progress.stop or not (self._lost_peer or rebalance_pending):
             return False
-        if self._no_step_in_flight(now) and self.progress.plan_now(now, empty_ok=True):
+        if self.progress.idle(now) and self.progress.plan_now(now, empty_ok=True):
             self._lost_peer = False
             self.publish()
             return True
@@ -149,14 +149,6 @@ class StepService:
         plan = self.progress.take_new_plan()
         if plan is not None and self.on_plan is not None:
             self.on_plan(plan, self.progress.views_of(plan))
-
-    def _no_step_in_flight(self, now: float) -> bool:
-        """Every ready live peer reported at the current epoch (none is inside a round)."""
-        live = {p.peer_id for p in self.membership.live(now)}
-        eligible = [p for p in self.progress.ready if p in live]
-        reports = self.progress.reports
-        return bool(eligible) and all(p in reports and reports[p].epoch == self.epoch
-                                      for p in eligible)
 
     def mark_ready(self, peer_id: str, state_epoch: int, now: float) -> bool:
         # Expire first: when every peer is syncing nobody reports, and a dead holder of the
@@ -188,18 +180,27 @@ class StepService:
         None. A ready live one first, else a ready one that is draining but still up (it
         may hold the newest steps), else, as a last resort, any member holding the
         current epoch (a quarantined peer: its contributions were bad, its state is the
-        swarm's). Within each group, one that holds the current epoch first."""
+        swarm's). Within each group, one that holds the current epoch first, else the
+        first in id order. Reads the members only until it finds one that holds the
+        current epoch (O(1) per call while most do)."""
         self.expire(now)
         self.progress.note_joining(exclude, now)
-        ready = self.progress.ready
-        groups = ([p for p in self.membership.live(now) if p.peer_id in ready],
-                  [p for p in self.membership.present(now) if p.peer_id in ready],
-                  [p for p in self.membership.present(now)
-                   if self.progress.holds_current(p.peer_id)])
+        ready, holds = self.progress.ready, self.progress.holds_current
+        m = self.membership
+        groups = (lambda: (i for i in m.heard(now, draining=False) if i.peer_id in ready),
+                  lambda: (i for i in m.heard(now) if i.peer_id in ready),
+                  lambda: (i for i in m.heard(now) if holds(i.peer_id)))
         for group in groups:
-            for info in sorted(group, key=lambda i: not self.progress.holds_current(i.peer_id)):
-                if info.peer_id != exclude:
+            first = None
+            for info in group():
+                if info.peer_id == exclude:
+                    continue
+                if holds(info.peer_id):
                     return info.peer_id, info.handle
+                if first is None:
+                    first = info
+            if first is not None:
+                return first.peer_id, first.handle
         return None
 
     def request_stop(self) -> None:

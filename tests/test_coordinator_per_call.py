@@ -1,6 +1,8 @@
 """The Coordinator's work per call does not grow with the swarm (pure: an injected clock,
-no Ray): a report reads no member list while a full batch waits, and the eligible peers'
-counts kept as they change agree with counting them over the members."""
+``MemoryKV``, no Ray): a report reads no member list while a full batch waits, the
+eligible peers' counts kept as they change agree with counting them over the members,
+a call that changes nothing encodes and writes nothing, and joins cost one write of the
+members record per ``flush_s``."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ import random
 
 import pytest
 
+from moshray.cluster.coordinator import durable
 from moshray.cluster.coordinator.core import CoordinatorCore
-from moshray.cluster.coordinator.durable import DurableState
+from moshray.cluster.coordinator.durable import FLUSH_S, DurableState, MemoryKV
 from moshray.cluster.coordinator.eligible import AtEpoch, EligibleTally
 from moshray.cluster.coordinator.membership import Membership, MembershipConfig
 from moshray.cluster.coordinator.progress import ProgressReport
@@ -133,6 +136,40 @@ def test_the_counts_kept_as_they_change_agree_with_counting_over_the_members(see
         now = clock()
         eligible, at, finishing = core.progress._standing(now)
         assert (eligible, (at.peers, at.samples, at.micro), finishing) == oracle(core, now)
+
+
+def test_a_call_that_changes_nothing_encodes_and_writes_nothing(monkeypatch):
+    kv = MemoryKV()
+    core, clock = swarm(50, target=10**6, store=DurableState(kv, "job/1"))
+    core.save()
+    clock.t += 5 * FLUSH_S
+    core.save()
+    core.report(ProgressReport("p0001", 0, 1))
+    core.save()  # settles what the report changed (the lazy records come due)
+    dumps = []
+    monkeypatch.setattr(durable, "_dump", lambda obj: dumps.append(obj) or b"")
+    puts = kv.puts
+    for _ in range(20):
+        core.heartbeat("p0002")
+        assert core.save() == 0
+    assert dumps == [] and kv.puts == puts
+
+
+def test_joins_cost_one_write_of_the_members_record_per_flush():
+    kv = MemoryKV()
+    core, clock = swarm(10, target=10**6, store=DurableState(kv, "job/1"))
+    core.save()
+    puts = kv.puts
+    for i in range(40):  # 40 joins within one flush_s: not one write each
+        clock.t += FLUSH_S / 50
+        core.register(f"j{i:02d}", None, f"n-j{i}")
+        core.save()
+    assert kv.puts - puts <= 1
+    clock.t += FLUSH_S
+    core.save()  # due: the members written behind
+    again = CoordinatorCore(MembershipConfig(), clock=clock,
+                            store=DurableState(kv, "job/1"))
+    assert {f"j{i:02d}" for i in range(40)} <= set(again.progress.awaited)
 
 
 def test_draining_a_node_reads_only_its_peers_and_follows_a_peer_that_moved():

@@ -66,6 +66,7 @@ class CoordinatorCore:
         self.started = clock()
         self.history_id = uuid.uuid4().hex  # names the step history (kept over restarts)
         self.restarts = 0
+        self._core_record: tuple[tuple, dict] = ((), {})  # (its fields, the record)
         self.steps = StepService(config, target_batch_size, step_grace_s, local_steps)
         self.steps.on_plan = self._on_plan
         self.notices = NoticeBook()
@@ -290,11 +291,15 @@ class CoordinatorCore:
     # -- what survives a restart -------------------------------------------------------------
 
     def snapshot(self) -> dict[str, dict]:
-        """Each service's small record (JSON-able), by record name; the history is apart.
-        ``progress`` (the newest step known committed) changes with every step."""
+        """Each service's small record (JSON-able), by record name; the history and the
+        members (``StepService.members_record``) are apart. ``progress`` (the newest step
+        known committed) changes with every step."""
+        core = (self.started, self.history_id, self.restarts)
+        if self._core_record[0] != core:  # one object while unchanged (saved at no cost)
+            self._core_record = (core, {"started": self.started, "history_id": self.history_id,
+                                        "restarts": self.restarts})
         return {
-            "core": {"started": self.started, "history_id": self.history_id,
-                     "restarts": self.restarts},
+            "core": self._core_record[1],
             "steps": self.steps.snapshot(),
             "progress": {"committed": self.progress.top_held},
             "notices": self.notices.snapshot(),
@@ -314,6 +319,8 @@ class CoordinatorCore:
             # the committed step goes with each new history row, else written behind
             written += self.store.save_record(name, record, now,
                                               lazy=name == "progress" and not rows)
+        if self.store.due("members", now):  # written behind (see durable.py)
+            written += self.store.save_record("members", self.steps.members_record(), now)
         return written
 
     def _restore(self, store: DurableState) -> bool:
@@ -326,6 +333,7 @@ class CoordinatorCore:
         self.restarts = int(core.get("restarts", 0)) + 1
         self.progress.history[:] = store.load_history()
         self.steps.restore({**(store.load_record("steps") or {}),
+                            **(store.load_record("members") or {}),
                             **(store.load_record("progress") or {})})
         self.notices.restore(store.load_record("notices") or {})
         self.shards.restore(store.load_record("shards") or {})

@@ -52,9 +52,9 @@ class StepService:
         self.checkpoint: CheckpointRef | None = None  # the newest one saved (``note_checkpoint``)
         self.on_plan: Callable[[RoundPlan, Mapping[str, PeerPlan]], None] | None = None
         self._known_before: tuple[str, ...] = ()  # members before a restart (``restore``)
-        self._peers_key: tuple | None = None  # ``_awaited_after_restart``'s cache
+        self._peers_key: tuple | None = None  # ``members_record``'s cache
         self._peers_of: list[str] | None = None
-        self._peers: list[str] = []
+        self._members_record: dict = {"peers": []}
 
     @property
     def epoch(self) -> int:
@@ -257,8 +257,9 @@ class StepService:
     def snapshot(self) -> dict:
         """The small state a restarted Coordinator needs (JSON-able; see the module
         docstring), but for the newest step known committed, which changes with every
-        step and is saved apart (``progress.top_held``). Times are on the Coordinator's
-        clock (``time.monotonic`` of the head node, which the restarted actor shares)."""
+        step, and the members, which change with every join (``members_record``): both
+        are saved apart (written behind). Times are on the Coordinator's clock
+        (``time.monotonic`` of the head node, which the restarted actor shares)."""
         p = self.progress
         return {
             "stop": p.stop,
@@ -267,30 +268,30 @@ class StepService:
             "stale_returns": [list(x) for x in p.stale_returns],
             "branch": p.branch,
             "forks": sorted([b, e] for b, e in p.forks.items()),
-            # awaited by a restarted Coordinator (``open_rebuild_window``)
-            "peers": self._awaited_after_restart(),
             "diverged": [list(x) for x in p.diverged],
             "quarantines": [[q.peer_id, q.at, q.reason] for q in p.quarantine.records],
-            "draining_nodes": sorted([n, d] for n, d in
-                                     self.membership._draining_nodes.items()),
+            "draining_nodes": self.membership.draining_nodes(),
             "checkpoint": (None if self.checkpoint is None else
                            [self.checkpoint.uri, self.checkpoint.run_id, self.checkpoint.step]),
         }
 
-    def _awaited_after_restart(self) -> list[str]:
-        """Who a restarted Coordinator awaits: the members, the peers awaited now and those
-        known before the last restart, sorted; built again only when one of them changed
-        (the snapshot is taken after every call)."""
+    def members_record(self) -> dict:
+        """``{"peers": [...]}``: who a restarted Coordinator awaits (``restore``,
+        ``open_rebuild_window``): the members, the peers awaited now and those known
+        before the last restart, sorted. The same object until one of them changes (then
+        a new one; do not mutate it), so saving it unchanged costs nothing."""
         order = self.membership.ordered()  # the same list object until a member changes
         key = (self.progress.awaited, self._known_before)
         if self._peers_of is not order or self._peers_key != key:
             self._peers_of, self._peers_key = order, key
-            self._peers = sorted({*order, *self.progress.awaited, *self._known_before})
-        return self._peers
+            self._members_record = {
+                "peers": sorted({*order, *self.progress.awaited, *self._known_before})}
+        return self._members_record
 
     def restore(self, snap: dict) -> None:
         """Take back a ``snapshot`` (into a fresh service, before any call), plus the
-        newest step known ``committed`` if the dict has it. Draining marks apply to the
+        newest step known ``committed`` and the ``members_record``'s ``peers`` if the dict
+        has them. Draining marks apply to the
         peers that register on those nodes again; the epoch is not restored (the replicas'
         rejoins rebuild it) but the newest step known committed is, so a fall back below
         it counts as a rollback, and so is the history's branch, so a replica cut off

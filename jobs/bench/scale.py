@@ -43,7 +43,9 @@ more step kills ``--deaths`` of the peers (10% by default) mid-round, after they
 their first-round contributions.
 
 ``--json``: the last line is one JSON object with ``by_peers`` (per N:
-``coordinator_ms_per_step``, ``coordinator_memory_mb``, ``bytes_per_peer_per_step``,
+``coordinator_ms_per_step``, ``coordinator_ms_per_second`` (per simulated second, whatever
+the step rate: ``global_steps_per_second``), ``coordinator_memory_mb``,
+``bytes_per_peer_per_step``,
 ``grid_bytes_per_peer_per_step``, ``averaged_share_with_deaths``, ``max_abs_error`` and the
 rest) and ``fits`` (each figure's best fit among O(1), O(log N), O(N), O(N log N),
 O(N^2)). A plot of the figures against N goes to ``--out``.
@@ -220,7 +222,8 @@ def _simulate(n: int, steps: int, memory_steps: int, churn: float, max_group: in
         shell.kv.puts, core.epoch
     for _ in range(steps):
         one_step()
-    made = max(1, core.epoch - epoch0)
+    stepped = core.epoch - epoch0
+    made = max(1, stepped)
     timed["seconds"] = shell.wire.seconds - wire0[0]
     timed["messages"] = shell.wire.messages - wire0[1]
     timed["bytes"] = shell.wire.bytes - wire0[2]
@@ -236,6 +239,10 @@ def _simulate(n: int, steps: int, memory_steps: int, churn: float, max_group: in
         "peers": n, "steps_timed": steps, "global_steps_made": made,
         "steps_for_memory": memory_steps, "epoch_at_end": core.epoch,
         "coordinator_ms_per_step": round(1000 * timed["seconds"] / made, 3),
+        # per simulated second (each peer's heartbeat and report): what the step rate
+        # (a silent peer in the last plan holds the next one for the grace) does not move
+        "coordinator_ms_per_second": round(1000 * timed["seconds"] / max(steps, 1), 3),
+        "global_steps_per_second": round(stepped / max(steps, 1), 2),
         "messages_per_step": round(timed["messages"] / made, 1),
         "messages_per_peer_per_step": round(timed["messages"] / made / n, 2),
         "control_bytes_per_peer_per_step": round(timed["bytes"] / made / n, 1),
@@ -475,7 +482,9 @@ def run(args: argparse.Namespace) -> dict:
         figures["bench_s"] = round(time.perf_counter() - started, 1)
         by_peers[str(n)] = figures
         print(f"{n:5d} peers: Coordinator {figures['coordinator_ms_per_step']:.2f} ms/step "
-              f"({figures['messages_per_peer_per_step']:.1f} messages, "
+              f"({figures['coordinator_ms_per_second']:.2f} ms per simulated second, "
+              f"{figures['global_steps_per_second']} steps/s; "
+              f"{figures['messages_per_peer_per_step']:.1f} messages, "
               f"{figures['control_bytes_per_peer_per_step']:.0f} B per peer), plan "
               f"{figures['plan_bytes']} B, {figures['store_writes_per_step']} store writes/"
               f"step, memory {figures['coordinator_memory_mb']} MB after "

@@ -289,18 +289,19 @@ class _PlanFacts:
 
     def __init__(self, plan: RoundPlan):
         self.plan = plan
-        self.shares = dict(plan.shares)
-        self.handles = dict(plan.handles)
-        self.zones = dict(plan.zones)
+        # peer -> the plan's own (peer, value) pair: the seats share them, not copies
+        self.shares = {pair[0]: pair for pair in plan.shares}
+        self.handles = {pair[0]: pair for pair in plan.handles}
+        self.zones = {pair[0]: pair for pair in plan.zones}
         self.count = len(plan.participants)
 
     def seat(self, r: int, g: int, group: Group) -> GroupSeat:
         peers = group.everyone
         return GroupSeat(
             r, g, group,
-            shares=tuple((p, self.shares[p]) for p in peers if p in self.shares),
-            handles=tuple((p, self.handles[p]) for p in peers if p in self.handles),
-            zones=tuple((p, self.zones[p]) for p in peers if p in self.zones))
+            shares=tuple(self.shares[p] for p in peers if p in self.shares),
+            handles=tuple(self.handles[p] for p in peers if p in self.handles),
+            zones=tuple(self.zones[p] for p in peers if p in self.zones))
 
     def view(self, peer: str, seats: tuple[GroupSeat, ...]) -> PeerPlan:
         plan = self.plan

@@ -60,7 +60,7 @@ class Membership:
     # the members' ids in order, a new list when one joins or goes (``ordered``)
     _sorted: list[str] | None = field(default=None, repr=False, compare=False)
     # node id -> the members on it (``mark_draining`` reads one node's, not every member)
-    _by_node: dict[str, set[str]] = field(default_factory=dict, repr=False, compare=False)
+    _by_node: dict[str, list[str]] = field(default_factory=dict, repr=False, compare=False)
     # no member was last seen before this (a lower bound: heartbeats only raise it), so
     # ``expire`` has nothing to drop before ``_seen_floor + peer_ttl_s``
     _seen_floor: float = field(default=float("-inf"), repr=False, compare=False)
@@ -81,7 +81,9 @@ class Membership:
             self._reorder(info.peer_id, add=True)
         elif old.info.node_id != info.node_id:
             self._unplace(old.info)
-        self._by_node.setdefault(info.node_id, set()).add(info.peer_id)
+        on_node = self._by_node.setdefault(info.node_id, [])
+        if info.peer_id not in on_node:  # (a node holds a few peers: lists are small)
+            on_node.append(info.peer_id)
         self._seen_floor = min(self._seen_floor, now) if self._members else now
         draining = old.draining_deadline if old else None
         if draining is None and info.node_id:
@@ -113,8 +115,8 @@ class Membership:
 
     def _unplace(self, info: PeerInfo) -> None:
         on_node = self._by_node.get(info.node_id)
-        if on_node is not None:
-            on_node.discard(info.peer_id)
+        if on_node is not None and info.peer_id in on_node:
+            on_node.remove(info.peer_id)
             if not on_node:
                 del self._by_node[info.node_id]
 

@@ -97,10 +97,15 @@ def test_a_view_is_small_whatever_the_swarm_s_size():
     assert biggest < 2 * max(len(pickle.dumps(v)) for v in small.views().values())
 
 
-def test_a_peer_out_of_the_plan_has_no_view():
-    plan = plan_of(5)
-    with pytest.raises(KeyError):
-        plan.view_of("p999")
+def test_a_peer_out_of_the_plan_is_in_no_group_and_averages_with_nobody():
+    plan = plan_of(5, id_handles=True)
+    assert "p999" not in plan.views()
+    view = plan.view_of("p999")
+    assert view.seats == () and view.handles == () and view.peer_count == 5
+    averager = Averager("p999", transport=LocalNetwork().transport("p999"))
+    mine = np.arange(4, dtype=np.float32)
+    out, report = asyncio.run(averager.all_reduce([mine], 1.0, plan, 1.0))
+    assert np.array_equal(out[0], mine) and report.contributors == ()
 
 
 def test_the_coordinator_pushes_and_replies_each_participant_its_own_view():

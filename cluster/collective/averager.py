@@ -248,11 +248,9 @@ class Averager:
         """Average ``tensors`` with the plan's participants, weighted by ``weight`` (one
         number for all their values; see the module docstring for the contract).
         ``plan``: this peer's ``PeerPlan`` (what the Coordinator sends), or a whole
-        ``RoundPlan``, of which this peer's view is taken (the same result). Raises
-        ``ValueError`` for a view of another peer, or a whole plan this peer is not in."""
+        ``RoundPlan``, of which this peer's view is taken (the same result; a peer not in
+        it averages with nobody). Raises ``ValueError`` for the view of another peer."""
         if isinstance(plan, RoundPlan):
-            if self.peer_id not in plan.participants:
-                raise ValueError(f"{self.peer_id} is not in the plan of epoch {plan.epoch}")
             plan = plan.view_of(self.peer_id)
         elif plan.peer != self.peer_id:
             raise ValueError(f"{self.peer_id} was given the plan view of {plan.peer}")

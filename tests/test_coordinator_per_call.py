@@ -16,6 +16,7 @@ from moshray.cluster.coordinator.durable import FLUSH_S, DurableState, MemoryKV
 from moshray.cluster.coordinator.eligible import AtEpoch, EligibleTally
 from moshray.cluster.coordinator.membership import Membership, MembershipConfig
 from moshray.cluster.coordinator.progress import ProgressReport
+from moshray.cluster.coordinator.shard_ledger import ShardService
 from moshray.cluster.coordinator.step_samples import StepSamples
 from moshray.cluster.messages import PeerInfo
 
@@ -194,3 +195,16 @@ def test_step_samples_kept_totals_equal_the_sum_over_the_participants():
         total = s.contributed(5, p, n)
         best[p] = max(planned[p], n)
         assert total == sum(best.values()) == s.total(5)
+
+
+def test_the_shards_record_is_built_again_only_after_the_ledger_changed():
+    shards = ShardService()
+    first = shards.snapshot()
+    assert shards.snapshot() is first  # saved after every call: no rebuild, no encoding
+    shards.grant("p", 2, 0, 0.0, member=True)
+    granted = shards.snapshot()
+    assert granted is not first and granted == {"next": 2, "granted": {"p": 2}}
+    shards.position(1)  # below the position: nothing changes
+    assert shards.snapshot() is granted
+    shards.position(5)
+    assert shards.snapshot() == {"next": 5, "granted": {"p": 2}}

@@ -30,9 +30,10 @@ also tells a restarted Coordinator, ``note_committed``) and the step profile. A 
 loses at most ``flush_s`` of those (and of the members), never a row, a notice, a drain, a
 quarantine or a shard. So a global step costs about two writes (its history chunk and the
 ``progress`` record), plus one of ``members`` per ``flush_s`` while peers come and go,
-bounded whatever the run's length and the swarm's size. ``MemoryKV`` is the same store in a dict, for
-pure tests. Failures: a ``GcsKV`` write raises what Ray raises (the caller logs it and
-tries again at the next call, since a record is rewritten until the stored JSON matches).
+bounded whatever the run's length and the swarm's size. ``MemoryKV`` is the same store in
+a dict, for pure tests. Failures: a ``GcsKV`` write raises what Ray raises (the caller logs
+it and tries again at the next call, since a record is rewritten until the stored JSON
+matches).
 """
 
 from __future__ import annotations

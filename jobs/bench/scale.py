@@ -7,9 +7,9 @@ Two parts per peer count N (``--peers 16,64,256,1024``):
 quarantine, notices, shard ledger) with a simulated clock, driven as the actor shell drives it
 (``cluster/coordinator/actor.py``): after every call the state is saved to a store
 (``durable.DurableState`` over a counting ``MemoryKV``, as the actor's ``_after_call`` does to
-the GCS, the metrics sink's record included) and every new plan's views are serialized, each
-participant's own (``messages.PeerPlan``: what Ray does for each ``receive_plan.remote(view)``
-push); the call's
+the GCS, the metrics sink's record included) and every new plan's views are serialized,
+each participant's own (``messages.PeerPlan``: what Ray does for each
+``receive_plan.remote(view)`` push); the call's
 arguments are deserialized and its reply serialized, as Ray does in the actor's process. Each simulated
 second is one global step: every peer heartbeats and reports its micro-batch; the step's
 plan is made when the reported samples reach the target (half the peers' samples, as a

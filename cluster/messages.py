@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,6 +173,139 @@ class RoundPlan:
 
     def handle_of(self, peer: str) -> ActorHandle:
         return dict(self.handles)[peer]
+
+    def views(self) -> dict[str, "PeerPlan"]:
+        """Every participant's ``PeerPlan``, by peer id, built in one pass over the grid:
+        each group's seat (its members' shares, handles and zones) once, then each
+        participant's view from its seats, O(participants x rounds) in all; so a
+        Coordinator sends each participant its own part instead of the whole plan."""
+        seats: dict[str, list[GroupSeat]] = {peer: [] for peer in self.participants}
+        facts = _PlanFacts(self)
+        for r, schedule in enumerate(self.grid.rounds):
+            for g, group in enumerate(schedule.groups):
+                seat = facts.seat(r, g, group)
+                for peer in group.everyone:
+                    seats[peer].append(seat)
+        return {peer: facts.view(peer, tuple(own)) for peer, own in seats.items()}
+
+    def view_of(self, peer: str) -> "PeerPlan":
+        """``peer``'s ``PeerPlan`` alone (equal to ``views()[peer]``), in one pass over the
+        grid: for a caller that holds the whole plan (a test, a locally built plan). A
+        peer that is not a participant gets a view with no seats (it averages with
+        nobody)."""
+        facts = _PlanFacts(self)
+        own = []
+        for r, schedule in enumerate(self.grid.rounds):
+            found = schedule.group_of(peer)
+            if found is not None:
+                own.append(facts.seat(r, *found))
+        return facts.view(peer, tuple(own))
+
+
+@dataclass(frozen=True)
+class GroupSeat:
+    """One group a peer averages in: group ``group_index`` of round ``round_index`` of a
+    plan (the indices every message of that group round carries and signs), with what its
+    peers need of the plan about each other: the ``shares``, ``handles`` and declared
+    ``zones`` of everyone in ``group`` (those the plan has)."""
+
+    round_index: int
+    group_index: int
+    group: Group
+    shares: tuple[tuple[str, float], ...] = ()
+    handles: tuple[tuple[str, ActorHandle], ...] = field(default=(), compare=False,
+                                                          repr=False)
+    zones: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """One participant's part of a ``RoundPlan``: what the Coordinator sends it (pushed,
+    and in report replies) instead of the whole plan, so a step costs O(N) bytes in all,
+    not O(N^2). ``RoundPlan.views`` builds every participant's at once.
+
+    ``seats``: the groups ``peer`` is in, in round order (a round it sits out has none),
+    each with its peers' shares, handles and zones: every peer it sends to or sizes a part
+    for (its *mates*; ``shares``, ``handles`` and ``zones`` gather them). ``peer_count``
+    is the plan's participant count (the weight bound of ``partition.ContributionBounds``);
+    ``epoch``, ``compression``, ``min_part`` and ``branch`` are the plan's. The collective
+    computes from a view exactly what it computes from the whole plan (the same groups,
+    indices, shares and codec).
+    """
+
+    epoch: int
+    peer: str
+    peer_count: int
+    seats: tuple[GroupSeat, ...]
+    compression: str = "none"
+    min_part: int = 1
+    branch: int = 0
+
+    @property
+    def mates(self) -> tuple[str, ...]:
+        """Everyone in ``peer``'s groups (``peer`` too), in order of first seat."""
+        return tuple(dict.fromkeys(p for s in self.seats for p in s.group.everyone))
+
+    @property
+    def shares(self) -> tuple[tuple[str, float], ...]:
+        """``(peer, share)`` of the mates the plan gave a share."""
+        return self._gathered("shares")
+
+    @property
+    def handles(self) -> tuple[tuple[str, ActorHandle], ...]:
+        """``(peer, handle)`` of every mate."""
+        return self._gathered("handles")
+
+    @property
+    def zones(self) -> tuple[tuple[str, str], ...]:
+        """``(peer, zone)`` of the mates that declared a zone."""
+        return self._gathered("zones")
+
+    def _gathered(self, name: str) -> tuple:
+        return tuple(dict(itertools.chain.from_iterable(
+            getattr(s, name) for s in self.seats)).items())
+
+    def share_of(self, peer: str) -> float:
+        """``peer``'s share (1.0 when the plan gave it none, as ``RoundPlan.share_of``)."""
+        for seat in self.seats:
+            for p, share in seat.shares:
+                if p == peer:
+                    return share
+        return 1.0
+
+    def handle_of(self, peer: str) -> ActorHandle:
+        """``peer``'s handle; ``KeyError`` for a peer that is not a mate."""
+        for seat in self.seats:
+            for p, handle in seat.handles:
+                if p == peer:
+                    return handle
+        raise KeyError(peer)
+
+
+class _PlanFacts:
+    """A plan's shares, handles and zones as dicts (built once per plan), its groups'
+    seats, and a peer's view from its seats."""
+
+    def __init__(self, plan: RoundPlan):
+        self.plan = plan
+        # peer -> the plan's own (peer, value) pair: the seats share them, not copies
+        self.shares = {pair[0]: pair for pair in plan.shares}
+        self.handles = {pair[0]: pair for pair in plan.handles}
+        self.zones = {pair[0]: pair for pair in plan.zones}
+        self.count = len(plan.participants)
+
+    def seat(self, r: int, g: int, group: Group) -> GroupSeat:
+        peers = group.everyone
+        return GroupSeat(
+            r, g, group,
+            shares=tuple(self.shares[p] for p in peers if p in self.shares),
+            handles=tuple(self.handles[p] for p in peers if p in self.handles),
+            zones=tuple(self.zones[p] for p in peers if p in self.zones))
+
+    def view(self, peer: str, seats: tuple[GroupSeat, ...]) -> PeerPlan:
+        plan = self.plan
+        return PeerPlan(plan.epoch, peer, self.count, seats, plan.compression,
+                        plan.min_part, plan.branch)
 
 
 @dataclass(frozen=True)

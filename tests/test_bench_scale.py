@@ -46,6 +46,10 @@ def test_control_plane_figures_come_from_the_calls_it_made():
     assert 1 <= figures["global_steps_made"] <= 3
     assert scale.control_plane(16, 3, 0, 0.0, 8, 0)["global_steps_made"] == 3  # no churn
     assert figures["coordinator_ms_per_step"] > 0
+    # the same CPU per simulated second, whatever the step rate
+    assert figures["coordinator_ms_per_second"] * 3 == pytest.approx(
+        figures["coordinator_ms_per_step"] * figures["global_steps_made"], rel=0.01)
+    assert 0 <= figures["global_steps_per_second"] <= 1
     # each peer heartbeats and reports at least once per step; the plan went to each
     assert figures["messages_per_peer_per_step"] >= 4
     assert figures["plan_bytes"] > 0 and figures["control_bytes_per_peer_per_step"] > 0

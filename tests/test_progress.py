@@ -22,7 +22,7 @@ def swarm(peers=("a", "b", "c"), target=24, grace=0.5):
                            target_batch_size=target)
     core.progress.grace_s = grace
     pushed = []
-    core.push_plan = pushed.append
+    core.push_plan = lambda plan, views: pushed.append(plan)
     for i, p in enumerate(peers):
         core.register(p, handle=p, node_id=f"node-{p}")
         assert core.mark_ready(p, 0)
@@ -33,27 +33,35 @@ def report(core, peer, epoch, samples):
     return core.report(ProgressReport(peer, epoch, samples, 1.0, None))
 
 
+def whole(core, view):
+    """The whole plan behind ``view`` (a reply's ``PeerPlan``): the tracker's latest, of
+    which ``view`` must be its peer's part."""
+    plan = core.progress.plan
+    assert view is not None and plan is not None and view == plan.view_of(view.peer)
+    return plan
+
+
 def test_every_ready_peer_at_the_epoch_takes_the_step_even_with_zero_samples():
     core, clock, pushed = swarm()
     report(core, "c", 0, 0)  # c has nothing yet: it still takes part, weight 0
     report(core, "a", 0, 12)
     reply = report(core, "b", 0, 12)
-    assert reply.plan is not None and reply.plan.participants == ("a", "b", "c")
-    assert pushed == [reply.plan]  # pushed to the participants the moment it exists
+    assert whole(core, reply.plan).participants == ("a", "b", "c")
+    assert pushed == [core.progress.plan]  # pushed to the participants the moment it exists
 
 
 def test_a_peer_finishing_the_last_step_gets_a_grace_not_a_resync():
     core, clock, pushed = swarm(("a", "b"))
     report(core, "a", 0, 12)
     plan1 = report(core, "b", 0, 12).plan
-    assert plan1.participants == ("a", "b")
+    assert whole(core, plan1).participants == ("a", "b")
     report(core, "a", 1, 0)  # a applied step 1 at once; b is still applying it
     assert report(core, "a", 1, 24).plan is None  # full, but b is finishing: grace
     clock.t += 0.2
     reply = report(core, "b", 1, 0)  # b arrives within the grace
     assert not reply.resync
     plan2 = report(core, "a", 1, 30).plan
-    assert plan2 is not None and plan2.participants == ("a", "b")
+    assert whole(core, plan2).participants == ("a", "b")
 
 
 def test_the_grace_is_bounded():
@@ -63,7 +71,7 @@ def test_the_grace_is_bounded():
     report(core, "a", 1, 24)  # b never shows up at epoch 1
     clock.t += 0.6
     plan2 = report(core, "a", 1, 28).plan
-    assert plan2 is not None and plan2.participants == ("a",)
+    assert whole(core, plan2).participants == ("a",)
 
 
 def test_a_notice_replans_at_once_without_the_node():
@@ -83,14 +91,14 @@ def test_a_notice_during_a_step_plans_the_next_step_right_after_it():
     clock.t += 0.5
     core.note_notice("node-b", deadline_s=30.0, notice_age_s=0.25)
     assert len(pushed) == 1  # nothing while step 1 is in flight
-    assert report(core, "b", 0, 12).plan is pushed[0]  # b finishes step 1 ...
+    assert report(core, "b", 0, 12).plan == pushed[0].view_of("b")  # b finishes step 1 ...
     clock.t += 0.25
     # ... a's report right after step 1, with no sample yet, re-plans without b
     report(core, "a", 1, 0)
     assert len(pushed) == 2 and (pushed[1].epoch, pushed[1].participants) == (2, ("a",))
     assert core.notice_stats()["node-b"]["rebalance_s"] == 0.5  # its age + 0.25 s
     assert report(core, "b", 1, 0).stop  # b stops after its last step
-    assert report(core, "a", 1, 4).plan is pushed[1]  # a takes step 2 at its next report
+    assert report(core, "a", 1, 4).plan == pushed[1].view_of("a")  # a takes step 2 next
 
 
 def test_a_one_to_one_digest_split_resolves_to_the_smallest_peer():
@@ -165,7 +173,7 @@ def restarted(target=8, ttl=5.0):
     clock = Clock()
     core = CoordinatorCore(MembershipConfig(peer_ttl_s=ttl), clock=clock,
                            target_batch_size=target, restarted=True)
-    core.push_plan = lambda plan: None
+    core.push_plan = lambda plan, views: None
     return core, clock
 
 
@@ -194,12 +202,13 @@ def test_after_the_rebuild_window_an_old_state_is_still_refused_while_a_holder_i
 def test_heartbeat_and_report_both_rejoining_changes_nothing():
     core, clock = restarted(target=4)
     assert core.rejoin("a", "a", "node-a", 9) and core.rejoin("b", "b", "node-b", 9)
-    plan = core.report(ProgressReport("a", 9, 4, 1.0, None)).plan
-    assert plan is not None and plan.participants == ("a", "b")
+    plan = whole(core, core.report(ProgressReport("a", 9, 4, 1.0, None)).plan)
+    assert plan.participants == ("a", "b")
     # b's heartbeat and one of its reports both heard "unknown": a second rejoin, still at 9
     assert core.rejoin("b", "b", "node-b", 9) is False  # epoch 10 is planned already
     assert "b" in core.progress.ready and core.epoch == 10
-    assert core.report(ProgressReport("b", 9, 0, None, None)).plan == plan  # b still takes it
+    # b still takes it
+    assert core.report(ProgressReport("b", 9, 0, None, None)).plan == plan.view_of("b")
     assert core.progress.rollbacks == []
 
 
@@ -257,7 +266,7 @@ def test_a_full_batch_waits_for_a_joiner_copying_the_state_then_it_takes_the_ste
     clock.t += 0.3
     assert core.mark_ready("j", 0) is True  # no plan came in between: accepted at once
     plan = report(core, "a", 0, 9).plan  # j counts at epoch 0 before its first report
-    assert plan is not None and plan.participants == ("a", "j")
+    assert whole(core, plan).participants == ("a", "j")
 
 
 def test_the_wait_for_a_joiner_is_bounded():
@@ -267,7 +276,7 @@ def test_the_wait_for_a_joiner_is_bounded():
     assert report(core, "a", 0, 8).plan is None
     clock.t += core.progress.join_grace_s + 0.1  # j's copy is stuck
     plan = report(core, "a", 0, 9).plan
-    assert plan is not None and plan.participants == ("a",)
+    assert whole(core, plan).participants == ("a",)
 
 
 def test_a_donor_holding_the_current_epoch_is_preferred():
@@ -450,7 +459,7 @@ def test_a_joiner_whose_copies_take_longer_than_a_step_is_waited_for_until_it_ca
     assert report(core, "a", 1, 8).plan is None
     assert core.mark_ready("j", 1) is True
     plan = report(core, "a", 1, 9).plan
-    assert plan is not None and plan.participants == ("a", "j")
+    assert whole(core, plan).participants == ("a", "j")
 
 
 def test_the_stretched_wait_for_a_joiner_is_capped():
@@ -520,7 +529,7 @@ def fell_back(ttl: float = 5.0):
     core = CoordinatorCore(MembershipConfig(peer_ttl_s=ttl), clock=clock, target_batch_size=2)
     core.progress.grace_s = 0.0
     pushed = []
-    core.push_plan = pushed.append
+    core.push_plan = lambda plan, views: pushed.append(plan)
     old = ("p1", "p2", "p3")
     for p in old:
         core.register(p, p, f"node-{p}")
@@ -563,7 +572,7 @@ def test_a_holder_that_returns_after_its_peers_fell_back_is_stale_and_resyncs():
     assert core.donor("p3")[0] in ("p4", "p5") and core.mark_ready("p3", 9) is True
     plan = core.report(ProgressReport("p4", 9, 4, 1.0, None, branch=1)).plan
     assert plan is not None and plan.epoch == 10 and plan.branch == 1
-    assert "p3" in plan.participants
+    assert "p3" in whole(core, plan).participants
 
 
 def test_a_stale_holder_at_the_swarm_s_own_epoch_is_not_ready_either():

@@ -60,7 +60,7 @@ def test_rebalance_timed_on_plans_made_by_collaborative_steps():
         assert core.mark_ready(peer, 0)
     replies = [core.report(ProgressReport(peer, 0, 2)) for peer in "abcd"]
     first = next(r.plan for r in replies if r.plan is not None)
-    assert first.epoch == 1 and "d" in first.participants  # step 1 in flight ...
+    assert first.epoch == 1 and "d" in core.progress.plan.participants  # step 1 in flight ...
     core.note_notice("n3", deadline_s=30)  # ... when d's node gets its notice
     clock.t += 0.5
     # The re-plan is made inside report(), at the first report that finds no step in

@@ -22,7 +22,7 @@ import ray
 import torch
 
 import moshray.cluster.collective.inline as inline
-from moshray.cluster.messages import CheckpointRef, Contribution, PartResult, RoundPlan
+from moshray.cluster.messages import CheckpointRef, Contribution, PartResult, PeerPlan
 
 from moshray.actors.replica.build_check import build_mismatch, installed_build
 from moshray.actors.replica.checkpoint import SaveResult, job_run_id, save_to
@@ -107,7 +107,7 @@ class ReplicaActor:
         """A part's result; ``chunks``: its inline bytes (``cluster/collective/inline.py``)."""
         self.manager.averager.deliver_result(inline.join(r, chunks))
 
-    async def receive_plan(self, plan: RoundPlan) -> None:
+    async def receive_plan(self, plan: PeerPlan) -> None:
         """The Coordinator pushes each plan this replica takes part in the moment it exists;
         the loop takes it after its current micro-batch."""
         self.manager.receive_plan(plan)

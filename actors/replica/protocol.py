@@ -112,8 +112,8 @@ class PlanDecision:
 
 
 def accept_plan(view: ReplicaView, plan) -> PlanDecision:
-    """Whether a replica in ``view`` takes ``plan`` (anything with an ``epoch``: a
-    ``RoundPlan``), and how.
+    """Whether a replica in ``view`` takes ``plan`` (anything with an ``epoch``: the
+    ``PeerPlan`` the Coordinator sends), and how.
 
     Taken: the plan for the step right after the state held (``view.epoch + 1``), while
     training or while a copy of a donor's state is being made (the Coordinator may plan the

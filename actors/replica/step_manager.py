@@ -32,7 +32,7 @@ import ray
 from moshray.cluster import metrics
 from moshray.cluster.collective.averager import Averager, AveragingError
 from moshray.cluster.collective.deadline import DeadlinePolicy
-from moshray.cluster.messages import CheckpointRef, RejectReason, RoundPlan
+from moshray.cluster.messages import CheckpointRef, PeerPlan, RejectReason
 from moshray.cluster.coordinator.progress import ProgressReport
 from moshray.cluster.coordinator.step_profile import PhaseClock
 
@@ -91,7 +91,7 @@ class Overlapped:
     """The payload of the ``overlapping`` phase: the plan, its averaging task and the
     micro-batches the step's contribution was taken after."""
 
-    plan: RoundPlan
+    plan: PeerPlan
     task: asyncio.Task
     tally: Tally
 
@@ -126,7 +126,7 @@ class StepManager:
         self.started_at = clock()  # join time is measured from here
         self.joined = False  # contributed to an averaged step yet?
         self._resume, self._config = resume, config or {}
-        self._plan: RoundPlan | None = None  # pushed by the Coordinator, not yet taken
+        self._plan: PeerPlan | None = None  # pushed by the Coordinator, not yet taken
         self._overlapped: Overlapped | None = None  # the payload of ``overlapping``
         # (epoch sent at, rejoin generation sent in, reply)
         self._inflight: list[tuple[int, int, asyncio.Future]] = []
@@ -166,7 +166,7 @@ class StepManager:
         epoch = self.state.epoch if self.state is not None else 0
         return ReplicaView(self.phase, epoch, bool(getattr(self.strategy, "overlap", False)))
 
-    def _decide(self, plan: RoundPlan | None) -> PlanDecision | None:
+    def _decide(self, plan: PeerPlan | None) -> PlanDecision | None:
         """``accept_plan`` for ``plan`` in the current view (None for no plan)."""
         return None if plan is None else accept_plan(self._view(), plan)
 
@@ -337,7 +337,7 @@ class StepManager:
 
     # -- progress --------------------------------------------------------------------------
 
-    def receive_plan(self, plan: RoundPlan) -> None:
+    def receive_plan(self, plan: PeerPlan) -> None:
         """A plan from the Coordinator (pushed, or in a report's reply): held for the next
         micro-batch if ``accept_plan`` takes it, else ignored."""
         if self._decide(plan).take:
@@ -429,7 +429,7 @@ class StepManager:
         self.send_report(force=True)
         return True
 
-    def _begin_overlapped(self, plan: RoundPlan) -> None:
+    def _begin_overlapped(self, plan: PeerPlan) -> None:
         """Start ``plan``'s averaging on what was accumulated so far and let the loop go on
         (its next micro-batches count toward the step after)."""
         s = self.state
@@ -471,7 +471,7 @@ class StepManager:
 
     # -- the global step ---------------------------------------------------------------------
 
-    async def global_step(self, plan: RoundPlan) -> None:
+    async def global_step(self, plan: PeerPlan) -> None:
         """One synchronous step (``training -> stepping -> training``): average, apply,
         commit (an errored averaging: commit, nothing applied)."""
         s = self.state
@@ -497,10 +497,10 @@ class StepManager:
         self.protocol.to(Phase.TRAINING, f"step {plan.epoch} committed")
         await self._after_round(plan, report)
 
-    def _commit(self, plan: RoundPlan) -> None:
+    def _commit(self, plan: PeerPlan) -> None:
         self.state.commit(plan.epoch, plan.branch)
 
-    def _errored(self, plan: RoundPlan, exc: AveragingError) -> None:
+    def _errored(self, plan: PeerPlan, exc: AveragingError) -> None:
         """The step's averaging errored: commit it with nothing applied (every member of
         the errored group does the same; see module docstring) and count it."""
         self.errored_steps += 1
@@ -528,7 +528,7 @@ class StepManager:
         self._reported.clear()
         self.record((metrics.ReportedEvent(self.peer_id, rows),))
 
-    async def _after_round(self, plan: RoundPlan, report) -> None:
+    async def _after_round(self, plan: PeerPlan, report) -> None:
         """Metrics (what the loop reported during the step too), rejections for the
         Coordinator, and a resync after too many of our own contributions were rejected in
         a row."""

@@ -56,7 +56,7 @@ import contextlib
 import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moshray.cluster.messages import RoundPlan
+from moshray.cluster.messages import PeerPlan
 
 if TYPE_CHECKING:
     import torch
@@ -201,12 +201,12 @@ class Strategy(abc.ABC):
                 + sum(b.numel() for b in averaged_buffers(model)))
 
     @staticmethod
-    async def average(averager: "Averager", tensors: list, plan: RoundPlan, samples: int,
+    async def average(averager: "Averager", tensors: list, plan: PeerPlan, samples: int,
                       timeout_s: float):
         """``(averaged, report)``: ``tensors`` averaged over ``plan``, weighted by samples."""
         return await averager.all_reduce(tensors, samples, plan, timeout_s)
 
-    async def global_step(self, model, optimizer, averager: "Averager", plan: RoundPlan,
+    async def global_step(self, model, optimizer, averager: "Averager", plan: PeerPlan,
                           samples: int, micro: int, timeout_s: float):
         """One whole global step; returns the round's report."""
         averaged, report = await self.average(

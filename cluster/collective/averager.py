@@ -1,4 +1,5 @@
-"""The Moshpit averager a peer embeds: d group rounds over a ``RoundPlan``.
+"""The Moshpit averager a peer embeds: d group rounds over its part of a plan
+(``messages.PeerPlan``, as the Coordinator sends it, or a whole ``RoundPlan``).
 
 An ``Averager`` lives inside an async Ray actor (``AveragingPeer`` here, the replica actor
 in training). The actor forwards two transport methods to it (``RayTransport`` sends a
@@ -69,8 +70,8 @@ from moshray.cluster.collective.partition import ContributionBounds
 from moshray.cluster.collective.round import Deadlines, GroupRound, off_loop
 from moshray.cluster.collective.shares import ThroughputMeter
 from moshray.cluster.messages import (
-    AllReduceReport, Contribution, CopyRequest, PartResult, Probe, Rejection, RejectReason,
-    RoundPlan, SegmentWeights,
+    AllReduceReport, Contribution, CopyRequest, PartResult, PeerPlan, Probe, Rejection,
+    RejectReason, RoundPlan, SegmentWeights,
 )
 from moshray.cluster.collective.transport import RayTransport, Transport
 
@@ -241,14 +242,22 @@ class Averager:
     # -- the API a training loop calls ----------------------------------------------------
 
     async def all_reduce(
-        self, tensors: Sequence[Any], weight: float, plan: RoundPlan, timeout: float
+        self, tensors: Sequence[Any], weight: float, plan: PeerPlan | RoundPlan,
+        timeout: float
     ) -> tuple[list[Any], AllReduceReport]:
         """Average ``tensors`` with the plan's participants, weighted by ``weight`` (one
-        number for all their values; see the module docstring for the contract)."""
+        number for all their values; see the module docstring for the contract).
+        ``plan``: this peer's ``PeerPlan`` (what the Coordinator sends), or a whole
+        ``RoundPlan``, of which this peer's view is taken (the same result; a peer not in
+        it averages with nobody). Raises ``ValueError`` for the view of another peer."""
+        if isinstance(plan, RoundPlan):
+            plan = plan.view_of(self.peer_id)
+        elif plan.peer != self.peer_id:
+            raise ValueError(f"{self.peer_id} was given the plan view of {plan.peer}")
         async with self._lock:
             return await self._all_reduce(tensors, weight, plan, timeout)
 
-    async def _all_reduce(self, tensors, weight, plan: RoundPlan, timeout: float):
+    async def _all_reduce(self, tensors, weight, plan: PeerPlan, timeout: float):
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         started = self.clock()
@@ -258,7 +267,7 @@ class Averager:
         handles = dict(plan.handles)
         # This step's bounds, from our own input and weight (one pass over the input).
         limits = self.bounds.limits(await off_loop(flat.nbytes, max_abs, flat), float(weight),
-                                    len(plan.participants))
+                                    plan.peer_count)
 
         def send(peer: str, method: str, message: object):
             return self.transport.send(handles[peer], method, message)
@@ -272,11 +281,8 @@ class Averager:
         my_zone = zone_of.get(self.peer_id, "")
         phases: collections.Counter[str] = collections.Counter()
         weights = SegmentWeights.uniform(float(weight))  # per value, carried round to round
-        for r, schedule in enumerate(plan.grid.rounds):
-            found = schedule.group_of(self.peer_id)
-            if found is None:
-                continue
-            g, group = found
+        for seat in plan.seats:  # the groups we are in, in round order
+            r, g, group = seat.round_index, seat.group_index, seat.group
             key = (plan.epoch, r, g)
             box = self._box(key)
             t0 = self.clock()

@@ -25,7 +25,7 @@ import os
 
 import numpy as np
 
-from moshray.cluster.messages import RoundPlan
+from moshray.cluster.messages import PeerPlan, RoundPlan
 
 FAULTS = ("die", "die_mid_round", "stall", "nan", "wrong_shape", "stale_epoch", "wrong_dtype",
           "huge_values", "huge_weight")
@@ -36,7 +36,8 @@ STALE_BY = 1000
 DIE_AFTER_S = 1.0
 
 
-async def apply(fault: str | None, arrays: list, weight: float, plan: RoundPlan):
+async def apply(fault: str | None, arrays: list, weight: float,
+                plan: PeerPlan | RoundPlan):
     if fault is None:
         return arrays, weight, plan
     if fault not in FAULTS:

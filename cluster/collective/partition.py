@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moshray.cluster.collective.codecs import max_abs
-from moshray.cluster.messages import RejectReason, RoundPlan, SegmentWeights
+from moshray.cluster.messages import PeerPlan, RejectReason, RoundPlan, SegmentWeights
 
 
 def part_sizes(numel: int, shares: Sequence[float]) -> tuple[int, ...]:
@@ -80,8 +80,10 @@ def owner_shares(numel: int, shares: Sequence[float], min_part: int = MIN_PART,
     return [s if i in keep else 0.0 for i, s in enumerate(clean)]
 
 
-def group_part_sizes(plan: RoundPlan, members: Sequence[str], numel: int) -> tuple[int, ...]:
-    """Each member's part of a ``numel``-value tensor in a group round of ``plan``: sized by
+def group_part_sizes(plan: PeerPlan | RoundPlan, members: Sequence[str],
+                     numel: int) -> tuple[int, ...]:
+    """Each member's part of a ``numel``-value tensor in a group round of ``plan`` (a whole
+    plan or a view of one of ``members``: they hold the same shares): sized by
     the members' shares, with the plan's ``min_part`` and the owners taking turns by epoch
     (``owner_shares``). Every peer of the group derives the same sizes."""
     shares = owner_shares(numel, [plan.share_of(m) for m in members], plan.min_part,

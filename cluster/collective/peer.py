@@ -19,7 +19,8 @@ import ray
 import moshray.cluster.collective.faults as faults
 import moshray.cluster.collective.inline as inline
 from moshray.cluster.collective.averager import Averager
-from moshray.cluster.messages import AllReduceReport, Contribution, PartResult, RoundPlan
+from moshray.cluster.messages import (AllReduceReport, Contribution, PartResult, PeerPlan,
+                                      RoundPlan)
 
 
 def synthetic(numel: int, peer_index: int) -> np.ndarray:
@@ -54,7 +55,7 @@ class AveragingPeer:
         self,
         arrays: list[np.ndarray],
         weight: float,
-        plan: RoundPlan,
+        plan: PeerPlan | RoundPlan,
         timeout: float,
         fault: str | None = None,
     ) -> tuple[list[np.ndarray], AllReduceReport]:
@@ -73,7 +74,7 @@ class AveragingPeer:
         numel: int,
         peer_index: int,
         weight: float,
-        plan: RoundPlan,
+        plan: PeerPlan | RoundPlan,
         timeout: float,
         sample_stride: int,
         fault: str | None = None,

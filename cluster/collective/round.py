@@ -115,7 +115,7 @@ from moshray.cluster.collective.partition import (UNBOUNDED, Limits, WeightedMea
 from moshray.cluster.collective.shares import busy_seconds, peak_rate, round_throughput
 from moshray.cluster.collective.transport import Transport
 from moshray.cluster.messages import (Contribution, CopyRequest, Group, InBundle, Inline,
-                                      PartResult, Probe, Rejection, RejectReason, RoundPlan,
+                                      PartResult, PeerPlan, Probe, Rejection, RejectReason,
                                       SegmentWeights)
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class GroupRound:
     def __init__(
         self,
         me: str,
-        plan: RoundPlan,
+        plan: PeerPlan,
         round_index: int,
         group_index: int,
         group: Group,

@@ -1,7 +1,8 @@
 """The Coordinator: one actor on the head node, made of small services (one module each).
 
 - ``steps.py``: steps and membership (``StepService``: register, report, plans, donors),
-  over ``membership.py``, ``progress.py``, ``quarantine.py`` and ``step_samples.py``;
+  over ``membership.py``, ``progress.py`` (its eligible peers counted in ``eligible.py``),
+  ``quarantine.py`` and ``step_samples.py``;
 - ``notices.py``: preemption notices and their rebalance clock (``NoticeBook``);
 - ``shard_ledger.py``: the job's data position (``ShardService``);
 - ``expert_registry.py``: the DMoE expert hosts (``ExpertRegistry``);

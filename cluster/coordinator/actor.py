@@ -3,7 +3,8 @@ notices, data-shard and expert services) plus the metrics sink (``metrics_sink.p
 pushes and the state kept in Ray's GCS (``durable.py``), on the head node.
 
 A named, detached actor (``placement.coordinator_name(job)`` in namespace ``moshray``, one per
-training job) that holds the ``Membership`` and publishes ``RoundPlan``s. Its metrics carry
+training job) that holds the ``Membership`` and publishes ``RoundPlan``s (each participant
+is sent its own ``PeerPlan``, its part of the plan). Its metrics carry
 ``job=<name>`` and, when served, are announced to the head's Prometheus by a file-based
 service-discovery target (``<MOSHRAY_PROMETHEUS_SD_DIR>/<job>.json``, default
 ``/tmp/moshray/prometheus``; ``infra/prometheus/prometheus.yml`` reads that directory). It keeps no tensors. It may die: Ray
@@ -22,6 +23,7 @@ import os
 import threading
 import uuid
 import warnings
+from collections.abc import Mapping
 
 import ray
 
@@ -31,7 +33,7 @@ from moshray.cluster.coordinator.durable import DurableState, GcsKV
 from moshray.cluster.coordinator.membership import MembershipConfig
 from moshray.cluster.coordinator.metrics_sink import MetricsSink
 from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport
-from moshray.cluster.messages import RoundPlan
+from moshray.cluster.messages import PeerPlan, RoundPlan
 
 log = logging.getLogger(__name__)
 SD_DIR_ENV = "MOSHRAY_PROMETHEUS_SD_DIR"
@@ -137,8 +139,9 @@ class Coordinator(CoordinatorCore):
         if state_key:
             kwargs["store"] = DurableState(GcsKV(), state_key)
         super().__init__(*args, **kwargs)
-        self._plans: list[RoundPlan] = []  # made during a call, pushed after its save
-        self.push_plan = self._plans.append
+        # (plan, its views) made during a call, pushed after its save
+        self._plans: list[tuple[RoundPlan, Mapping[str, PeerPlan]]] = []
+        self.push_plan = lambda plan, views: self._plans.append((plan, views))
         self._zones: dict[str, str] = {}
         self.zone_of = self._node_zone
         self.job = job
@@ -174,16 +177,17 @@ class Coordinator(CoordinatorCore):
             finally:
                 self._in_call = False
         plans, self._plans[:] = list(self._plans), []
-        for plan in plans:
-            self._push(plan)
+        for plan, views in plans:
+            self._push(plan, views)
 
     @staticmethod
-    def _push(plan: RoundPlan) -> None:
-        """Send ``plan`` to each participant (fire-and-forget: a dead one is the round's
-        problem, its deadline bounds it; the plan also rides on report replies)."""
+    def _push(plan: RoundPlan, views: Mapping[str, PeerPlan]) -> None:
+        """Send each participant its view of ``plan`` (its groups and their members'
+        handles: O(N) bytes for the whole plan; fire-and-forget: a dead one is the round's
+        problem, its deadline bounds it; the view also rides on report replies)."""
         for peer_id, handle in plan.handles:
             try:
-                handle.receive_plan.remote(plan)
+                handle.receive_plan.remote(views[peer_id])
             except Exception:  # noqa: BLE001 - a handle of a dead actor; never block here
                 pass
 

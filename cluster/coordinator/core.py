@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from moshray.cluster.coordinator.durable import DurableState
 from moshray.cluster.coordinator.expert_registry import ExpertRegistry, HeartbeatStatus, HostRecord
@@ -37,7 +37,7 @@ from moshray.cluster.coordinator.notices import NoticeBook, NoticeRecord
 from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport, ProgressTracker
 from moshray.cluster.coordinator.shard_ledger import REJOIN_GRACE_S, ShardService
 from moshray.cluster.coordinator.steps import REBUILD_S, StepService
-from moshray.cluster.messages import CheckpointRef, RoundPlan
+from moshray.cluster.messages import CheckpointRef, PeerPlan, RoundPlan
 
 __all__ = ["CoordinatorCore", "NoticeRecord", "REBUILD_S", "REJOIN_GRACE_S"]
 
@@ -66,14 +66,16 @@ class CoordinatorCore:
         self.started = clock()
         self.history_id = uuid.uuid4().hex  # names the step history (kept over restarts)
         self.restarts = 0
+        self._core_record: tuple[tuple, dict] = ((), {})  # (its fields, the record)
         self.steps = StepService(config, target_batch_size, step_grace_s, local_steps)
         self.steps.on_plan = self._on_plan
         self.notices = NoticeBook()
         self.shards = ShardService()
         self.experts = ExpertRegistry(clock=clock)  # DMoE expert hosts (replaces the DHT)
-        # Called with every new plan the moment it exists (the actor shell pushes it to the
-        # participants); None in pure tests, where plans travel only in report replies.
-        self.push_plan: Callable[[RoundPlan], None] | None = None
+        # Called with every new plan and its participants' views (peer id -> ``PeerPlan``)
+        # the moment it exists (the actor shell pushes each participant its view); None in
+        # pure tests, where views travel only in report replies.
+        self.push_plan: Callable[[RoundPlan, Mapping[str, PeerPlan]], None] | None = None
         # A node's zone (its ray.io/availability-zone label; "" = unknown): peers of one zone
         # average inside it first (grid.plan_zoned). The actor shell reads Ray's node table.
         self.zone_of: Callable[[str], str] = lambda node_id: ""
@@ -83,9 +85,9 @@ class CoordinatorCore:
         if restarted:
             self.steps.open_rebuild_window(clock())
 
-    def _on_plan(self, plan: RoundPlan) -> None:
+    def _on_plan(self, plan: RoundPlan, views: Mapping[str, PeerPlan]) -> None:
         if self.push_plan is not None:
-            self.push_plan(plan)
+            self.push_plan(plan, views)
 
     # the services' state, for callers and tests that look inside
     @property
@@ -289,11 +291,15 @@ class CoordinatorCore:
     # -- what survives a restart -------------------------------------------------------------
 
     def snapshot(self) -> dict[str, dict]:
-        """Each service's small record (JSON-able), by record name; the history is apart.
-        ``progress`` (the newest step known committed) changes with every step."""
+        """Each service's small record (JSON-able), by record name; the history and the
+        members (``StepService.members_record``) are apart. ``progress`` (the newest step
+        known committed) changes with every step."""
+        core = (self.started, self.history_id, self.restarts)
+        if self._core_record[0] != core:  # one object while unchanged (saved at no cost)
+            self._core_record = (core, {"started": self.started, "history_id": self.history_id,
+                                        "restarts": self.restarts})
         return {
-            "core": {"started": self.started, "history_id": self.history_id,
-                     "restarts": self.restarts},
+            "core": self._core_record[1],
             "steps": self.steps.snapshot(),
             "progress": {"committed": self.progress.top_held},
             "notices": self.notices.snapshot(),
@@ -313,6 +319,8 @@ class CoordinatorCore:
             # the committed step goes with each new history row, else written behind
             written += self.store.save_record(name, record, now,
                                               lazy=name == "progress" and not rows)
+        if self.store.due("members", now):  # written behind (see durable.py)
+            written += self.store.save_record("members", self.steps.members_record(), now)
         return written
 
     def _restore(self, store: DurableState) -> bool:
@@ -325,6 +333,7 @@ class CoordinatorCore:
         self.restarts = int(core.get("restarts", 0)) + 1
         self.progress.history[:] = store.load_history()
         self.steps.restore({**(store.load_record("steps") or {}),
+                            **(store.load_record("members") or {}),
                             **(store.load_record("progress") or {})})
         self.notices.restore(store.load_record("notices") or {})
         self.shards.restore(store.load_record("shards") or {})

@@ -9,8 +9,15 @@ the actor (and its node, but not the head's GCS), under one prefix per Coordinat
 - small records, written through when their JSON changes: ``core`` (the Coordinator's
   start time, its history id, restarts), ``steps`` (rollbacks, abandoned plans, stale
   returns, the history's branch and forks, the stop flag, quarantine records, draining
-  marks, the members: rewritten when one joins or leaves), ``notices``, ``shards`` (the
-  data position) and ``sink`` (counts of the metrics sink);
+  marks), ``notices``, ``shards`` (the data position) and ``sink`` (counts of the metrics
+  sink); a record object passed again unchanged (the same object, or an equal one) is
+  not even encoded again, so a call that changed nothing costs no JSON;
+- ``members`` (every member's id, and the peers a restarted Coordinator still awaits):
+  written behind, as the lazy records below, so joins and leaves cost one write per
+  ``flush_s``, not one each. What that window can lose is covered: a peer that joined
+  since is heard from by a restarted Coordinator (its heartbeat is answered "unknown",
+  so it is awaited), and one that left since is awaited until it has been silent for
+  the hold time, as a member that died unnoticed is;
 - two append logs cut into chunks of fixed size, of which only the chunk(s) that changed
   are rewritten: the step history (a row per global step; the last ``KEEP_EPOCHS`` rows
   may still be corrected) and the step profile (a ``StepPhases`` per replica and step;
@@ -20,11 +27,13 @@ Writes that come with every report are written behind, at most every ``flush_s``
 history row's corrected sample count (a new row is written at once, and with it every
 correction before it), the newest step known committed (``lazy`` records; the driver
 also tells a restarted Coordinator, ``note_committed``) and the step profile. A kill
-loses at most ``flush_s`` of those, never a row, a notice, a drain, a quarantine or a
-shard. So a global step costs about two writes (its history chunk and the ``progress``
-record), bounded whatever the run's length. ``MemoryKV`` is the same store in a dict, for
-pure tests. Failures: a ``GcsKV`` write raises what Ray raises (the caller logs it and
-tries again at the next call, since a record is rewritten until the stored JSON matches).
+loses at most ``flush_s`` of those (and of the members), never a row, a notice, a drain, a
+quarantine or a shard. So a global step costs about two writes (its history chunk and the
+``progress`` record), plus one of ``members`` per ``flush_s`` while peers come and go,
+bounded whatever the run's length and the swarm's size. ``MemoryKV`` is the same store in
+a dict, for pure tests. Failures: a ``GcsKV`` write raises what Ray raises (the caller logs
+it and tries again at the next call, since a record is rewritten until the stored JSON
+matches).
 """
 
 from __future__ import annotations
@@ -136,6 +145,7 @@ class DurableState:
         self.history_chunk, self.profile_chunk = history_chunk, profile_chunk
         self.flush_s = flush_s
         self._records: dict[str, bytes] = {}  # name -> the JSON last written
+        self._objs: dict[str, object] = {}  # name -> the object that JSON was made of
         self._written_at: dict[str, float] = {}  # record or log -> when last written
         # the history's tail rows last written (the objects: a rewritten row is a new one)
         self._history_seen: list[StepRecord] = []
@@ -146,20 +156,32 @@ class DurableState:
 
     def save_record(self, name: str, obj: dict, now: float = 0.0, lazy: bool = False) -> bool:
         """Write ``obj`` as record ``name`` if its JSON changed (``lazy``: and the last
-        write is ``flush_s`` older than ``now``); True if written."""
-        data = _dump(obj)
-        if self._records.get(name) == data or (lazy and not self._due(name, now)):
+        write is ``flush_s`` older than ``now``); True if written. ``obj`` is not encoded
+        when it is the object last saved as ``name`` or equal to it, so the caller must
+        not change an object after passing it (a fresh or a cached, unchanged one)."""
+        if lazy and not self.due(name, now):
             return False
-        self.kv.put(self.prefix + name, data)
-        self._records[name] = data
-        self._written_at[name] = now
-        return True
+        last = self._objs.get(name)
+        if last is not None and (obj is last or obj == last):
+            return False
+        data = _dump(obj)
+        if self._records.get(name) != data:
+            self.kv.put(self.prefix + name, data)
+            self._records[name] = data
+            self._written_at[name] = now
+            self._objs[name] = obj
+            return True
+        self._objs[name] = obj
+        return False
 
-    def _due(self, name: str, now: float) -> bool:
+    def due(self, name: str, now: float) -> bool:
+        """A lazy record or log ``name`` may be written at ``now`` (its last write is
+        ``flush_s`` old, or there was none)."""
         return now - self._written_at.get(name, float("-inf")) >= self.flush_s
 
     def load_record(self, name: str) -> dict | None:
         data = self.kv.get(self.prefix + name)
+        self._objs.pop(name, None)
         if data is None:
             return None
         self._records[name] = bytes(data)
@@ -172,7 +194,7 @@ class DurableState:
         appended, and only the last ``KEEP_EPOCHS`` may be rewritten): at once when a row
         was appended, else once the last write is ``flush_s`` old; returns how many chunks
         were written."""
-        if not self._new_row(history) and not self._due("history", now):
+        if not self._new_row(history) and not self.due("history", now):
             return 0
         tail_from = max(0, len(history) - KEEP_EPOCHS - 1)
         tail = list(history[tail_from:])
@@ -180,6 +202,9 @@ class DurableState:
                        self._history_seen))
         changed = [i for i, r in enumerate(tail, tail_from) if old.get(i) is not r]
         if not changed and len(history) == self._history_len:
+            # nothing to write: look again ``flush_s`` from now (a correction made
+            # meanwhile is written then, within ``flush_s``), not at every call
+            self._written_at["history"] = now
             return 0
         if len(history) < self._history_len:  # rows dropped (not expected): rewrite the tail
             changed.append(max(0, len(history) - 1))
@@ -226,7 +251,7 @@ class DurableState:
         """``steps`` are the last rows of ``total`` ever added (a window of ``keep``): once
         the last write is ``flush_s`` old, write the chunks holding rows added since, and
         delete chunks that left the window; returns how many chunks were written."""
-        if total <= self._profile_saved or not self._due("profile", now):
+        if total <= self._profile_saved or not self.due("profile", now):
             return 0
         first = total - len(steps)  # the global index of steps[0]
         written = 0
@@ -262,5 +287,6 @@ class DurableState:
         """Delete everything under the prefix (the job is over)."""
         self.kv.delete_prefix(self.prefix)
         self._records.clear()
+        self._objs.clear()
         self._history_len, self._history_seen, self._profile_saved = 0, [], 0
         self._written_at.clear()

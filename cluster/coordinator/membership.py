@@ -13,6 +13,8 @@ chosen peers' measurements (1.0 without one).
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from moshray.cluster.collective.shares import relative_shares
@@ -54,11 +56,21 @@ class Membership:
     # node id -> the draining deadline of the latest notice or drain for it: peers that
     # register there later (a replica still starting when the notice came) drain too
     _draining_nodes: dict[str, float] = field(default_factory=dict)
-    # the members' ids in order, rebuilt only when one joins or goes (``ordered``)
+    _draining_record: list | None = field(default=None, repr=False, compare=False)
+    # the members' ids in order, a new list when one joins or goes (``ordered``)
     _sorted: list[str] | None = field(default=None, repr=False, compare=False)
+    # node id -> the members on it (``mark_draining`` reads one node's, not every member)
+    _by_node: dict[str, list[str]] = field(default_factory=dict, repr=False, compare=False)
     # no member was last seen before this (a lower bound: heartbeats only raise it), so
     # ``expire`` has nothing to drop before ``_seen_floor + peer_ttl_s``
     _seen_floor: float = field(default=float("-inf"), repr=False, compare=False)
+    # called with a peer's id after it registers, leaves, expires or starts draining (what
+    # decides whether it may be in a plan): ``ProgressTracker`` keeps its counts with it
+    on_change: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
+
+    def _changed(self, peer_id: str) -> None:
+        if self.on_change is not None:
+            self.on_change(peer_id)
 
     def register(self, info: PeerInfo, now: float) -> None:
         """Add or refresh a peer (re-registering clears nothing but its liveness). A peer
@@ -66,7 +78,12 @@ class Membership:
         it never enters a plan, however late it registers before the node goes."""
         old = self._members.get(info.peer_id)
         if old is None:
-            self._sorted = None
+            self._reorder(info.peer_id, add=True)
+        elif old.info.node_id != info.node_id:
+            self._unplace(old.info)
+        on_node = self._by_node.setdefault(info.node_id, [])
+        if info.peer_id not in on_node:  # (a node holds a few peers: lists are small)
+            on_node.append(info.peer_id)
         self._seen_floor = min(self._seen_floor, now) if self._members else now
         draining = old.draining_deadline if old else None
         if draining is None and info.node_id:
@@ -74,6 +91,7 @@ class Membership:
         self._members[info.peer_id] = _Member(
             info, now, draining, old.throughput if old else None
         )
+        self._changed(info.peer_id)
 
     def heartbeat(self, peer_id: str, now: float, throughput: float | None = None) -> bool:
         """Refresh a peer (and its measured ``throughput``, if given); False if it is
@@ -87,10 +105,33 @@ class Membership:
         return True
 
     def leave(self, peer_id: str) -> bool:
-        if self._members.pop(peer_id, None) is None:
+        member = self._members.pop(peer_id, None)
+        if member is None:
             return False
-        self._sorted = None
+        self._unplace(member.info)
+        self._reorder(peer_id, add=False)
+        self._changed(peer_id)
         return True
+
+    def _unplace(self, info: PeerInfo) -> None:
+        on_node = self._by_node.get(info.node_id)
+        if on_node is not None and info.peer_id in on_node:
+            on_node.remove(info.peer_id)
+            if not on_node:
+                del self._by_node[info.node_id]
+
+    def _reorder(self, peer_id: str, add: bool) -> None:
+        """``ordered`` after ``peer_id`` joined (``add``) or went: a new list, copied with
+        one id put in or taken out (a memory copy, not a sort)."""
+        if self._sorted is None:
+            return
+        order = list(self._sorted)
+        at = bisect.bisect_left(order, peer_id)
+        if add:
+            order.insert(at, peer_id)
+        elif at < len(order) and order[at] == peer_id:
+            del order[at]
+        self._sorted = order
 
     def ordered(self) -> list[str]:
         """The members' ids, sorted: the same list object until one joins or goes (O(1) per
@@ -110,12 +151,13 @@ class Membership:
         returns the affected peer ids (of those registered now)."""
         if node_id:
             self._draining_nodes[node_id] = deadline
-        hit = []
-        for peer_id, member in self._members.items():
-            if member.info.node_id == node_id:
-                member.draining_deadline = deadline
-                hit.append(peer_id)
-        return tuple(sorted(hit))
+            self._draining_record = None
+        hit = sorted(self._by_node.get(node_id, ()))
+        for peer_id in hit:
+            self._members[peer_id].draining_deadline = deadline
+        for peer_id in hit:
+            self._changed(peer_id)
+        return tuple(hit)
 
     def expire(self, now: float) -> tuple[str, ...]:
         """Drop peers silent for longer than the TTL; returns who was dropped. Looks at the
@@ -125,25 +167,44 @@ class Membership:
             return ()
         gone = [p for p, m in self._members.items() if now - m.last_seen > self.config.peer_ttl_s]
         for p in gone:
-            del self._members[p]
+            self._unplace(self._members.pop(p).info)
         if gone:
             self._sorted = None
         self._seen_floor = min((m.last_seen for m in self._members.values()), default=now)
+        for p in gone:
+            self._changed(p)
         return tuple(sorted(gone))
+
+    def within_ttl(self, now: float) -> bool:
+        """Every member was heard from within the TTL at ``now`` (O(1); always true right
+        after ``expire(now)``): the live peers are then the members not draining."""
+        return now - self._seen_floor <= self.config.peer_ttl_s
 
     def live(self, now: float) -> tuple[PeerInfo, ...]:
         """Peers that may take part in the next round (alive and not draining)."""
-        members, ttl = self._members, self.config.peer_ttl_s
-        return tuple(members[p].info for p in self.ordered()
-                     if now - members[p].last_seen <= ttl
-                     and members[p].draining_deadline is None)
+        return tuple(self.heard(now, draining=False))
 
     def present(self, now: float) -> tuple[PeerInfo, ...]:
         """Peers heard from within the TTL, draining ones included (they are still up until
         their deadline, e.g. to hand their state to a joiner)."""
+        return tuple(self.heard(now))
+
+    def heard(self, now: float, draining: bool = True) -> Iterator[PeerInfo]:
+        """``present`` (or, without ``draining`` peers, ``live``) one peer at a time, in
+        id order: a caller that stops at the first it wants pays for what it read."""
         members, ttl = self._members, self.config.peer_ttl_s
-        return tuple(members[p].info for p in self.ordered()
-                     if now - members[p].last_seen <= ttl)
+        for p in self.ordered():
+            m = members[p]
+            if now - m.last_seen <= ttl and (draining or m.draining_deadline is None):
+                yield m.info
+
+    def draining_nodes(self) -> list[list]:
+        """``[[node id, deadline], ...]`` of every node marked draining, sorted (a record
+        for a restart: ``mark_draining`` each again). The same list until one is marked;
+        do not mutate it."""
+        if self._draining_record is None:
+            self._draining_record = sorted([n, d] for n, d in self._draining_nodes.items())
+        return self._draining_record
 
     def is_member(self, peer_id: str) -> bool:
         """Registered and not yet left or expired (draining or not)."""

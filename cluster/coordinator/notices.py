@@ -28,6 +28,7 @@ class NoticeBook:
     def __init__(self) -> None:
         self.records: dict[str, NoticeRecord] = {}  # node id -> its first notice
         self._snapshot: dict | None = None  # ``snapshot``'s, until a record changes
+        self._pending: set[str] = set()  # nodes whose rebalance clock still runs
 
     def note(self, node_id: str, now: float, notice_age_s: float, epoch: int,
              peers: tuple[str, ...]) -> None:
@@ -39,17 +40,22 @@ class NoticeBook:
             noticed_at = now - max(0.0, notice_age_s)
             self.records[node_id] = NoticeRecord(noticed_at, epoch, tuple(peers),
                                                  None if peers else now - noticed_at)
+            if peers:
+                self._pending.add(node_id)
 
     def pending(self) -> bool:
-        """A notice for a node with peers is waiting for the plan that leaves them out."""
-        return any(r.rebalance_s is None for r in self.records.values())
+        """A notice for a node with peers is waiting for the plan that leaves them out
+        (O(1): the Coordinator asks at every report)."""
+        return bool(self._pending)
 
     def rebalanced(self, epoch: int, now: float) -> None:
-        """The swarm is at ``epoch``: close the clock of every notice older than its plan."""
-        for r in self.records.values():
-            if r.rebalance_s is None and epoch > r.epoch:
-                r.rebalance_s = max(0.0, now - r.noticed_at)
-                self._snapshot = None
+        """The swarm is at ``epoch``: close the clock of every notice older than its plan
+        (O(notices still pending): the Coordinator calls it at every report)."""
+        for node_id in [n for n in self._pending if epoch > self.records[n].epoch]:
+            r = self.records[node_id]
+            r.rebalance_s = max(0.0, now - r.noticed_at)
+            self._pending.discard(node_id)
+            self._snapshot = None
 
     def nodes(self) -> tuple[str, ...]:
         return tuple(sorted(self.records))
@@ -76,3 +82,4 @@ class NoticeBook:
         self.records = {node: NoticeRecord(float(r["noticed_at"]), int(r["epoch"]),
                                            tuple(r["peers"]), r["rebalance_s"])
                         for node, r in snap.items()}
+        self._pending = {node for node, r in self.records.items() if r.rebalance_s is None}

@@ -8,9 +8,11 @@ SGD the ready peers' micro-batches, their local steps, average ``local_steps``),
 asks ``Membership`` for the plan of the next epoch over
 *every* ready, live, non-draining peer at the current epoch, each contributing what it has
 (zero samples allowed). A ready peer still finishing the previous step gets a short grace
-(``grace_s``) to report at the current epoch before the plan is made without it. The plan
-goes to each participant as soon as it exists (the Coordinator pushes it; see
-``take_new_plan``) and in the reply to its next report. Peers that hold another digest than
+(``grace_s``) to report at the current epoch before the plan is made without it. Each
+participant gets its view of the plan (``messages.PeerPlan``: its groups, their members'
+handles, shares and zones) as soon as the plan exists (the Coordinator pushes it; see
+``take_new_plan`` and ``views_of``) and in the reply to its next report; the tracker keeps
+the whole plan. Peers that hold another digest than
 the majority at the same epoch, or that fell behind the last plan without being in it, are
 told to resync from a donor. After a notice or a lost peer the Coordinator plans the next
 step as soon as no step is in flight (``plan_now`` with ``empty_ok``). Time is injected.
@@ -47,11 +49,12 @@ never judged stale.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, MutableSet, Sequence
 from dataclasses import dataclass, field
 
+from moshray.cluster.coordinator.eligible import AtEpoch, EligibleTally
 from moshray.cluster.coordinator.membership import Membership
-from moshray.cluster.messages import RoundPlan
+from moshray.cluster.messages import PeerPlan, RoundPlan
 from moshray.cluster.coordinator.quarantine import Quarantine
 from moshray.cluster.coordinator.step_samples import StepSamples
 
@@ -91,10 +94,47 @@ def step_due(current: Sequence[ProgressReport], eligible: int, target_batch_size
     since the last average reach ``local_steps`` per eligible peer on average (a slow peer
     contributes fewer, a fast one more; the average weighs them by samples), and some
     samples were taken. Pure."""
-    samples = sum(r.samples for r in current)
+    return due_by_counts(sum(r.samples for r in current), sum(r.micro for r in current),
+                         eligible, target_batch_size, local_steps)
+
+
+def due_by_counts(samples: int, micro: int, eligible: int, target_batch_size: int,
+                  local_steps: int | None = None) -> bool:
+    """``step_due`` from the sums of the reports' ``samples`` and ``micro``. Pure."""
     if local_steps is None:
         return samples >= target_batch_size
-    return samples > 0 and sum(r.micro for r in current) >= local_steps * max(eligible, 1)
+    return samples > 0 and micro >= local_steps * max(eligible, 1)
+
+
+class ReadySet(MutableSet):
+    """The ready peers (a set of ids) that tells ``on_change`` of every peer added or
+    removed, so the tracker's counts follow (``ProgressTracker._refresh``)."""
+
+    def __init__(self, on_change: Callable[[str], None]):
+        self._peers: set[str] = set()
+        self._on_change = on_change
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._peers
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._peers)
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def __repr__(self) -> str:
+        return f"ReadySet({sorted(self._peers)})"
+
+    def add(self, peer: str) -> None:
+        if peer not in self._peers:
+            self._peers.add(peer)
+            self._on_change(peer)
+
+    def discard(self, peer: str) -> None:
+        if peer in self._peers:
+            self._peers.discard(peer)
+            self._on_change(peer)
 
 
 @dataclass(frozen=True)
@@ -118,7 +158,9 @@ def join_wait(w: JoinWait, now: float, grace_s: float, cap_s: float) -> bool:
 
 @dataclass(frozen=True)
 class ProgressReply:
-    plan: RoundPlan | None  # plan of epoch + 1 when this peer takes part in it
+    # this peer's part of the plan of epoch + 1 when it takes part in it (``PeerPlan``:
+    # its groups and their members' handles, not the whole plan)
+    plan: PeerPlan | None
     stop: bool = False
     resync: bool = False  # reload state from a donor before going on
     global_epoch: int = 0
@@ -157,7 +199,8 @@ class ProgressTracker:
     membership: Membership
     target_batch_size: int
     local_steps: int | None = None  # local SGD: the local steps between averages (step_due)
-    ready: set[str] = field(default_factory=set)
+    # peers holding the swarm's state (a ``ReadySet``: the eligible counts follow it)
+    ready: MutableSet[str] = field(init=False, repr=False)
     reports: dict[str, ProgressReport] = field(default_factory=dict)
     plan: RoundPlan | None = None  # the latest published plan (of the current epoch)
     history: list[StepRecord] = field(default_factory=list)
@@ -184,6 +227,9 @@ class ProgressTracker:
     _loss: dict[int, tuple[float, int]] = field(default_factory=dict)
     _full_since: float | None = None  # when the current epoch's batch became full
     _unpushed: RoundPlan | None = None  # made since the last take_new_plan
+    # the participants' views (``RoundPlan.views``) of ``_views_of``, built once per plan
+    _views: dict[str, PeerPlan] = field(default_factory=dict, repr=False)
+    _views_of: RoundPlan | None = field(default=None, repr=False)
     _held: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer -> (epoch, seen)
     _top_held: int = 0  # the newest epoch any peer was ever seen holding (committed)
     _joining: dict[str, JoinWait] = field(default_factory=dict)  # peer -> its donor requests
@@ -193,13 +239,35 @@ class ProgressTracker:
     # epoch -> the distinct digests reported at it (while it may still be voted on): one
     # digest means no vote to count (``_disagrees`` is O(1) then)
     _digests: dict[int, set[str]] = field(default_factory=dict)
-    # epoch -> the samples of the latest reports at it (``_put_report`` / ``_drop_report``)
-    _samples_at: dict[int, int] = field(default_factory=dict)
+    # the eligible peers (ready, members, not draining) and their latest reports, counted
+    # as they change (``_refresh``), with the participants of ``_watching`` counted apart
+    _tally: EligibleTally = field(default_factory=EligibleTally, repr=False)
+    _watching: RoundPlan | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.ready = ReadySet(self._refresh)
+        self.membership.on_change = self._refresh
+
+    def _refresh(self, peer_id: str) -> None:
+        """``peer_id``'s readiness, membership, draining mark or latest report changed:
+        tell the tally whether it is eligible and what it reported (O(1))."""
+        m, r = self.membership, self.reports.get(peer_id)
+        self._tally.update(
+            peer_id, peer_id in self.ready and m.is_member(peer_id) and not m.is_draining(peer_id),
+            None if r is None else (r.epoch, r.samples, r.micro))
 
     def take_new_plan(self) -> RoundPlan | None:
         """The plan made since the last call (for the Coordinator to push), else None."""
         plan, self._unpushed = self._unpushed, None
         return plan
+
+    def views_of(self, plan: RoundPlan) -> dict[str, PeerPlan]:
+        """Each participant's ``PeerPlan`` of ``plan``, by peer id: built once for the
+        latest plan (O(N)), so the pushes and every report's reply look theirs up in O(1).
+        Do not mutate it."""
+        if plan is not self._views_of:
+            self._views, self._views_of = plan.views(), plan
+        return self._views
 
     @property
     def epoch(self) -> int:
@@ -339,11 +407,12 @@ class ProgressTracker:
         return not (plan is not None and plan.epoch > state_epoch
                     and any(self.membership.is_member(p) for p in plan.participants))
 
-    def _next_plan(self, peer_id: str, epoch: int) -> RoundPlan | None:
-        """The latest plan if ``peer_id`` takes part in it and holds the epoch before it."""
+    def _next_plan(self, peer_id: str, epoch: int) -> PeerPlan | None:
+        """``peer_id``'s view of the latest plan if it takes part in it and holds the epoch
+        before it (O(1))."""
         plan = self.plan
-        if plan is not None and plan.epoch == epoch + 1 and peer_id in plan.participants:
-            return plan
+        if plan is not None and plan.epoch == epoch + 1:
+            return self.views_of(plan).get(peer_id)
         return None
 
     def _rebuilding(self, now: float) -> bool:
@@ -561,19 +630,13 @@ class ProgressTracker:
                     "not hold: it resyncs from a donor", r.peer_id, r.epoch)
 
     def _put_report(self, r: ProgressReport) -> None:
-        """Keep ``r`` as its peer's latest report (``_samples_at`` follows)."""
-        self._drop_report(r.peer_id)
+        """Keep ``r`` as its peer's latest report (the tally follows)."""
         self.reports[r.peer_id] = r
-        self._samples_at[r.epoch] = self._samples_at.get(r.epoch, 0) + r.samples
+        self._refresh(r.peer_id)
 
     def _drop_report(self, peer_id: str) -> None:
-        old = self.reports.pop(peer_id, None)
-        if old is not None:
-            left = self._samples_at.get(old.epoch, 0) - old.samples
-            if left > 0:
-                self._samples_at[old.epoch] = left
-            else:
-                self._samples_at.pop(old.epoch, None)
+        if self.reports.pop(peer_id, None) is not None:
+            self._refresh(peer_id)
 
     def _record_loss(self, r: ProgressReport) -> None:
         if r.loss is not None and r.samples > 0:
@@ -581,35 +644,59 @@ class ProgressTracker:
             self._loss[r.epoch] = (total + r.loss * r.samples, n + r.samples)
 
     def _maybe_plan(self, now: float) -> None:
+        """Plan the next step if it is due (``step_due``) and nobody is waited for (a ready
+        peer still applying the latest plan's step, within ``grace_s``; a joiner copying
+        the state, ``join_wait``). O(1) but for the plan itself and the joiners."""
         if self.local_steps is None and \
-                self._samples_at.get(self.epoch, 0) < self.target_batch_size:
-            # every peer's samples at the epoch (a bound on the eligible peers') fall short:
-            # not due, known in O(1)
+                self._tally.at(self.epoch).samples < self.target_batch_size:
+            # the eligible peers' samples at the epoch (a bound on the live ones') fall
+            # short: not due
             self._full_since = None
             return
-        live = {p.peer_id for p in self.membership.live(now)}
-        eligible = sorted(p for p in self.ready if p in live)
+        eligible, current, finishing = self._standing(now)
         if not eligible:
             return
-        current = [self.reports[p] for p in eligible
-                   if p in self.reports and self.reports[p].epoch == self.epoch]
-        if not step_due(current, len(eligible), self.target_batch_size, self.local_steps):
+        if not due_by_counts(current.samples, current.micro, eligible,
+                             self.target_batch_size, self.local_steps):
             self._full_since = None
             return
         if self._full_since is None:
             self._full_since = now
-        if self._finishing(eligible) and now - self._full_since < self.grace_s:
+        if finishing and now - self._full_since < self.grace_s:
             return  # a ready peer is still applying the last step: give it a moment
         if any(join_wait(w, now, self.join_grace_s, self.join_cap_s)
                for w in self._joining.values()):
             return  # a joiner is copying the current state: let it in first
-        self.plan_now(now, current)
+        self.plan_now(now)
 
-    def _finishing(self, eligible: list[str]) -> bool:
-        """Some of ``eligible`` take part in the latest plan and still report the epoch
-        before it (they are applying that step)."""
-        return any(p in self.reports and self._next_plan(p, self.reports[p].epoch) is not None
-                   for p in eligible)
+    def _standing(self, now: float) -> tuple[int, AtEpoch, bool]:
+        """``(eligible, current, finishing)``: how many peers are ready and live, the
+        counts of those whose latest report is at the current epoch, and whether one of
+        them takes part in the latest plan and still reports the epoch before it (it is
+        applying that step). O(1) from the tally when every member was heard from within
+        the TTL (always right after ``Membership.expire``), else counted over the members."""
+        plan = self.plan
+        if self.membership.within_ttl(now):
+            if self._watching is not plan:  # a new plan: count its participants apart
+                self._tally.watch(self.views_of(plan) if plan is not None else ())
+                self._watching = plan
+            finishing = plan is not None and self._tally.at(plan.epoch - 1).watched > 0
+            return self._tally.count, self._tally.at(self.epoch), finishing
+        live = {p.peer_id for p in self.membership.live(now)}
+        eligible = [p for p in self.ready if p in live]
+        current = [self.reports[p] for p in eligible
+                   if p in self.reports and self.reports[p].epoch == self.epoch]
+        finishing = any(p in self.reports and
+                        self._next_plan(p, self.reports[p].epoch) is not None
+                        for p in eligible)
+        return len(eligible), AtEpoch(len(current), sum(r.samples for r in current),
+                                      sum(r.micro for r in current)), finishing
+
+    def idle(self, now: float) -> bool:
+        """Some peer is ready and live, and every such peer reports at the current epoch:
+        no step is in flight (O(1), see ``_standing``)."""
+        eligible, current, _ = self._standing(now)
+        return eligible > 0 and current.peers == eligible
 
     def plan_now(self, now: float, current: list[ProgressReport] | None = None,
                  empty_ok: bool = False) -> bool:

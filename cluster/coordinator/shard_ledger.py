@@ -26,11 +26,14 @@ class ShardLedger:
 
     next: int = 0
     granted: dict[str, int] = field(default_factory=dict)  # peer -> shards handed to it
+    version: int = 0  # one more at every change (``ShardService.snapshot`` keys on it)
 
     def raise_floor(self, floor: int) -> int:
         """Never hand out a shard below ``floor`` (a position some replica's state holds,
         or a checkpoint's); returns the new position."""
-        self.next = max(self.next, int(floor))
+        if int(floor) > self.next:
+            self.next = int(floor)
+            self.version += 1
         return self.next
 
     def grant(self, peer_id: str, count: int = 1, floor: int = 0) -> tuple[int, ...]:
@@ -40,6 +43,7 @@ class ShardLedger:
         ids = tuple(range(self.next, self.next + max(0, int(count))))
         self.next += len(ids)
         self.granted[peer_id] = self.granted.get(peer_id, 0) + len(ids)
+        self.version += 1
         return ids
 
 
@@ -60,6 +64,7 @@ class ShardService:
         self.ledger = ShardLedger()
         self._grants_after: float | None = None
         self._restored = False
+        self._snapshot: tuple[int, dict] = (-1, {})  # (the ledger's version, its record)
 
     def rejoined(self, data_position: int, now: float) -> None:
         """A replica rejoined a restarted Coordinator holding ``data_position``."""
@@ -81,11 +86,19 @@ class ShardService:
         return self.ledger.raise_floor(floor)
 
     def snapshot(self) -> dict:
-        return {"next": self.ledger.next, "granted": dict(sorted(self.ledger.granted.items()))}
+        """The ledger as a record (JSON-able): built again only after it changed (the
+        Coordinator saves after every call, and ``granted`` holds a count per peer); do
+        not mutate it."""
+        ledger = self.ledger
+        if self._snapshot[0] != ledger.version:
+            self._snapshot = (ledger.version, {"next": ledger.next,
+                                               "granted": dict(sorted(ledger.granted.items()))})
+        return self._snapshot[1]
 
     def restore(self, snap: dict) -> None:
         self.ledger.raise_floor(int(snap.get("next", 0)))
         self.ledger.granted.update({p: int(n) for p, n in snap.get("granted", {}).items()})
+        self.ledger.version += 1
         self._restored = True
 
 

@@ -5,7 +5,8 @@ peers keep computing while the plan reaches them (DeDLOC: the target is a minimu
 each averages everything it accumulated up to its step. The plan-time count is a lower
 bound; each participant then reports what it put into the step (``ProgressReport.
 contributed``), and a step's samples are, per participant, the larger of the two. A
-participant whose report never comes (it died) keeps its plan-time count.
+participant whose report never comes (it died) keeps its plan-time count. The totals are
+kept as the reports come (O(1) each), not summed over the participants again.
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ KEEP_EPOCHS = 64  # steps whose counts may still be corrected (reports come righ
 class StepSamples:
     _planned: dict[int, dict[str, int]] = field(default_factory=dict)
     _contributed: dict[int, dict[str, int]] = field(default_factory=dict)
+    _totals: dict[int, int] = field(default_factory=dict)  # epoch -> ``total(epoch)``
 
     def planned(self, epoch: int, per_peer: dict[str, int]) -> None:
         """The plan of ``epoch`` was made over ``per_peer`` (peer -> samples reported)."""
         self._planned[epoch] = dict(per_peer)
         self._contributed.pop(epoch, None)
+        self._totals[epoch] = sum(max(n, 0) for n in per_peer.values())
         for old in [e for e in self._planned if e <= epoch - KEEP_EPOCHS]:
             self._planned.pop(old, None)
             self._contributed.pop(old, None)
+            self._totals.pop(old, None)
 
     def contributed(self, epoch: int, peer: str, samples: int) -> int | None:
         """``peer`` put ``samples`` into step ``epoch``: that step's corrected count, or
@@ -34,12 +38,16 @@ class StepSamples:
         planned = self._planned.get(epoch)
         if planned is None or peer not in planned or samples < 0:
             return None
-        self._contributed.setdefault(epoch, {})[peer] = int(samples)
-        return self.total(epoch)
+        mine = self._contributed.setdefault(epoch, {})
+        before = max(planned[peer], mine.get(peer, 0))
+        mine[peer] = int(samples)
+        self._totals[epoch] += max(planned[peer], int(samples)) - before
+        return self._totals[epoch]
 
     def total(self, epoch: int) -> int:
-        mine = self._contributed.get(epoch, {})
-        return sum(max(n, mine.get(p, 0)) for p, n in self._planned.get(epoch, {}).items())
+        """Step ``epoch``'s samples: per participant, the larger of its plan-time count and
+        what it reported putting in (0 for a step not kept)."""
+        return self._totals.get(epoch, 0)
 
     def correct(self, history: list, peer: str, epoch: int, samples: int) -> None:
         """``peer`` reported putting ``samples`` into step ``epoch``: rewrite that step's

@@ -21,12 +21,12 @@ accepted (``ProgressTracker.await_rejoin``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from moshray.cluster.coordinator.membership import Membership, MembershipConfig
 from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport, ProgressTracker
 from moshray.cluster.coordinator.quarantine import QuarantineRecord
-from moshray.cluster.messages import CheckpointRef, PeerInfo, RoundPlan
+from moshray.cluster.messages import CheckpointRef, PeerInfo, PeerPlan, RoundPlan
 
 # After a restart, the least time every live replica has to be heard from (they heartbeat
 # every second) before an older state may be accepted in its place. Only a floor: the rebuild
@@ -38,8 +38,9 @@ REBUILD_S = 3.0
 class StepService:
     """Membership and collaborative steps (see the module docstring).
 
-    ``on_plan`` is called with every new plan the moment it exists (the actor pushes it to
-    the participants); None in pure tests, where plans travel only in report replies.
+    ``on_plan(plan, views)`` is called with every new plan and its participants' views
+    (``RoundPlan.views``, by peer id) the moment it exists (the actor pushes each
+    participant its view); None in pure tests, where views travel only in report replies.
     """
 
     def __init__(self, config: MembershipConfig, target_batch_size: int = 256,
@@ -49,11 +50,11 @@ class StepService:
                                         grace_s=step_grace_s, hold_s=2 * config.peer_ttl_s)
         self._lost_peer = False  # a ready peer left: re-plan without it (``replan``)
         self.checkpoint: CheckpointRef | None = None  # the newest one saved (``note_checkpoint``)
-        self.on_plan: Callable[[RoundPlan], None] | None = None
+        self.on_plan: Callable[[RoundPlan, Mapping[str, PeerPlan]], None] | None = None
         self._known_before: tuple[str, ...] = ()  # members before a restart (``restore``)
-        self._peers_key: tuple | None = None  # ``_awaited_after_restart``'s cache
+        self._peers_key: tuple | None = None  # ``members_record``'s cache
         self._peers_of: list[str] | None = None
-        self._peers: list[str] = []
+        self._members_record: dict = {"peers": []}
 
     @property
     def epoch(self) -> int:
@@ -137,25 +138,17 @@ class StepService:
         one. True if a plan was made (and published)."""
         if self.progress.stop or not (self._lost_peer or rebalance_pending):
             return False
-        if self._no_step_in_flight(now) and self.progress.plan_now(now, empty_ok=True):
+        if self.progress.idle(now) and self.progress.plan_now(now, empty_ok=True):
             self._lost_peer = False
             self.publish()
             return True
         return False
 
     def publish(self) -> None:
-        """Hand the plan made since the last call (if any) to ``on_plan``."""
+        """Hand the plan made since the last call (if any) and its views to ``on_plan``."""
         plan = self.progress.take_new_plan()
         if plan is not None and self.on_plan is not None:
-            self.on_plan(plan)
-
-    def _no_step_in_flight(self, now: float) -> bool:
-        """Every ready live peer reported at the current epoch (none is inside a round)."""
-        live = {p.peer_id for p in self.membership.live(now)}
-        eligible = [p for p in self.progress.ready if p in live]
-        reports = self.progress.reports
-        return bool(eligible) and all(p in reports and reports[p].epoch == self.epoch
-                                      for p in eligible)
+            self.on_plan(plan, self.progress.views_of(plan))
 
     def mark_ready(self, peer_id: str, state_epoch: int, now: float) -> bool:
         # Expire first: when every peer is syncing nobody reports, and a dead holder of the
@@ -187,18 +180,27 @@ class StepService:
         None. A ready live one first, else a ready one that is draining but still up (it
         may hold the newest steps), else, as a last resort, any member holding the
         current epoch (a quarantined peer: its contributions were bad, its state is the
-        swarm's). Within each group, one that holds the current epoch first."""
+        swarm's). Within each group, one that holds the current epoch first, else the
+        first in id order. Reads the members only until it finds one that holds the
+        current epoch (O(1) per call while most do)."""
         self.expire(now)
         self.progress.note_joining(exclude, now)
-        ready = self.progress.ready
-        groups = ([p for p in self.membership.live(now) if p.peer_id in ready],
-                  [p for p in self.membership.present(now) if p.peer_id in ready],
-                  [p for p in self.membership.present(now)
-                   if self.progress.holds_current(p.peer_id)])
+        ready, holds = self.progress.ready, self.progress.holds_current
+        m = self.membership
+        groups = (lambda: (i for i in m.heard(now, draining=False) if i.peer_id in ready),
+                  lambda: (i for i in m.heard(now) if i.peer_id in ready),
+                  lambda: (i for i in m.heard(now) if holds(i.peer_id)))
         for group in groups:
-            for info in sorted(group, key=lambda i: not self.progress.holds_current(i.peer_id)):
-                if info.peer_id != exclude:
+            first = None
+            for info in group():
+                if info.peer_id == exclude:
+                    continue
+                if holds(info.peer_id):
                     return info.peer_id, info.handle
+                if first is None:
+                    first = info
+            if first is not None:
+                return first.peer_id, first.handle
         return None
 
     def request_stop(self) -> None:
@@ -255,8 +257,9 @@ class StepService:
     def snapshot(self) -> dict:
         """The small state a restarted Coordinator needs (JSON-able; see the module
         docstring), but for the newest step known committed, which changes with every
-        step and is saved apart (``progress.top_held``). Times are on the Coordinator's
-        clock (``time.monotonic`` of the head node, which the restarted actor shares)."""
+        step, and the members, which change with every join (``members_record``): both
+        are saved apart (written behind). Times are on the Coordinator's clock
+        (``time.monotonic`` of the head node, which the restarted actor shares)."""
         p = self.progress
         return {
             "stop": p.stop,
@@ -265,30 +268,30 @@ class StepService:
             "stale_returns": [list(x) for x in p.stale_returns],
             "branch": p.branch,
             "forks": sorted([b, e] for b, e in p.forks.items()),
-            # awaited by a restarted Coordinator (``open_rebuild_window``)
-            "peers": self._awaited_after_restart(),
             "diverged": [list(x) for x in p.diverged],
             "quarantines": [[q.peer_id, q.at, q.reason] for q in p.quarantine.records],
-            "draining_nodes": sorted([n, d] for n, d in
-                                     self.membership._draining_nodes.items()),
+            "draining_nodes": self.membership.draining_nodes(),
             "checkpoint": (None if self.checkpoint is None else
                            [self.checkpoint.uri, self.checkpoint.run_id, self.checkpoint.step]),
         }
 
-    def _awaited_after_restart(self) -> list[str]:
-        """Who a restarted Coordinator awaits: the members, the peers awaited now and those
-        known before the last restart, sorted; built again only when one of them changed
-        (the snapshot is taken after every call)."""
+    def members_record(self) -> dict:
+        """``{"peers": [...]}``: who a restarted Coordinator awaits (``restore``,
+        ``open_rebuild_window``): the members, the peers awaited now and those known
+        before the last restart, sorted. The same object until one of them changes (then
+        a new one; do not mutate it), so saving it unchanged costs nothing."""
         order = self.membership.ordered()  # the same list object until a member changes
         key = (self.progress.awaited, self._known_before)
         if self._peers_of is not order or self._peers_key != key:
             self._peers_of, self._peers_key = order, key
-            self._peers = sorted({*order, *self.progress.awaited, *self._known_before})
-        return self._peers
+            self._members_record = {
+                "peers": sorted({*order, *self.progress.awaited, *self._known_before})}
+        return self._members_record
 
     def restore(self, snap: dict) -> None:
         """Take back a ``snapshot`` (into a fresh service, before any call), plus the
-        newest step known ``committed`` if the dict has it. Draining marks apply to the
+        newest step known ``committed`` and the ``members_record``'s ``peers`` if the dict
+        has them. Draining marks apply to the
         peers that register on those nodes again; the epoch is not restored (the replicas'
         rejoins rebuild it) but the newest step known committed is, so a fall back below
         it counts as a rollback, and so is the history's branch, so a replica cut off

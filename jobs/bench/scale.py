@@ -7,8 +7,9 @@ Two parts per peer count N (``--peers 16,64,256,1024``):
 quarantine, notices, shard ledger) with a simulated clock, driven as the actor shell drives it
 (``cluster/coordinator/actor.py``): after every call the state is saved to a store
 (``durable.DurableState`` over a counting ``MemoryKV``, as the actor's ``_after_call`` does to
-the GCS, the metrics sink's record included) and every new plan is serialized once per
-participant (what Ray does for each ``receive_plan.remote(plan)`` push); the call's
+the GCS, the metrics sink's record included) and every new plan's views are serialized,
+each participant's own (``messages.PeerPlan``: what Ray does for each
+``receive_plan.remote(view)`` push); the call's
 arguments are deserialized and its reply serialized, as Ray does in the actor's process. Each simulated
 second is one global step: every peer heartbeats and reports its micro-batch; the step's
 plan is made when the reported samples reach the target (half the peers' samples, as a
@@ -17,18 +18,20 @@ ready peer at the epoch is in it, and its participants report the next epoch as 
 Churn (``--churn``, a share of the peers per step, seeded): half of it spot notices (the
 peers on the noticed node drain, then leave), half silent deaths (a peer stops; the
 Coordinator expires it after ``peer_ttl_s``), and as many joiners (register, ask a donor,
-ready at the current epoch). Measured over the simulated seconds (``--steps``): the Coordinator's CPU
-time per global step (every call and its save and pushes, all serialized under the actor's
-one lock, so this is also its lock time), messages and control-plane bytes per peer and in
-total, the plan's size, store writes per step, rounds and group sizes; and the memory the
-core holds after the steps (``tracemalloc`` of its objects, ``--memory-steps`` more steps).
+ready at the current epoch). Measured over the simulated seconds (``--steps``): the
+Coordinator's CPU time per global step (every call and its save and pushes, all serialized
+under the actor's one lock, so this is also its lock time), messages and control-plane
+bytes per peer and in total, the largest view pushed (``plan_bytes``), store writes per
+step, rounds and group sizes; and the memory the core holds after the steps
+(``tracemalloc`` of its objects, ``--memory-steps`` more steps).
 
 Caveat: a bench peer's handle is its id (a string); a real ``ActorHandle`` pickles larger
 and slower, so push bytes and time are a lower bound of the actor's.
 
 **The collective.** The real ``Averager``, grid, round and codecs over the in-process
 ``transport.LocalNetwork``, with the job key (contributions signed and checked), one plan
-of the N peers (``grid.plan_grid`` through ``Membership``), ``--avg-steps`` steps each.
+of the N peers (``grid.plan_grid`` through ``Membership``), each peer given its view of it
+(``RoundPlan.views``, as the Coordinator sends it), ``--avg-steps`` steps each.
 Peer i's tensor is blocks of N values with 1 at place i of each, so every
 result says exactly whose contributions each of its parts holds (place i > 0) and with what
 weight (``held_and_error``): the figures are the largest error of each result against the
@@ -40,7 +43,9 @@ more step kills ``--deaths`` of the peers (10% by default) mid-round, after they
 their first-round contributions.
 
 ``--json``: the last line is one JSON object with ``by_peers`` (per N:
-``coordinator_ms_per_step``, ``coordinator_memory_mb``, ``bytes_per_peer_per_step``,
+``coordinator_ms_per_step``, ``coordinator_ms_per_second`` (per simulated second, whatever
+the step rate: ``global_steps_per_second``), ``coordinator_memory_mb``,
+``bytes_per_peer_per_step``,
 ``grid_bytes_per_peer_per_step``, ``averaged_share_with_deaths``, ``max_abs_error`` and the
 rest) and ``fits`` (each figure's best fit among O(1), O(log N), O(N), O(N log N),
 O(N^2)). A plot of the figures against N goes to ``--out``.
@@ -88,8 +93,8 @@ class _Wire:
 
 class _Shell:
     """The actor shell's per-call work around a ``CoordinatorCore`` (see module docstring):
-    ``call`` runs a method, saves what changed, serializes each new plan once per
-    participant, and counts the messages, bytes and CPU time."""
+    ``call`` runs a method, saves what changed, serializes each participant's view of each
+    new plan, and counts the messages, bytes and CPU time."""
 
     def __init__(self, n: int, max_group: int, seed: int):
         from moshray.cluster import metrics
@@ -106,7 +111,7 @@ class _Shell:
             clock=lambda: self.now, target_batch_size=max(1, n * SAMPLES // 2),
             store=self.store)
         self.plans: list = []
-        self.core.push_plan = self.plans.append
+        self.core.push_plan = lambda plan, views: self.plans.append((plan, views))
         self.sink = MetricsSink(metrics.Prices(), lambda: None, labels={"job": "bench"})
         self.wire = _Wire()
 
@@ -118,15 +123,15 @@ class _Shell:
         self.core.save()
         self.store.save_record("sink", self.sink.snapshot())
         pushed = []
-        for plan in self.plans:
-            for _ in plan.participants:
-                pushed.append(len(pickle.dumps(plan)))
+        for plan, views in self.plans:
+            for peer in plan.participants:
+                pushed.append(len(pickle.dumps(views[peer])))
         answer = len(pickle.dumps(reply))  # ... and serializes its reply
         self.wire.seconds += time.process_time() - started
         self.wire.messages += 2 + len(pushed)
         self.wire.bytes += len(sent) + answer + sum(pushed)
         if self.plans:
-            self.wire.plan_bytes.append(pushed[0] if pushed else 0)
+            self.wire.plan_bytes.append(max(pushed, default=0))
         self.plans.clear()
         return reply
 
@@ -217,7 +222,8 @@ def _simulate(n: int, steps: int, memory_steps: int, churn: float, max_group: in
         shell.kv.puts, core.epoch
     for _ in range(steps):
         one_step()
-    made = max(1, core.epoch - epoch0)
+    stepped = core.epoch - epoch0
+    made = max(1, stepped)
     timed["seconds"] = shell.wire.seconds - wire0[0]
     timed["messages"] = shell.wire.messages - wire0[1]
     timed["bytes"] = shell.wire.bytes - wire0[2]
@@ -233,6 +239,10 @@ def _simulate(n: int, steps: int, memory_steps: int, churn: float, max_group: in
         "peers": n, "steps_timed": steps, "global_steps_made": made,
         "steps_for_memory": memory_steps, "epoch_at_end": core.epoch,
         "coordinator_ms_per_step": round(1000 * timed["seconds"] / made, 3),
+        # per simulated second (each peer's heartbeat and report): what the step rate
+        # (a silent peer in the last plan holds the next one for the grace) does not move
+        "coordinator_ms_per_second": round(1000 * timed["seconds"] / max(steps, 1), 3),
+        "global_steps_per_second": round(stepped / max(steps, 1), 2),
         "messages_per_step": round(timed["messages"] / made, 1),
         "messages_per_peer_per_step": round(timed["messages"] / made / n, 2),
         "control_bytes_per_peer_per_step": round(timed["bytes"] / made / n, 1),
@@ -282,13 +292,13 @@ def held_and_error(out: np.ndarray, n: int, weights: np.ndarray) -> tuple[np.nda
     return inc.all(axis=0), worst
 
 
-async def _average_once(averagers, network, plan, arrays, weights, kill: set[str]):
-    """One step: every averager averages; the ``kill`` set dies once its first-round
-    contributions are out (a few event-loop turns in). Returns {peer: (result, report)} of
-    the survivors."""
+async def _average_once(averagers, network, views, arrays, weights, kill: set[str]):
+    """One step: every averager averages over its view of the plan (``views``: peer ->
+    ``PeerPlan``); the ``kill`` set dies once its first-round contributions are out (a few
+    event-loop turns in). Returns {peer: (result, report)} of the survivors."""
     async def one(pid):
-        out, report = await averagers[pid].all_reduce([arrays[pid]], weights[pid], plan,
-                                                      AVERAGE_TIMEOUT_S)
+        out, report = await averagers[pid].all_reduce([arrays[pid]], weights[pid],
+                                                      views[pid], AVERAGE_TIMEOUT_S)
         return pid, out[0], report
 
     tasks = {pid: asyncio.ensure_future(one(pid)) for pid in averagers}
@@ -351,7 +361,8 @@ def collective(n: int, steps: int, numel: int, deaths: float, max_group: int,
             kill = set(rng.choice(sorted(averagers), size=max(1, int(round(deaths * n))),
                                   replace=False).tolist())
         started = time.perf_counter()
-        results = asyncio.run(_average_once(averagers, network, plan, arrays, weights, kill))
+        results = asyncio.run(_average_once(averagers, network, plan.views(), arrays,
+                                            weights, kill))
         seconds.append(time.perf_counter() - started)
         live = np.array([pid not in kill for pid in sorted(averagers)])
         step_shares, exact = [], []
@@ -471,7 +482,9 @@ def run(args: argparse.Namespace) -> dict:
         figures["bench_s"] = round(time.perf_counter() - started, 1)
         by_peers[str(n)] = figures
         print(f"{n:5d} peers: Coordinator {figures['coordinator_ms_per_step']:.2f} ms/step "
-              f"({figures['messages_per_peer_per_step']:.1f} messages, "
+              f"({figures['coordinator_ms_per_second']:.2f} ms per simulated second, "
+              f"{figures['global_steps_per_second']} steps/s; "
+              f"{figures['messages_per_peer_per_step']:.1f} messages, "
               f"{figures['control_bytes_per_peer_per_step']:.0f} B per peer), plan "
               f"{figures['plan_bytes']} B, {figures['store_writes_per_step']} store writes/"
               f"step, memory {figures['coordinator_memory_mb']} MB after "

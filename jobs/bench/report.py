@@ -144,6 +144,9 @@ def _scale_rows(f: Mapping) -> Rows:
     rows: Rows = [("peers (simulated, in one process)", ", ".join(sorted(by, key=int)) or "-"),
                   ("largest averaging group", fmt(f.get("max_group"), "d"))]
     figures = (("Coordinator CPU per global step", "coordinator_ms_per_step", ".1f", " ms"),
+               ("Coordinator CPU per simulated second", "coordinator_ms_per_second", ".1f",
+                " ms"),
+               ("global steps per simulated second", "global_steps_per_second", ".2f", ""),
                ("messages per peer per step (control plane)", "messages_per_peer_per_step",
                 ".1f", ""),
                ("control-plane bytes per peer per step", "control_bytes_per_peer_per_step",

@@ -473,6 +473,8 @@ class AllReduceReport:
     # member's contribution reached hold more weight than those it did not (None: a
     # report not made by ``Averager.all_reduce``)
     weights: SegmentWeights | None = None
+    # the Moshpit rounds this peer averaged in (one group per round: a 4 x 4 grid has 2)
+    rounds: int = 0
 
     @property
     def complete(self) -> bool:

@@ -39,11 +39,31 @@ _STARTED = time.monotonic()
 _GUARD = Path(tempfile.mkdtemp(prefix="mr-guard-", dir="/tmp"))
 
 
+# The clusters shared by the tests that ask for them, in the order their users run: each is
+# started by its first user and shut down right after its last one (``_SharedClusters``).
+SHARED_CLUSTERS = ("local_cluster", "ray_start_cluster")
+
+
+def _shared_cluster_of(item) -> str | None:
+    """The shared cluster ``item`` uses (the first of ``SHARED_CLUSTERS``), or None."""
+    names = getattr(item, "fixturenames", ())
+    return next((name for name in SHARED_CLUSTERS if name in names), None)
+
+
 def pytest_collection_modifyitems(config, items):
-    """A test that uses the session's cluster is a cluster test, marked or not."""
+    """A test that uses the session's cluster is a cluster test, marked or not. The users of
+    each shared cluster run together, first, in their collected order (the session's
+    cluster's, then the ``ray start`` cluster's, then every other test), so each shared
+    cluster is up only while its users run (``pytest_runtest_teardown`` ends it)."""
     for item in items:
-        if "local_cluster" in getattr(item, "fixturenames", ()):
+        if _shared_cluster_of(item) is not None:
             item.add_marker(pytest.mark.cluster)
+
+    def rank(item) -> int:
+        name = _shared_cluster_of(item)
+        return len(SHARED_CLUSTERS) if name is None else SHARED_CLUSTERS.index(name)
+
+    items[:] = sorted(items, key=rank)
 
 
 def _ray_sessions() -> set[str]:
@@ -83,17 +103,96 @@ def pytest_unconfigure(config):
     shutil.rmtree(_GUARD, ignore_errors=True)
 
 
+class _SharedClusters:
+    """The running shared clusters by fixture name. ``end(name)`` shuts one down (once);
+    a fixture asked for again after its end raises, naming the cause."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, object] = {}
+        self.ended: set[str] = set()
+
+    def start(self, name: str, make, stop):
+        """``make()``'s cluster, kept under ``name`` with ``stop(cluster)`` to end it."""
+        if name in self.ended:
+            raise RuntimeError(f"the shared cluster {name} was already shut down after its "
+                               "last user (tests/conftest.py): a test asked for it out of order")
+        cluster = make()
+        self.running[name] = (cluster, stop)
+        return cluster
+
+    def end(self, name: str) -> None:
+        entry = self.running.pop(name, None)
+        if entry is not None:
+            self.ended.add(name)
+            cluster, stop = entry
+            stop(cluster)
+
+
+_SHARED = _SharedClusters()
+
+
 @pytest.fixture(scope="session")
 def local_cluster():
-    """A head plus 4 spot raylets (slots 0-3); tests may add and remove other slots."""
+    """A head plus 4 spot raylets (slots 0-3); tests may add and remove other slots. Started
+    by its first user and shut down right after its last one (the users run first), so the
+    tests after them run beside no idle cluster and with no driver connected."""
     from moshray.jobs.local.cluster import LocalCluster, LocalClusterConfig
 
-    cluster = LocalCluster(LocalClusterConfig(spot_nodes=SPOT_NODES, cpus_per_node=4))
-    cluster.connect()
+    cluster = _SHARED.start("local_cluster", lambda: LocalCluster(
+        LocalClusterConfig(spot_nodes=SPOT_NODES, cpus_per_node=4)), LocalCluster.shutdown)
+    try:
+        cluster.connect()
+        yield cluster
+    finally:
+        _SHARED.end("local_cluster")
+
+
+@pytest.fixture(scope="session")
+def ray_start_cluster():
+    """A cluster started with the real ``ray start`` CLI (tests/raystart.py): a head with the
+    dashboard and job server plus two spot nodes, Ray's token authentication on. Shared by
+    the tests of ``ray job submit`` (each leaves no job running and no moshray actor behind:
+    ``_ray_start_cluster_left_as_found``); started by its first user, ended after its last."""
+    from raystart import RayStartCluster
+
+    cluster = _SHARED.start("ray_start_cluster", lambda: RayStartCluster(workers=2).start(),
+                            RayStartCluster.stop)
     try:
         yield cluster
     finally:
-        cluster.shutdown()
+        _SHARED.end("ray_start_cluster")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test that uses a shared cluster (its fixtures torn down), the cluster
+    is shut down: no later test in this run asks for it."""
+    yield
+    name = _shared_cluster_of(item)
+    if name is None or name not in _SHARED.running:
+        return
+    items = item.session.items
+    later = items[items.index(item) + 1:] if item in items else []
+    if not any(name in getattr(other, "fixturenames", ()) for other in later):
+        _SHARED.end(name)
+
+
+@pytest.fixture(autouse=True)
+def _ray_start_cluster_left_as_found(request):
+    """A test of the shared ``ray start`` cluster leaves it as it found it: its two spot
+    nodes alive, no job running and no moshray actor (replica, lease, Coordinator) left;
+    otherwise the test fails with one line saying what it left."""
+    if "ray_start_cluster" not in request.fixturenames:
+        yield
+        return
+    cluster = request.getfixturevalue("ray_start_cluster")
+    yield
+    from raystart import leftovers
+
+    left = leftovers(cluster)
+    if left:
+        pytest.fail(f"{request.node.nodeid} left the shared `ray start` cluster with {left}",
+                    pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -275,3 +275,33 @@ class RayStartCluster:
 
     def __exit__(self, exc_type, *exc) -> None:
         self.stop(keep_logs=exc_type is not None)
+
+
+def leftovers(cluster: RayStartCluster, settle_s: float = 60.0) -> str | None:
+    """What a test left on a shared ``cluster``, once it had ``settle_s`` to end: ``None``
+    when every node it started with is alive, no job is pending or running and no moshray
+    actor (replica, lease, Coordinator, watcher) is alive; else one line saying what is
+    left (the job API and Ray's state API, read over the dashboard)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            with cluster._get("/api/jobs/", timeout=10) as r:
+                jobs = [j.get("submission_id") or j.get("job_id") for j in json.load(r)
+                        if j.get("status") in ("PENDING", "RUNNING")]
+            with cluster._get("/api/v0/actors?limit=10000&detail=false", timeout=10) as r:
+                rows = json.load(r)["data"]["result"]["result"]
+            actors = sorted(a.get("name") or a.get("class_name", "?") for a in rows
+                            if a.get("state") == "ALIVE"
+                            and "moshray" in (a.get("name") or "").lower())
+            with cluster._get("/nodes?view=summary", timeout=10) as r:
+                alive = sum(1 for x in json.load(r)["data"]["summary"]
+                            if x["raylet"].get("state") == "ALIVE")
+            problem = [f"jobs running: {jobs}"] if jobs else []
+            problem += [f"moshray actors alive: {actors}"] if actors else []
+            if alive < cluster.workers + 1:
+                problem.append(f"{alive} nodes alive of {cluster.workers + 1}")
+        except (OSError, KeyError, ValueError) as exc:
+            problem = [f"its state unreadable ({exc!r})"]
+        if not problem or time.monotonic() > deadline:
+            return "; ".join(problem) or None
+        time.sleep(2.0)

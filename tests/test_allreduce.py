@@ -75,7 +75,7 @@ def cluster(local_cluster):
     return local_cluster
 
 
-POOL_SIZE = 11
+POOL_SIZE = 16  # a 4 x 4 grid of real peers (the multi-round grid from 9 peers on)
 _epochs = itertools.count(100, 10)  # every round on the pool gets a fresh, higher epoch
 
 
@@ -96,7 +96,8 @@ def take(pool: dict, n: int) -> dict:
 
 @pytest.mark.parametrize(
     "n,max_group",
-    [(1, 16), (2, 16), (5, 16), (4, 2), (6, 4), (8, 2), (9, 3), (11, 4)],
+    [(1, 16), (2, 16), (5, 16), (4, 2), (6, 4), (8, 2), (9, 3), (11, 4), (16, 4),
+     (16, 8)],
 )
 def test_exact_weighted_average(pool, n, max_group):
     peers = take(pool, n)
@@ -242,7 +243,8 @@ def test_node_removed_mid_round(cluster):
 
 
 def test_bad_contributions_rejected_with_reason(pool):
-    # The last user of the pool: the faults below only change what the bad peers send.
+    # The faults below only change what the bad peers send: the pool stays whole for the
+    # group death at the end of this module, its last user.
     peers = take(pool, 8)
     names = list(peers)
     outsider = spawn(1, "outsider-", job_key=new_job_key())  # not of this job: another key
@@ -324,3 +326,37 @@ def test_coordinator_on_head_plans_without_draining_nodes(cluster):
         for pid in peers:
             ray.get(coord.leave.remote(pid))
         kill_all(peers)
+
+
+def test_a_groups_death_mid_round_costs_only_that_group(pool):
+    """Sixteen real peers (four per spot node) on a 4 x 4 grid: every member of one
+    first-round group dies mid-round (each answers the transport for a second, then its
+    process exits without contributing). That group's four contributions are lost and
+    nothing else: the twelve survivors, each in a second-round group with one dead member,
+    all end with the exact weighted mean of the twelve live contributions, bitwise
+    identical, within one round deadline plus slack, naming the dead as failed owners.
+    The last user of the pool: it kills four of its peers."""
+    peers = take(pool, 16)
+    plan = make_plan(peers, max_group=4, epoch=next(_epochs))
+    assert [len(g.members) for r in plan.grid.rounds for g in r.groups] == [4] * 8
+    victims = set(plan.grid.rounds[0].groups[0].members)
+    survivors = [p for p in peers if p not in victims]
+    rng = np.random.default_rng(16)
+    arrays = {p: rng.normal(size=20000).astype(np.float32) for p in peers}
+    weights = {p: float(rng.uniform(0.5, 4.0)) for p in peers}
+    t0 = time.monotonic()
+    refs = run(peers, plan, arrays, weights, faults={v: "die_mid_round" for v in victims})
+    results = dict(zip(survivors, ray.get([refs[p] for p in survivors], timeout=120)))
+    elapsed = time.monotonic() - t0
+    for victim in victims:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(refs[victim], timeout=30)
+    expected = weighted(arrays, weights, survivors)
+    for pid, (out, report) in results.items():
+        np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-6, err_msg=pid)
+        assert set(report.contributors) == set(survivors), pid
+        assert set(report.failed_owners) <= victims and report.failed_owners, pid
+        assert report.total_weight == pytest.approx(sum(weights[p] for p in survivors))
+    first = results[survivors[0]][0][0]
+    assert all(np.array_equal(first, out[0]) for out, _ in results.values())
+    assert elapsed < 2 * TIMEOUT + MARGIN  # two rounds, each bounded by its deadline

@@ -509,3 +509,4 @@ def test_failure_free_rounds_stay_bitwise_the_plain_weighted_mean():
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
         assert report.complete and report.total_weight == sum(weights.values())
         assert report.weights.cuts == ()
+        assert report.rounds == 2  # the 4 x 4 grid: a row, then a column

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from raystart import RayStartCluster
 
 pytestmark = pytest.mark.cluster
 JOB = Path(__file__).resolve().parent / "driver_restart_job.py"
@@ -70,49 +69,51 @@ def _newest_checkpoint(root: Path) -> int:
 
 
 @pytest.mark.timeout(1500)
-def test_a_driver_killed_mid_run_is_resubmitted_and_adopts_the_swarm(tmp_path: Path):
+def test_a_driver_killed_mid_run_is_resubmitted_and_adopts_the_swarm(ray_start_cluster,
+                                                                      tmp_path: Path):
     checkpoint = tmp_path / "ckpt"
-    with RayStartCluster(workers=2) as cluster:
-        def entry(name: str, max_steps: int = MAX_STEPS, ckpt: Path = checkpoint,
-                  run: str = "run", job: str = "lm") -> list[str]:
-            return ["python", str(JOB), str(tmp_path / f"{name}.pid"), str(ckpt),
-                    str(max_steps), str(tmp_path / run), job]
+    cluster = ray_start_cluster
 
-        first = _ray(cluster, "submit", "--no-wait", "--submission-id", "first", "--",
-                     *entry("first"))
-        assert first.returncode == 0, first.stdout + first.stderr
-        logs = _wait(lambda: (lambda out: out if _steps_seen(out) >= 5 else None)(
-            _ray(cluster, "logs", "first").stdout), 400, "the first driver to train 5 steps",
-            every_s=3.0)
-        os.kill(int((tmp_path / "first.pid").read_text()), signal.SIGKILL)  # no goodbye
-        seen = _steps_seen(_ray(cluster, "logs", "first").stdout)
-        assert seen >= _steps_seen(logs) and seen < MAX_STEPS
-        # Resubmitted at once: the new driver waits (bounded) for Ray to list the killed
-        # one as dead before it adopts (train.py _claim_cluster).
+    def entry(name: str, max_steps: int = MAX_STEPS, ckpt: Path = checkpoint,
+              run: str = "run", job: str = "lm") -> list[str]:
+        return ["python", str(JOB), str(tmp_path / f"{name}.pid"), str(ckpt),
+                str(max_steps), str(tmp_path / run), job]
 
-        second = _ray(cluster, "submit", "--submission-id", "second", "--", *entry("second"),
-                      timeout=700)
-        out = second.stdout + second.stderr
-        assert second.returncode == 0, out[-4000:]
-        assert "adopting the running swarm" in out, out[-4000:]
-        result = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
-        leftovers = _named_actors(cluster)
+    first = _ray(cluster, "submit", "--no-wait", "--submission-id", "first", "--",
+                 *entry("first"))
+    assert first.returncode == 0, first.stdout + first.stderr
+    logs = _wait(lambda: (lambda out: out if _steps_seen(out) >= 5 else None)(
+        _ray(cluster, "logs", "first").stdout), 400, "the first driver to train 5 steps",
+        every_s=3.0)
+    os.kill(int((tmp_path / "first.pid").read_text()), signal.SIGKILL)  # no goodbye
+    seen = _steps_seen(_ray(cluster, "logs", "first").stdout)
+    assert seen >= _steps_seen(logs) and seen < MAX_STEPS
+    # Resubmitted at once: the new driver waits (bounded) for Ray to list the killed
+    # one as dead before it adopts (train.py _claim_cluster).
 
-        # `ray job stop` (SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S): the job ends
-        # with a checkpoint of the step it had reached, and leaves no actor behind.
-        stopped_ckpt = tmp_path / "ckpt-stopped"
-        third = _ray(cluster, "submit", "--no-wait", "--submission-id", "third", "--",
-                     *entry("third", 100_000, stopped_ckpt, "run-stopped", "lm-stopped"))
-        assert third.returncode == 0, third.stdout + third.stderr
-        _wait(lambda: _steps_seen(_ray(cluster, "logs", "third").stdout) >= 8, 400,
-              "the third driver to train 8 steps", every_s=3.0)
-        at_stop = _steps_seen(_ray(cluster, "logs", "third").stdout)
-        stop = _ray(cluster, "stop", "third", timeout=120)
-        assert stop.returncode == 0, stop.stdout + stop.stderr
-        _wait(lambda: not any(name in _named_actors(cluster).stdout for name in (
-            "moshray-replica", "moshray-job-lease", "moshray-coordinator")), 180,
-            "the stopped job's replicas, lease and Coordinator to end", 5.0)
-        newest = _newest_checkpoint(stopped_ckpt)
+    second = _ray(cluster, "submit", "--submission-id", "second", "--", *entry("second"),
+                  timeout=700)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-4000:]
+    assert "adopting the running swarm" in out, out[-4000:]
+    result = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    leftovers = _named_actors(cluster)
+
+    # `ray job stop` (SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S): the job ends
+    # with a checkpoint of the step it had reached, and leaves no actor behind.
+    stopped_ckpt = tmp_path / "ckpt-stopped"
+    third = _ray(cluster, "submit", "--no-wait", "--submission-id", "third", "--",
+                 *entry("third", 100_000, stopped_ckpt, "run-stopped", "lm-stopped"))
+    assert third.returncode == 0, third.stdout + third.stderr
+    _wait(lambda: _steps_seen(_ray(cluster, "logs", "third").stdout) >= 8, 400,
+          "the third driver to train 8 steps", every_s=3.0)
+    at_stop = _steps_seen(_ray(cluster, "logs", "third").stdout)
+    stop = _ray(cluster, "stop", "third", timeout=120)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    _wait(lambda: not any(name in _named_actors(cluster).stdout for name in (
+        "moshray-replica", "moshray-job-lease", "moshray-coordinator")), 180,
+        "the stopped job's replicas, lease and Coordinator to end", 5.0)
+    newest = _newest_checkpoint(stopped_ckpt)
     assert newest >= at_stop, (newest, at_stop)
     assert result["steps"] >= MAX_STEPS and result["replicas"] == 2
     assert result["replicas_consistent"] is True

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from raystart import RayStartCluster, ray_env
+from raystart import ray_env
 
 pytestmark = pytest.mark.cluster
 
@@ -35,35 +35,35 @@ max_steps = 6
 
 
 @pytest.mark.timeout(900)
-def test_ray_job_submit_runs_training_to_completion(tmp_path: Path):
+def test_ray_job_submit_runs_training_to_completion(ray_start_cluster, tmp_path: Path):
     config = tmp_path / "train.toml"
     config.write_text(CONFIG)
-    with RayStartCluster(workers=2) as cluster:
-        # -X faulthandler: should a driver crash (a segfault once ended the digits run after
-        # its summary), its Python stacks are in the job's logs, which the asserts show.
-        proc = subprocess.run(
-            ["ray", "job", "submit", "--address", cluster.dashboard_url,
-             "--working-dir", str(REPO), "--",
-             "python", "-X", "faulthandler", "-m", "moshray.jobs.train", "--config",
-             str(config), "--json"],
-            capture_output=True, text=True, timeout=600, env=cluster.env,
-        )
-        # The public API's example, submitted the same way: moshray.fit runs on this
-        # cluster (RAY_ADDRESS is set by the job server), not on an embedded one.
-        digits = subprocess.run(
-            ["ray", "job", "submit", "--address", cluster.dashboard_url, "--",
-             "python", "-X", "faulthandler", "-m", "moshray.jobs.examples.digits", "--json",
-             "--max-seconds", "20"],
-            capture_output=True, text=True, timeout=600, env=cluster.env,
-        )
-        # Replica groups (cluster.replica = "node"): the built-in LM as one group of 2 CPU
-        # ranks per spot node, its model sharded by FSDP2, averaged by shard.
-        groups = subprocess.run(
-            ["ray", "job", "submit", "--address", cluster.dashboard_url, "--",
-             "python", "-X", "faulthandler", "-m", "moshray.jobs.train", "--config",
-             str(config), "--set", "cluster.replica=node", "--json"],
-            capture_output=True, text=True, timeout=600, env=cluster.env,
-        )
+    cluster = ray_start_cluster
+    # -X faulthandler: should a driver crash (a segfault once ended the digits run after
+    # its summary), its Python stacks are in the job's logs, which the asserts show.
+    proc = subprocess.run(
+        ["ray", "job", "submit", "--address", cluster.dashboard_url,
+         "--working-dir", str(REPO), "--",
+         "python", "-X", "faulthandler", "-m", "moshray.jobs.train", "--config",
+         str(config), "--json"],
+        capture_output=True, text=True, timeout=600, env=cluster.env,
+    )
+    # The public API's example, submitted the same way: moshray.fit runs on this
+    # cluster (RAY_ADDRESS is set by the job server), not on an embedded one.
+    digits = subprocess.run(
+        ["ray", "job", "submit", "--address", cluster.dashboard_url, "--",
+         "python", "-X", "faulthandler", "-m", "moshray.jobs.examples.digits", "--json",
+         "--max-seconds", "20"],
+        capture_output=True, text=True, timeout=600, env=cluster.env,
+    )
+    # Replica groups (cluster.replica = "node"): the built-in LM as one group of 2 CPU
+    # ranks per spot node, its model sharded by FSDP2, averaged by shard.
+    groups = subprocess.run(
+        ["ray", "job", "submit", "--address", cluster.dashboard_url, "--",
+         "python", "-X", "faulthandler", "-m", "moshray.jobs.train", "--config",
+         str(config), "--set", "cluster.replica=node", "--json"],
+        capture_output=True, text=True, timeout=600, env=cluster.env,
+    )
     groups_out = groups.stdout + groups.stderr
     assert groups.returncode == 0, groups_out[-4000:]
     grouped = json.loads([line for line in groups_out.splitlines() if line.startswith("{")][-1])

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from raystart import RayStartCluster
 from test_driver_restart import _ray, _wait
 
 pytestmark = pytest.mark.cluster
@@ -58,7 +57,8 @@ def _result(cluster, submission: str, timeout_s: float = 400) -> tuple[dict, str
 
 
 @pytest.mark.timeout(1200)
-def test_two_jobs_share_a_cluster_and_each_resumes_only_its_own_run(tmp_path: Path):
+def test_two_jobs_share_a_cluster_and_each_resumes_only_its_own_run(ray_start_cluster,
+                                                                    tmp_path: Path):
     bucket = tmp_path / "bucket"  # one checkpoint location for the whole team
 
     def entry(submission: str, name: str, max_steps: int = MAX_STEPS,
@@ -67,55 +67,55 @@ def test_two_jobs_share_a_cluster_and_each_resumes_only_its_own_run(tmp_path: Pa
                 str(tmp_path / f"{submission}.pid"), str(bucket_), str(max_steps),
                 str(tmp_path / submission), name]
 
-    with RayStartCluster(workers=2) as cluster:
-        assert _ray(cluster, "submit", *entry("alice-1", "alice")).returncode == 0
-        assert _ray(cluster, "submit", *entry("bob-1", "bob")).returncode == 0
+    cluster = ray_start_cluster
+    assert _ray(cluster, "submit", *entry("alice-1", "alice")).returncode == 0
+    assert _ray(cluster, "submit", *entry("bob-1", "bob")).returncode == 0
 
-        # both listed, each with its own Coordinator and share of the capacity request
-        rows = _wait(lambda: (lambda p: [json.loads(r) for r in p.stdout.splitlines()]
-                              if p.returncode == 0 and p.stdout.count("running") == 2
-                              else None)(_moshray(cluster, "jobs", "--json")),
-                     240, "moshray jobs to list both jobs running")
-        assert sorted(r["name"] for r in rows) == ["alice", "bob"]
-        assert len(_capacity(cluster)) == 4  # 2 nodes each, asked of Ray together
-        table = _moshray(cluster, "jobs").stdout
-        assert table.splitlines()[0].split() == ["NAME", "STATE", "STEP", "NODES",
-                                                  "REPLICAS", "DRIVER"], table
+    # both listed, each with its own Coordinator and share of the capacity request
+    rows = _wait(lambda: (lambda p: [json.loads(r) for r in p.stdout.splitlines()]
+                          if p.returncode == 0 and p.stdout.count("running") == 2
+                          else None)(_moshray(cluster, "jobs", "--json")),
+                 240, "moshray jobs to list both jobs running")
+    assert sorted(r["name"] for r in rows) == ["alice", "bob"]
+    assert len(_capacity(cluster)) == 4  # 2 nodes each, asked of Ray together
+    table = _moshray(cluster, "jobs").stdout
+    assert table.splitlines()[0].split() == ["NAME", "STATE", "STEP", "NODES",
+                                              "REPLICAS", "DRIVER"], table
 
-        # the name of a running job is refused in one line (another config: no wait for
-        # its driver to die), and the running job goes on
-        assert _ray(cluster, "submit", *entry("alice-again", "alice",
-                                              bucket_=tmp_path / "other")).returncode == 0
-        assert _wait(lambda: _ended(cluster, "alice-again"), 300,
-                     "the second 'alice' to be refused", 3.0) == "failed"
-        refused_log = _ray(cluster, "logs", "alice-again").stdout
-        assert "a job named 'alice' is running" in refused_log, refused_log[-3000:]
-        assert "moshray stop alice" in refused_log
+    # the name of a running job is refused in one line (another config: no wait for
+    # its driver to die), and the running job goes on
+    assert _ray(cluster, "submit", *entry("alice-again", "alice",
+                                          bucket_=tmp_path / "other")).returncode == 0
+    assert _wait(lambda: _ended(cluster, "alice-again"), 300,
+                 "the second 'alice' to be refused", 3.0) == "failed"
+    refused_log = _ray(cluster, "logs", "alice-again").stdout
+    assert "a job named 'alice' is running" in refused_log, refused_log[-3000:]
+    assert "moshray stop alice" in refused_log
 
-        alice, alice_log = _result(cluster, "alice-1")
-        bob, bob_log = _result(cluster, "bob-1")
-        for result, log in ((alice, alice_log), (bob, bob_log)):
-            assert result["steps"] >= MAX_STEPS and result["replicas"] == 2, log[-3000:]
-            assert result["replicas_consistent"] is True, log[-3000:]
-            assert result["lost_steps"] == 0 and result["rollbacks"] == 0, log[-3000:]
-            assert "ending the" not in log and "resuming" not in log, log[-3000:]
-        assert {d.name for d in bucket.iterdir() if d.is_dir()} >= {"alice", "bob"}
-        _wait(lambda: _capacity(cluster) == [], 60, "no capacity asked once both ended")
-        assert _moshray(cluster, "jobs").stdout.strip() == "no training jobs on this cluster"
+    alice, alice_log = _result(cluster, "alice-1")
+    bob, bob_log = _result(cluster, "bob-1")
+    for result, log in ((alice, alice_log), (bob, bob_log)):
+        assert result["steps"] >= MAX_STEPS and result["replicas"] == 2, log[-3000:]
+        assert result["replicas_consistent"] is True, log[-3000:]
+        assert result["lost_steps"] == 0 and result["rollbacks"] == 0, log[-3000:]
+        assert "ending the" not in log and "resuming" not in log, log[-3000:]
+    assert {d.name for d in bucket.iterdir() if d.is_dir()} >= {"alice", "bob"}
+    _wait(lambda: _capacity(cluster) == [], 60, "no capacity asked once both ended")
+    assert _moshray(cluster, "jobs").stdout.strip() == "no training jobs on this cluster"
 
-        # alice again: her run resumes (bob's is never read); then `moshray stop alice`
-        assert _ray(cluster, "submit", *entry("alice-2", "alice", 100_000)).returncode == 0
-        _wait(lambda: "resuming from checkpoint" in _ray(cluster, "logs", "alice-2").stdout,
-              300, "alice's second job to resume")
-        log = _ray(cluster, "logs", "alice-2").stdout
-        assert f"{bucket}/alice" in log and f"{bucket}/bob" not in log, log[-3000:]
-        _wait(lambda: re.search(r"^\s*step \d+ of", _ray(cluster, "logs", "alice-2").stdout,
-                                re.MULTILINE), 300, "alice's second job to train")
-        stop = _moshray(cluster, "stop", "alice", timeout=400)
-        assert stop.returncode == 0 and "job alice stopped" in stop.stdout, \
-            stop.stdout + stop.stderr
-        resumed, log = _result(cluster, "alice-2")
-        assert "stopping: `moshray stop alice`" in log, log[-3000:]
-        assert resumed["replicas_consistent"] is True and resumed["lost_steps"] == 0
-        assert min(resumed["epochs"]) >= MAX_STEPS, resumed["epochs"]  # went on from it
-        assert _moshray(cluster, "stop", "alice").returncode == 2  # no such job now
+    # alice again: her run resumes (bob's is never read); then `moshray stop alice`
+    assert _ray(cluster, "submit", *entry("alice-2", "alice", 100_000)).returncode == 0
+    _wait(lambda: "resuming from checkpoint" in _ray(cluster, "logs", "alice-2").stdout,
+          300, "alice's second job to resume")
+    log = _ray(cluster, "logs", "alice-2").stdout
+    assert f"{bucket}/alice" in log and f"{bucket}/bob" not in log, log[-3000:]
+    _wait(lambda: re.search(r"^\s*step \d+ of", _ray(cluster, "logs", "alice-2").stdout,
+                            re.MULTILINE), 300, "alice's second job to train")
+    stop = _moshray(cluster, "stop", "alice", timeout=400)
+    assert stop.returncode == 0 and "job alice stopped" in stop.stdout, \
+        stop.stdout + stop.stderr
+    resumed, log = _result(cluster, "alice-2")
+    assert "stopping: `moshray stop alice`" in log, log[-3000:]
+    assert resumed["replicas_consistent"] is True and resumed["lost_steps"] == 0
+    assert min(resumed["epochs"]) >= MAX_STEPS, resumed["epochs"]  # went on from it
+    assert _moshray(cluster, "stop", "alice").returncode == 2  # no such job now

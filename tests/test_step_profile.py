@@ -57,8 +57,9 @@ def test_profile_summary_gives_medians_shares_and_skips_early_steps():
     for epoch, compute in [(1, 9.0), (2, 0.1), (3, 0.2), (4, 0.3)]:  # keep=3 drops epoch 1
         profile.add(StepPhases(epoch, wall_s=compute + 0.1, compute_s=compute, control_s=0.0,
                                round_s=0.1, apply_s=0.0, plan_lag_s=0.0, samples=8, micro=1,
-                               round_phases=(("put", 0.01),)))
+                               round_phases=(("put", 0.01),), rounds=1 + epoch % 2))
     s = profile.summary(since_epoch=2)
+    assert s["rounds_max"] == 2  # epoch 3's grid took two rounds, epoch 4's one
     assert s["steps"] == 2
     assert s["median_s"]["compute_s"] == pytest.approx(0.25)
     assert s["share"]["round_s"] == pytest.approx(0.2 / 0.7)

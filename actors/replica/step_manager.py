@@ -465,7 +465,7 @@ class StepManager:
         self.protocol.to(Phase.TRAINING, f"step {pending.plan.epoch} applied")
         self._profiled = self.phases.step_ends(
             pending.plan.epoch, report.seconds, pending.tally.samples, pending.tally.micro,
-            overlapped=True, round_phases=report.phases)
+            overlapped=True, round_phases=report.phases, rounds=report.rounds)
         await self._after_round(pending.plan, report)
         return True
 
@@ -489,7 +489,8 @@ class StepManager:
                 self._commit(plan)
                 self._profiled = self.phases.step_ends(plan.epoch, report.seconds,
                                                        self.tally.samples, self.tally.micro,
-                                                       round_phases=report.phases)
+                                                       round_phases=report.phases,
+                                                       rounds=report.rounds)
             self.tally = Tally()
         if report is None:
             self.protocol.to(Phase.TRAINING, f"step {plan.epoch} errored")

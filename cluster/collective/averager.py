@@ -327,6 +327,7 @@ class Averager:
             phases=tuple(sorted(phases.items())),
             cross_zone_bytes=cross_zone,
             weights=weights,
+            rounds=len(plan.seats),
         )
         return unflatten(flat, tensors, owned=flat is not given), report
 

@@ -40,6 +40,7 @@ class StepPhases:
     micro: int
     overlapped: bool = False
     round_phases: tuple[tuple[str, float], ...] = ()
+    rounds: int = 0  # the Moshpit rounds of the step's all-reduce (``AllReduceReport.rounds``)
 
     def __post_init__(self) -> None:
         for name in ("wall_s", "plan_lag_s") + PHASES:
@@ -62,8 +63,9 @@ class StepProfile:
 
     def summary(self, since_epoch: int = 0) -> dict:
         """``{"steps": n, "median_s": {phase: s}, "share": {phase: fraction of wall},
-        "round_phases_median_s": {...}, "samples_median", "micro_median"}``; ``steps`` 0
-        and empty dicts when nothing was recorded."""
+        "round_phases_median_s": {...}, "samples_median", "micro_median", "overlapped",
+        "rounds_max"}`` (``rounds_max``: the most Moshpit rounds a step's all-reduce took);
+        ``steps`` 0 and empty dicts when nothing was recorded."""
         rows = [s for s in self.steps if s.epoch > since_epoch]
         if not rows:
             return {"steps": 0, "median_s": {}, "share": {}, "round_phases_median_s": {}}
@@ -83,6 +85,7 @@ class StepProfile:
             "samples_median": statistics.median(r.samples for r in rows),
             "micro_median": statistics.median(r.micro for r in rows),
             "overlapped": sum(r.overlapped for r in rows),
+            "rounds_max": max(r.rounds for r in rows),
         }
 
 
@@ -126,7 +129,8 @@ class PhaseClock:
 
     def step_ends(self, epoch: int, round_s: float, samples: int, micro: int,
                   overlapped: bool = False,
-                  round_phases: tuple[tuple[str, float], ...] = ()) -> StepPhases:
+                  round_phases: tuple[tuple[str, float], ...] = (),
+                  rounds: int = 0) -> StepPhases:
         if self._began is None:  # step_begins was not called: the step starts now
             self.step_begins()
         took = self._lap()
@@ -135,7 +139,7 @@ class PhaseClock:
             epoch=epoch, wall_s=max(0.0, self._mark - self._since), compute_s=self._compute,
             control_s=self._control, round_s=round_s, apply_s=took - round_s,
             plan_lag_s=self._lag, samples=samples, micro=micro, overlapped=overlapped,
-            round_phases=round_phases)
+            round_phases=round_phases, rounds=rounds)
         self._since, self._began, self._plan_at = self._mark, None, None
         self._compute = self._control = 0.0
         return phases

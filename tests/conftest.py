@@ -147,6 +147,33 @@ def local_cluster():
         _SHARED.end("local_cluster")
 
 
+class _Replaceable:
+    """A shared cluster as its users hold it: attribute reads go to the running cluster;
+    ``replace`` ends it and starts a fresh one, for the users after one that left it
+    dirty (a job still running, an actor left)."""
+
+    def __init__(self, make) -> None:
+        self._make = make
+        self._cluster = make()
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_cluster"], name)
+
+    def replace(self) -> None:
+        self._cluster.stop()
+        self._cluster = self._make()
+
+    def stop(self) -> None:
+        self._cluster.stop()
+
+
+def _later_users(item, name: str) -> bool:
+    """Whether a test after ``item`` in this run uses the shared cluster ``name``."""
+    items = item.session.items
+    later = items[items.index(item) + 1:] if item in items else []
+    return any(name in getattr(other, "fixturenames", ()) for other in later)
+
+
 @pytest.fixture(scope="session")
 def ray_start_cluster():
     """A cluster started with the real ``ray start`` CLI (tests/raystart.py): a head with the
@@ -155,8 +182,9 @@ def ray_start_cluster():
     ``_ray_start_cluster_left_as_found``); started by its first user, ended after its last."""
     from raystart import RayStartCluster
 
-    cluster = _SHARED.start("ray_start_cluster", lambda: RayStartCluster(workers=2).start(),
-                            RayStartCluster.stop)
+    cluster = _SHARED.start("ray_start_cluster",
+                            lambda: _Replaceable(lambda: RayStartCluster(workers=2).start()),
+                            _Replaceable.stop)
     try:
         yield cluster
     finally:
@@ -171,9 +199,7 @@ def pytest_runtest_teardown(item, nextitem):
     name = _shared_cluster_of(item)
     if name is None or name not in _SHARED.running:
         return
-    items = item.session.items
-    later = items[items.index(item) + 1:] if item in items else []
-    if not any(name in getattr(other, "fixturenames", ()) for other in later):
+    if not _later_users(item, name):
         _SHARED.end(name)
 
 
@@ -181,7 +207,8 @@ def pytest_runtest_teardown(item, nextitem):
 def _ray_start_cluster_left_as_found(request):
     """A test of the shared ``ray start`` cluster leaves it as it found it: its two spot
     nodes alive, no job running and no moshray actor (replica, lease, Coordinator) left;
-    otherwise the test fails with one line saying what it left."""
+    otherwise the test fails with one line saying what it left, and the tests after it get
+    a fresh cluster."""
     if "ray_start_cluster" not in request.fixturenames:
         yield
         return
@@ -191,8 +218,10 @@ def _ray_start_cluster_left_as_found(request):
 
     left = leftovers(cluster)
     if left:
-        pytest.fail(f"{request.node.nodeid} left the shared `ray start` cluster with {left}",
-                    pytrace=False)
+        if _later_users(request.node, "ray_start_cluster"):
+            cluster.replace()  # the tests after it start from a clean cluster
+        pytest.fail(f"{request.node.nodeid} left the shared `ray start` cluster with {left} "
+                    "(replaced by a fresh one for the tests after it)", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -219,6 +219,8 @@ class GroupRound:
         self.numel = 0
         self.cpu_seconds = 0.0  # validating, scaling, adding (see ``_reduce_part``): wall time
         self.cpu_used = 0.0  # the CPU time of that (far less on a contended machine)
+        self.auth_seconds = 0.0  # computing and checking tags (``_authed``): wall time
+        self.auth_used = 0.0  # the CPU time of that
         self.reduced_bytes = 0  # float32 bytes of the terms added
         self.errored = ""  # set when a part's mean came out non-finite
         self._probing: set[str] = set()  # peers with a probe in flight
@@ -259,6 +261,16 @@ class GroupRound:
         finally:
             self.cpu_seconds += time.perf_counter() - t0
             self.cpu_used += time.thread_time() - c0
+
+    def _authed(self, fn, *args):
+        """``fn(*args)`` (signing or checking), adding its wall and CPU time to the round's
+        authentication time (where it runs inside ``_timed``, to both)."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            self.auth_seconds += time.perf_counter() - t0
+            self.auth_used += time.thread_time() - c0
 
     async def _probe_members(self) -> None:
         """Until cancelled: one probe in flight to each other member we still wait on
@@ -372,6 +384,8 @@ class GroupRound:
                                       self.reduced_bytes, self.cpu_seconds)
         phases["cpu"] = self.cpu_seconds  # reduce's numeric steps, wall time in threads
         phases["cpu_used"] = self.cpu_used  # their CPU time
+        phases["auth"] = self.auth_seconds  # signing and checking, wall time
+        phases["auth_used"] = self.auth_used  # its CPU time
         phases["fetch"] = busy_seconds((a, b) for a, b, _ in log_)  # parts in flight
         everyone = [set(c) for j, c in per_part.items() if sizes[j] > 0] or [set()]
         full = set.intersection(*everyone)
@@ -416,7 +430,7 @@ class GroupRound:
                 self.bytes_to[members[j]] += enc.nbytes
                 encs.append(enc)
             # signed below: each receiver hashes only the part it reduces (auth.py)
-            digests = tuple(payload_digest(e) for e in encs) if self.auth else ()
+            digests = tuple(self._authed(payload_digest, e) for e in encs) if self.auth else ()
             return encs, digests
 
         encs, digests = await off_loop(flat.nbytes, encode_parts)
@@ -479,7 +493,7 @@ class GroupRound:
             await off_loop(values.nbytes, self.transport.put, enc)
         digest = tag = b""
         if self.auth is not None:
-            digest = await off_loop(values.nbytes, payload_digest, enc)
+            digest = await off_loop(values.nbytes, self._authed, payload_digest, enc)
             tag = self.auth.result_tag(self.plan.epoch, self.round_index, self.group_index,
                                        part, self.me, self.numel, total, tuple(contributors),
                                        digest)
@@ -514,7 +528,7 @@ class GroupRound:
         ``weights``: its sender's weights on the part; ``digest``: what its sender signed
         for it (None: no key, nothing to check)."""
         codec = self.codec
-        if digest is not None and not JobAuth.digest_matches(enc, digest):
+        if digest is not None and not self._authed(JobAuth.digest_matches, enc, digest):
             return (RejectReason.UNAUTHENTICATED,
                     "the part's bytes do not match the digest its sender signed")
         if not isinstance(enc, comp.Encoded):
@@ -721,7 +735,7 @@ class GroupRound:
             return None
         self.bytes_received += getattr(enc, "nbytes", 0)
         if self.auth is not None and not await off_loop(
-                dest.nbytes, JobAuth.digest_matches, enc, result.digest):
+                dest.nbytes, self._authed, JobAuth.digest_matches, enc, result.digest):
             self.reject(owner, part, RejectReason.UNAUTHENTICATED,
                         "the result's bytes do not match the digest its owner signed")
             return None

@@ -99,8 +99,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import functools
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -221,7 +221,7 @@ class GroupRound:
         self.numel = 0
         self.cpu_seconds = 0.0  # validating, scaling, adding (see ``_reduce_part``): wall time
         self.cpu_used = 0.0  # the CPU time of that (far less on a contended machine)
-        self.auth_seconds = 0.0  # computing and checking tags (``_authed``): wall time
+        self.auth_seconds = 0.0  # signing and checking (``_authed``): wall time
         self.auth_used = 0.0  # the CPU time of that
         self.reduced_bytes = 0  # float32 bytes of the terms added
         self.errored = ""  # set when a part's mean came out non-finite
@@ -255,24 +255,23 @@ class GroupRound:
 
         asyncio.ensure_future(watch())
 
-    def _timed(self, fn, *args):
-        """``fn(*args)``, adding its wall time and its thread's CPU time to the round's."""
+    def _timed(self, fn, *args, auth: bool = False):
+        """``fn(*args)``, adding its wall time and its thread's CPU time to the round's
+        numeric work, or with ``auth`` to its signing and checking (``_authed``; a check
+        made inside numeric work counts in both)."""
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn(*args)
         finally:
-            self.cpu_seconds += time.perf_counter() - t0
-            self.cpu_used += time.thread_time() - c0
+            wall, used = time.perf_counter() - t0, time.thread_time() - c0
+            if auth:
+                self.auth_seconds += wall
+                self.auth_used += used
+            else:
+                self.cpu_seconds += wall
+                self.cpu_used += used
 
-    def _authed(self, fn, *args):
-        """``fn(*args)`` (signing or checking), adding its wall and CPU time to the round's
-        authentication time (where it runs inside ``_timed``, to both)."""
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            return fn(*args)
-        finally:
-            self.auth_seconds += time.perf_counter() - t0
-            self.auth_used += time.thread_time() - c0
+    _authed = functools.partialmethod(_timed, auth=True)
 
     async def _probe_members(self) -> None:
         """Until cancelled: one probe in flight to each other member we still wait on

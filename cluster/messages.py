@@ -423,10 +423,11 @@ class Contribution:
     weights: SegmentWeights
     numel: int
     part_refs: tuple[Payload, ...]
-    # SHA-256 of each part's encoded bytes (b"" for a part not sent) and the HMAC over the
-    # fields above and these digests with the job's key (``collective/auth.py``); empty
-    # when the averager has no key
-    digests: tuple[bytes, ...] = ()
+    # signed with the job's key (``collective/auth.py``): the signer's fresh nonce, a MAC
+    # of each part's encoded bytes (b"" for a part not sent) and a tag over the fields
+    # above, the nonce and the payload tags; empty when the averager has no key
+    nonce: bytes = b""
+    payload_tags: tuple[bytes, ...] = ()
     tag: bytes = field(default=b"", repr=False)
 
 
@@ -445,8 +446,11 @@ class PartResult:
     weights: SegmentWeights
     contributors: tuple[str, ...]
     ref: Payload  # an ObjectRef, or Inline for a small part
-    digest: bytes = b""  # SHA-256 of the encoded result (``collective/auth.py``)
-    tag: bytes = field(default=b"", repr=False)  # HMAC with the job's key; b"": no key
+    # signed with the job's key (``collective/auth.py``), as a contribution: a fresh
+    # nonce, a MAC of the encoded result and a tag over the fields; b"": no key
+    nonce: bytes = b""
+    payload_tag: bytes = b""
+    tag: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from moshray.cluster.collective.codecs import (
     decode,
     encode,
     get_codec,
+    max_abs,
     max_abs_error_bound,
 )
 from moshray.cluster.messages import RejectReason
@@ -73,6 +74,27 @@ def test_round_trip_within_bound(codec: str, name: str) -> None:
     bound = max_abs_error_bound(x, codec)
     assert _max_err(x, y) <= bound, (_max_err(x, y), bound)
     np.testing.assert_array_equal(x, before)  # the input is never modified
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, ">f4"])
+def test_max_abs_is_the_largest_magnitude_in_one_pass_or_two(dtype) -> None:
+    """``max_abs`` (one torch pass for contiguous native floats, numpy's two reductions
+    otherwise) gives numpy's answer exactly: read-only, strided and reversed arrays,
+    NaN anywhere, an infinity, an empty vector."""
+    x = _normal(10_001, seed=4, scale=3.0).astype(dtype)
+    want = float(max(x.max(), -x.min()))
+    readonly = x.copy()
+    readonly.flags.writeable = False
+    for view in (x, readonly, x[::3], x[::-1], x.reshape(73, 137)):
+        assert max_abs(view) == float(max(view.max(), -view.min()))
+    assert max_abs(x) == want
+    for where in (0, 5_000, 10_000):
+        for bad in (np.nan, -np.inf):
+            y = x.copy()
+            y[where] = bad
+            got = max_abs(y)
+            assert math.isnan(got) if np.isnan(bad) else got == math.inf, (where, bad)
+    assert max_abs(x[:0]) == 0.0
 
 
 @pytest.mark.parametrize("codec", CODECS)

@@ -40,7 +40,7 @@ Contract of ``all_reduce``:
   report; every result is checked (finite, within the value bound) before it is used;
 - with a job key (``job_key``), every contribution and result is signed and checked
   (``auth.py``): one with no tag, a tag the key did not make (a forger's, or a sender name
-  changed after signing) or bytes that differ from the signed digest is rejected as
+  changed after signing) or bytes that do not match their payload tag is rejected as
   ``UNAUTHENTICATED`` and counted like the other reasons, before it can take the claimed
   sender's place in a round; the Coordinator's quarantine does not count it against the
   claimed sender (a forger can name anyone);

@@ -195,8 +195,8 @@ def check_contribution(
     Checks, in order: the weight (finite, >= 0, then at most ``limits.weight``; with
     ``SegmentWeights``, every segment's, and the profile's shape: ``check_weights``), the
     dtype of the wire values, the length against the receiver's own layout, finiteness of
-    every value, then every magnitude against ``limits.value``. The values are scanned by
-    two reductions (no temporary array).
+    every value, then every magnitude against ``limits.value``. The values are scanned
+    once (``codecs.max_abs``, no temporary array).
     """
     if isinstance(weight, SegmentWeights):
         problem = check_weights(weight, expected_numel, limits)

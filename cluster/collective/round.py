@@ -35,11 +35,12 @@ Protocol (group of members M = (m_0..m_{k-1}) plus receivers):
    results' total weights, part after part, are the weights of this peer's values for the
    next round.
 
-With a job key (``auth.py``) every ``Contribution`` and ``PartResult`` is signed (an HMAC
-over its fields and the SHA-256 of each part's encoded bytes); the ``Averager`` drops a
-message whose tag is missing or wrong on arrival, and here an owner rejects a part whose
-bytes differ from the digest its sender signed (``UNAUTHENTICATED``), and a peer re-reduces
-a result whose bytes differ from its owner's signed digest.
+With a job key (``auth.py``) every ``Contribution`` and ``PartResult`` is signed (a tag
+over its fields, and a MAC of each part's encoded bytes: one pass over them here at the
+sender, one at each receiver); the ``Averager`` drops a message whose tag is missing or
+wrong on arrival, and here an owner rejects a part whose bytes do not match the payload tag
+its sender signed (``UNAUTHENTICATED``), and a peer re-reduces a result whose bytes do not
+match its owner's.
 
 The numeric work is staged so that the event loop only ever waits: as soon as a
 contribution's bytes arrive, a worker thread validates them and turns them into their term
@@ -98,6 +99,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import math
 import time
@@ -107,7 +109,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import moshray.cluster.collective.codecs as comp
-from moshray.cluster.collective.auth import JobAuth, payload_digest
+from moshray.cluster.collective.auth import JobAuth
 from moshray.cluster.collective.mailbox import GroupMailbox
 from moshray.cluster.collective.partition import (UNBOUNDED, Limits, WeightedMean,
                                                   check_contribution, check_weights,
@@ -184,7 +186,7 @@ class GroupRound:
     what a contribution or result may hold (``ContributionBounds.limits``; default:
     unbounded, finiteness only). ``auth``: the job's key (``auth.JobAuth``): our messages
     are signed with it and every part or result whose bytes do not match its sender's
-    signed digest is rejected (``UNAUTHENTICATED``) or re-reduced; the ``Averager`` checks
+    payload tag is rejected (``UNAUTHENTICATED``) or re-reduced; the ``Averager`` checks
     the tags on arrival. None: nothing is signed or checked. The round never raises for
     another peer's failure; it returns a ``RoundOutcome``. One object per round: ``run``
     once.
@@ -219,6 +221,8 @@ class GroupRound:
         self.numel = 0
         self.cpu_seconds = 0.0  # validating, scaling, adding (see ``_reduce_part``): wall time
         self.cpu_used = 0.0  # the CPU time of that (far less on a contended machine)
+        self.auth_seconds = 0.0  # signing and checking (``_authed``): wall time
+        self.auth_used = 0.0  # the CPU time of that
         self.reduced_bytes = 0  # float32 bytes of the terms added
         self.errored = ""  # set when a part's mean came out non-finite
         self._probing: set[str] = set()  # peers with a probe in flight
@@ -251,14 +255,23 @@ class GroupRound:
 
         asyncio.ensure_future(watch())
 
-    def _timed(self, fn, *args):
-        """``fn(*args)``, adding its wall time and its thread's CPU time to the round's."""
+    def _timed(self, fn, *args, auth: bool = False):
+        """``fn(*args)``, adding its wall time and its thread's CPU time to the round's
+        numeric work, or with ``auth`` to its signing and checking (``_authed``; a check
+        made inside numeric work counts in both)."""
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn(*args)
         finally:
-            self.cpu_seconds += time.perf_counter() - t0
-            self.cpu_used += time.thread_time() - c0
+            wall, used = time.perf_counter() - t0, time.thread_time() - c0
+            if auth:
+                self.auth_seconds += wall
+                self.auth_used += used
+            else:
+                self.cpu_seconds += wall
+                self.cpu_used += used
+
+    _authed = functools.partialmethod(_timed, auth=True)
 
     async def _probe_members(self) -> None:
         """Until cancelled: one probe in flight to each other member we still wait on
@@ -372,6 +385,8 @@ class GroupRound:
                                       self.reduced_bytes, self.cpu_seconds)
         phases["cpu"] = self.cpu_seconds  # reduce's numeric steps, wall time in threads
         phases["cpu_used"] = self.cpu_used  # their CPU time
+        phases["auth"] = self.auth_seconds  # signing and checking, wall time
+        phases["auth_used"] = self.auth_used  # its CPU time
         phases["fetch"] = busy_seconds((a, b) for a, b, _ in log_)  # parts in flight
         everyone = [set(c) for j, c in per_part.items() if sizes[j] > 0] or [set()]
         full = set.intersection(*everyone)
@@ -415,11 +430,13 @@ class GroupRound:
                 self.bytes_sent += enc.nbytes
                 self.bytes_to[members[j]] += enc.nbytes
                 encs.append(enc)
-            # signed below: each receiver hashes only the part it reduces (auth.py)
-            digests = tuple(payload_digest(e) for e in encs) if self.auth else ()
-            return encs, digests
+            # one MAC pass over each part; each receiver checks only the part it reduces
+            signed = (b"", (), b"") if self.auth is None else self._authed(
+                self.auth.sign_contribution, self.plan.epoch, self.round_index,
+                self.group_index, self.me, weights, flat.size, encs)
+            return encs, signed
 
-        encs, digests = await off_loop(flat.nbytes, encode_parts)
+        encs, (nonce, payload_tags, tag) = await off_loop(flat.nbytes, encode_parts)
         if all(enc is None for enc in encs):
             # Nothing for anyone (the sole owner: its own part stays here): the others
             # would only keep it for re-reducing a part we own, and that dies with us.
@@ -443,15 +460,11 @@ class GroupRound:
             def payloads(j: int) -> tuple:
                 return refs
 
-        tag = b"" if self.auth is None else self.auth.contribution_tag(
-            self.plan.epoch, self.round_index, self.group_index, self.me, weights,
-            flat.size, digests)
-
         def message(j: int) -> Contribution:
             return Contribution(epoch=self.plan.epoch, round_index=self.round_index,
                                 group_index=self.group_index, sender=self.me,
                                 weights=weights, numel=flat.size, part_refs=payloads(j),
-                                digests=digests, tag=tag)
+                                nonce=nonce, payload_tags=payload_tags, tag=tag)
 
         for j, peer in enumerate(members):
             if peer == self.me:
@@ -477,12 +490,12 @@ class GroupRound:
             return  # a group of one (a single replica): nobody to send the result to
         ref = Inline(enc) if enc.nbytes <= INLINE_MAX_BYTES else \
             await off_loop(values.nbytes, self.transport.put, enc)
-        digest = tag = b""
+        nonce = payload_tag = tag = b""
         if self.auth is not None:
-            digest = await off_loop(values.nbytes, payload_digest, enc)
-            tag = self.auth.result_tag(self.plan.epoch, self.round_index, self.group_index,
-                                       part, self.me, self.numel, total, tuple(contributors),
-                                       digest)
+            nonce, payload_tag, tag = await off_loop(
+                values.nbytes, self._authed, self.auth.sign_result, self.plan.epoch,
+                self.round_index, self.group_index, part, self.me, self.numel, total,
+                tuple(contributors), enc)
         result = PartResult(
             epoch=self.plan.epoch,
             round_index=self.round_index,
@@ -493,7 +506,8 @@ class GroupRound:
             weights=total,
             contributors=tuple(contributors),
             ref=ref,
-            digest=digest,
+            nonce=nonce,
+            payload_tag=payload_tag,
             tag=tag,
         )
         for peer in others:
@@ -509,14 +523,15 @@ class GroupRound:
         return self._term(comp.encode(local, self.codec), size, weights)
 
     def _accept(self, enc: comp.Encoded, size: int, weights: SegmentWeights,
-                digest: bytes | None):
+                authentic: Callable[[object], bool] | None):
         """A fetched part as a term of the mean, or a ``(reason, detail)`` rejection.
-        ``weights``: its sender's weights on the part; ``digest``: what its sender signed
-        for it (None: no key, nothing to check)."""
+        ``weights``: its sender's weights on the part; ``authentic(enc)``: whether the bytes
+        are the ones its sender tagged (``JobAuth.part_matches``; None: no key, nothing to
+        check)."""
         codec = self.codec
-        if digest is not None and not JobAuth.digest_matches(enc, digest):
+        if authentic is not None and not self._authed(authentic, enc):
             return (RejectReason.UNAUTHENTICATED,
-                    "the part's bytes do not match the digest its sender signed")
+                    "the part's bytes do not match the payload tag its sender signed")
         if not isinstance(enc, comp.Encoded):
             return RejectReason.DTYPE_MISMATCH, f"payload of type {type(enc).__name__}"
         if enc.data.dtype != codec.wire_dtype or enc.codec != codec.name:
@@ -618,10 +633,10 @@ class GroupRound:
                     continue
                 self.bytes_received += getattr(enc, "nbytes", 0)
                 weights_of = on_part(box.contributions[sender])
-                digest = None if self.auth is None else \
-                    box.contributions[sender].digests[part]
+                authentic = None if self.auth is None else functools.partial(
+                    self.auth.part_matches, box.contributions[sender], part)
                 future = asyncio.ensure_future(
-                    off_loop(nbytes, timed, self._accept, enc, size, weights_of, digest))
+                    off_loop(nbytes, timed, self._accept, enc, size, weights_of, authentic))
                 future.add_done_callback(lambda _: box.notify())
                 preparing[sender] = future
             for sender, future in list(preparing.items()):
@@ -721,9 +736,9 @@ class GroupRound:
             return None
         self.bytes_received += getattr(enc, "nbytes", 0)
         if self.auth is not None and not await off_loop(
-                dest.nbytes, JobAuth.digest_matches, enc, result.digest):
+                dest.nbytes, self._authed, self.auth.result_matches, result, enc):
             self.reject(owner, part, RejectReason.UNAUTHENTICATED,
-                        "the result's bytes do not match the digest its owner signed")
+                        "the result's bytes do not match the payload tag its owner signed")
             return None
         if not isinstance(enc, comp.Encoded) or enc.codec != self.codec.name \
                 or enc.numel != size or enc.data.shape != (self.codec.wire_length(size),):

@@ -8,11 +8,15 @@ actors (from the start of the collective until the peer holds the result; the sl
 counts) and medians are printed. With ``--kill-one`` a further moshray round runs in which
 one peer's process exits mid-round (``die_mid_round``: after the others' calls to it have
 succeeded, so only probing or a deadline can reveal it), and the survivors' time is reported.
+The moshray peers sign and check every contribution and result with one job key, as a
+training job's replicas do (``auth.py``); ``--no-auth`` runs them unsigned, to see what
+authentication costs.
 
 With ``--json`` the last line is one JSON object: peers, size_mb, compression, moshray_s,
-gloo_s, ratio_vs_gloo (gloo_s / moshray_s, higher is better), max_rel_error, max_abs_error
-against the codec's documented error_bound (within_bound), the 1-minute load average, and
-with --kill-one kill_one_s.
+gloo_s, ratio_vs_gloo (gloo_s / moshray_s, higher is better), auth (whether the peers signed),
+max_rel_error, max_abs_error against the codec's documented error_bound (within_bound), the
+1-minute load average, the slowest peer's phases (``auth``: seconds spent computing and
+checking tags), and with --kill-one kill_one_s.
 """
 
 from __future__ import annotations
@@ -86,9 +90,10 @@ def run(args: argparse.Namespace) -> dict:
     pin_loopback()
     import ray
 
+    from moshray.cluster.collective.auth import new_job_key
+    from moshray.cluster.collective.peer import AveragingPeer
     from moshray.cluster.coordinator.membership import Membership, MembershipConfig
     from moshray.cluster.messages import PeerInfo
-    from moshray.cluster.collective.peer import AveragingPeer
 
     numel = int(args.size_mb * 1024 * 1024 // 4)
     stride = max(numel // 20000, 1)
@@ -100,7 +105,8 @@ def run(args: argparse.Namespace) -> dict:
     with LocalCluster(config) as cluster:
         cluster.connect()
         where = [{"num_cpus": 0, "resources": {f"slot-{i}": 0.01}} for i in range(args.peers)]
-        peers = {f"peer-{i}": AveragingPeer.options(**where[i]).remote(f"peer-{i}")
+        key = None if args.no_auth else new_job_key()  # one job's key, as in training
+        peers = {f"peer-{i}": AveragingPeer.options(**where[i]).remote(f"peer-{i}", key)
                  for i in range(args.peers)}
         ray.get([p.node_id.remote() for p in peers.values()], timeout=120)
         membership = Membership(MembershipConfig(compression=args.compression))
@@ -167,6 +173,7 @@ def run(args: argparse.Namespace) -> dict:
             "size_mb": args.size_mb,
             "compression": args.compression,
             "reps": args.reps,
+            "auth": not args.no_auth,
             "moshray_s": statistics.median(moshray_times),
             "gloo_s": statistics.median(gloo_times),
             "max_rel_error": max_rel,
@@ -189,7 +196,8 @@ def run(args: argparse.Namespace) -> dict:
             log(f"kill-one: survivors done in {summary['kill_one_s']:.3f} s "
                 f"(round deadline {args.timeout} s)")
     log(
-        f"allreduce {args.peers} peers x {args.size_mb} MB ({args.compression}): "
+        f"allreduce {args.peers} peers x {args.size_mb} MB ({args.compression}"
+        f"{'' if summary['auth'] else ', unsigned'}): "
         f"moshray {summary['moshray_s']:.3f} s, gloo {summary['gloo_s']:.3f} s, "
         f"ratio_vs_gloo {summary['ratio_vs_gloo']:.2f}, max_rel_error {max_rel:.2e}"
     )
@@ -207,6 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed rounds of each method (the median is reported)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="moshray round deadline in seconds")
+    parser.add_argument("--no-auth", action="store_true",
+                        help="moshray peers neither sign nor check their messages (to measure "
+                             "what authentication costs; a training job always signs)")
     parser.add_argument("--kill-one", action="store_true",
                         help="also time a round in which one peer dies mid-round")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")

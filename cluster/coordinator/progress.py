@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 # How many epochs behind the newest reported one the digests are kept for ``_disagrees``
 # (a report of an older epoch, from a replica that far behind, is resynced anyway).
 DIGEST_EPOCHS = 8
+# How many of the latest global steps keep their ``StepTiming`` (each holds its
+# participants: a window, not the run's history; ``CoordinatorCore.step_timings``).
+TIMINGS_KEEP = 256
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,8 @@ class ProgressTracker:
     plan: RoundPlan | None = None  # the latest published plan (of the current epoch)
     history: list[StepRecord] = field(default_factory=list)
     stop: bool = False
-    timings: dict[int, StepTiming] = field(default_factory=dict)  # epoch -> its timing
+    # epoch -> its timing, the latest ``TIMINGS_KEEP`` steps planned (oldest first)
+    timings: dict[int, StepTiming] = field(default_factory=dict)
     # (newest committed, fallen back to) epochs: every holder of the steps between died
     rollbacks: list[tuple[int, int]] = field(default_factory=list)
     # (peer, epoch): a step a replica committed with a digest that lost the vote
@@ -230,7 +234,10 @@ class ProgressTracker:
     # the participants' views (``RoundPlan.views``) of ``_views_of``, built once per plan
     _views: dict[str, PeerPlan] = field(default_factory=dict, repr=False)
     _views_of: RoundPlan | None = field(default=None, repr=False)
-    _held: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer -> (epoch, seen)
+    # peer -> (epoch, seen); a non-member's is dropped once unseen for ``hold_s``
+    # (``prune_held``), so the peers that came and went do not pile up
+    _held: dict[str, tuple[int, float]] = field(default_factory=dict)
+    _pruned_at: float = field(default=float("-inf"), repr=False)
     _top_held: int = 0  # the newest epoch any peer was ever seen holding (committed)
     _joining: dict[str, JoinWait] = field(default_factory=dict)  # peer -> its donor requests
     # after a restart: peers that may still rejoin -> when last heard of (``await_rejoin``)
@@ -449,6 +456,18 @@ class ProgressTracker:
     def awaited(self) -> tuple[str, ...]:
         """The peers a rebuild still waits for (``await_rejoin``), sorted."""
         return tuple(sorted(self._awaited))
+
+    def prune_held(self, now: float) -> None:
+        """Forget what the peers that are no longer members were seen holding once they
+        are unseen for ``hold_s`` (a held step then blocks no fall back anyway): one pass
+        over ``_held`` at most once per ``hold_s``, so O(1) per call amortized."""
+        if now - self._pruned_at < self.hold_s:
+            return
+        self._pruned_at = now
+        m = self.membership
+        for p in [p for p, (_, seen) in self._held.items()
+                  if now - seen > self.hold_s and not m.is_member(p)]:
+            del self._held[p]
 
     def holds_current(self, peer_id: str) -> bool:
         """``peer_id`` was last seen holding the current epoch (a donor that gives a state
@@ -734,4 +753,6 @@ class ProgressTracker:
                                        len(at_epoch)))
         self.step_samples.planned(plan.epoch, {r.peer_id: r.samples for r in current})
         self.timings[plan.epoch] = StepTiming(plan.epoch, now, tuple(plan.participants))
+        while len(self.timings) > TIMINGS_KEEP:
+            del self.timings[next(iter(self.timings))]
         return True

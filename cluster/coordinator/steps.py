@@ -107,9 +107,12 @@ class StepService:
         self._lost_peer |= lost
         return left, lost
 
-    def mark_draining(self, node_id: str, deadline: float) -> tuple[str, ...]:
-        """Exclude ``node_id``'s peers (and later ones there) from the next plans."""
-        return self.membership.mark_draining(node_id, deadline)
+    def mark_draining(self, node_id: str, deadline: float,
+                      now: float | None = None) -> tuple[str, ...]:
+        """Exclude ``node_id``'s peers (and later ones there) from the next plans (see
+        ``Membership.mark_draining``: with ``now``, nodes long past their deadline are
+        forgotten)."""
+        return self.membership.mark_draining(node_id, deadline, now)
 
     def expire(self, now: float) -> None:
         """Forget peers silent for longer than the TTL (dead ones stop being donors and
@@ -119,6 +122,7 @@ class StepService:
             self._lost_peer |= self._ready_and_staying(gone)
             self.progress.forget(gone)
         self.progress.expire_awaited(now)
+        self.progress.prune_held(now)
 
     def _ready_and_staying(self, peer_id: str) -> bool:
         return peer_id in self.progress.ready and not self.membership.is_draining(peer_id)

@@ -220,6 +220,18 @@ class Membership:
             self._draining_record = sorted([n, d] for n, d in self._draining_nodes.items())
         return self._draining_record
 
+    def is_up(self, peer_id: str, now: float, draining: bool = True) -> bool:
+        """``peer_id`` is a member heard from within the TTL at ``now`` (one of ``present``;
+        without ``draining``, one of ``live``). O(1)."""
+        m = self._members.get(peer_id)
+        return m is not None and now - m.last_seen <= self.config.peer_ttl_s and \
+            (draining or m.draining_deadline is None)
+
+    def info(self, peer_id: str) -> PeerInfo | None:
+        """What ``peer_id`` registered with (None if it is not a member)."""
+        m = self._members.get(peer_id)
+        return None if m is None else m.info
+
     def is_member(self, peer_id: str) -> bool:
         """Registered and not yet left or expired (draining or not)."""
         return peer_id in self._members

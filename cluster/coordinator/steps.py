@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from moshray.cluster.coordinator.donors import spread_pick
 from moshray.cluster.coordinator.membership import Membership, MembershipConfig
 from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport, ProgressTracker
 from moshray.cluster.coordinator.quarantine import QuarantineRecord
@@ -55,6 +56,7 @@ class StepService:
         self._peers_key: tuple | None = None  # ``members_record``'s cache
         self._peers_of: list[str] | None = None
         self._members_record: dict = {"peers": []}
+        self._donor_asks = 0  # donor requests so far (spreads the choice: ``donor``)
 
     @property
     def epoch(self) -> int:
@@ -184,28 +186,29 @@ class StepService:
         None. A ready live one first, else a ready one that is draining but still up (it
         may hold the newest steps), else, as a last resort, any member holding the
         current epoch (a quarantined peer: its contributions were bad, its state is the
-        swarm's). Within each group, one that holds the current epoch first, else the
-        first in id order. Reads the members only until it finds one that holds the
-        current epoch (O(1) per call while most do)."""
+        swarm's). Within each group, one that holds the current epoch first. Which one is
+        spread by a hash of the request (``donors.spread_pick``: the joiner and a count of
+        requests), so the joiners of a burst copy from different peers; O(1) expected per
+        call (the candidates are indexed: the ready peers, the current epoch's holders)."""
         self.expire(now)
         self.progress.note_joining(exclude, now)
-        ready, holds = self.progress.ready, self.progress.holds_current
-        m = self.membership
-        groups = (lambda: (i for i in m.heard(now, draining=False) if i.peer_id in ready),
-                  lambda: (i for i in m.heard(now) if i.peer_id in ready),
-                  lambda: (i for i in m.heard(now) if holds(i.peer_id)))
-        for group in groups:
-            first = None
-            for info in group():
-                if info.peer_id == exclude:
-                    continue
-                if holds(info.peer_id):
-                    return info.peer_id, info.handle
-                if first is None:
-                    first = info
-            if first is not None:
-                return first.peer_id, first.handle
-        return None
+        p, m = self.progress, self.membership
+        self._donor_asks += 1
+        key = f"{exclude}/{self._donor_asks}"
+        holders, ready = p.holders(p.epoch), p.ready
+
+        def up(draining: bool) -> Callable[[str], bool]:
+            return lambda q: q != exclude and m.is_up(q, now, draining)
+
+        live, present = up(False), up(True)
+        found = (spread_pick(holders, key, lambda q: q in ready and live(q))
+                 or spread_pick(ready.pool, key, live)
+                 or spread_pick(holders, key, lambda q: q in ready and present(q))
+                 or spread_pick(ready.pool, key, present)
+                 or spread_pick(holders, key, present))
+        if found is None:
+            return None
+        return found, m.info(found).handle
 
     def request_stop(self) -> None:
         self.progress.stop = True

@@ -139,6 +139,9 @@ def test_the_counts_kept_as_they_change_agree_with_counting_over_the_members(see
         now = clock()
         eligible, at, finishing = core.progress._standing(now)
         assert (eligible, (at.peers, at.samples, at.micro), finishing) == oracle(core, now)
+        held = core.progress._held  # the donors' pools follow what each peer was seen holding
+        for e in {e for e, _ in held.values()} | {core.epoch}:
+            assert set(core.progress.holders(e)) == {q for q, (x, _) in held.items() if x == e}
 
 
 def test_a_call_that_changes_nothing_encodes_and_writes_nothing(monkeypatch):
@@ -254,3 +257,15 @@ def test_the_peer_pool_is_a_set_with_o1_picks():
     assert spread_pick(PeerPool(), "k", lambda q: True) is None
     only = sorted(mirror)[0]
     assert spread_pick(pool, "any key", lambda q: q == only) == only  # reads on, wrapping
+
+
+def test_the_steps_record_is_built_again_only_after_it_changed():
+    core, clock = swarm(4, target=10**6)
+    first = core.steps.snapshot()
+    core.report(ProgressReport("p0001", 0, 1))
+    assert core.steps.snapshot() is first  # a report changes nothing in it: no rebuild
+    core.mark_draining("n-p0002", 30.0)
+    drained = core.steps.snapshot()
+    assert drained is not first and drained["draining_nodes"][0][0] == "n-p0002"
+    core.request_stop()
+    assert core.steps.snapshot()["stop"] is True

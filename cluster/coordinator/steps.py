@@ -57,6 +57,7 @@ class StepService:
         self._peers_of: list[str] | None = None
         self._members_record: dict = {"peers": []}
         self._donor_asks = 0  # donor requests so far (spreads the choice: ``donor``)
+        self._snapshot: tuple[tuple, dict] | None = None  # (what it was built from, it)
 
     @property
     def epoch(self) -> int:
@@ -266,9 +267,16 @@ class StepService:
         docstring), but for the newest step known committed, which changes with every
         step, and the members, which change with every join (``members_record``): both
         are saved apart (written behind). Times are on the Coordinator's clock
-        (``time.monotonic`` of the head node, which the restarted actor shares)."""
+        (``time.monotonic`` of the head node, which the restarted actor shares). The
+        same object while nothing in it changed (its lists only grow, but at a
+        ``restore``), so saving it unchanged after every call costs no rebuild."""
         p = self.progress
-        return {
+        key = (p.stop, len(p.rollbacks), len(p.abandoned), len(p.stale_returns), p.branch,
+               len(p.forks), len(p.diverged), len(p.quarantine.records),
+               self.membership.draining_nodes(), self.checkpoint)
+        if self._snapshot is not None and self._snapshot[0] == key:
+            return self._snapshot[1]
+        record = {
             "stop": p.stop,
             "rollbacks": [list(x) for x in p.rollbacks],
             "abandoned": [list(x) for x in p.abandoned],
@@ -281,6 +289,8 @@ class StepService:
             "checkpoint": (None if self.checkpoint is None else
                            [self.checkpoint.uri, self.checkpoint.run_id, self.checkpoint.step]),
         }
+        self._snapshot = (key, record)
+        return record
 
     def members_record(self) -> dict:
         """``{"peers": [...]}``: who a restarted Coordinator awaits (``restore``,
@@ -305,6 +315,7 @@ class StepService:
         before a fall back is told apart. The members are awaited by the rebuild
         (``open_rebuild_window``)."""
         p = self.progress
+        self._snapshot = None
         p.note_committed(int(snap.get("committed", 0)))  # (before the rollbacks: its own)
         p.stop = bool(snap.get("stop", False))
         p.rollbacks[:] = [tuple(x) for x in snap.get("rollbacks", ())]

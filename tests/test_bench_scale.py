@@ -41,8 +41,8 @@ def test_fit_tells_growth_apart():
 
 def test_control_plane_figures_come_from_the_calls_it_made():
     figures = scale.control_plane(16, steps=3, memory_steps=5, churn=0.1, max_group=8, seed=0)
-    # the real core planned and committed steps (fewer than the simulated seconds: a silent
-    # peer in the last plan holds each step for the grace until it expires)
+    # the real core planned and committed steps (fewer than the simulated seconds: a peer
+    # that died in the last plan holds the next step until it missed two heartbeats)
     assert 1 <= figures["global_steps_made"] <= 3
     assert scale.control_plane(16, 3, 0, 0.0, 8, 0)["global_steps_made"] == 3  # no churn
     assert figures["coordinator_ms_per_step"] > 0

@@ -271,10 +271,11 @@ class StepService:
         same object while nothing in it changed (its lists only grow, but at a
         ``restore``), so saving it unchanged after every call costs no rebuild."""
         p = self.progress
+        draining = self.membership.draining_nodes()  # (the same list until one changes)
         key = (p.stop, len(p.rollbacks), len(p.abandoned), len(p.stale_returns), p.branch,
-               len(p.forks), len(p.diverged), len(p.quarantine.records),
-               self.membership.draining_nodes(), self.checkpoint)
-        if self._snapshot is not None and self._snapshot[0] == key:
+               len(p.forks), len(p.diverged), len(p.quarantine.records), self.checkpoint)
+        if self._snapshot is not None and self._snapshot[0] == key and \
+                self._snapshot[1]["draining_nodes"] is draining:
             return self._snapshot[1]
         record = {
             "stop": p.stop,
@@ -285,7 +286,7 @@ class StepService:
             "forks": sorted([b, e] for b, e in p.forks.items()),
             "diverged": [list(x) for x in p.diverged],
             "quarantines": [[q.peer_id, q.at, q.reason] for q in p.quarantine.records],
-            "draining_nodes": self.membership.draining_nodes(),
+            "draining_nodes": draining,
             "checkpoint": (None if self.checkpoint is None else
                            [self.checkpoint.uri, self.checkpoint.run_id, self.checkpoint.step]),
         }

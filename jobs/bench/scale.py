@@ -329,7 +329,8 @@ def _simulate(n: int, steps: int, memory_steps: int, churn: float, max_group: in
         "steps_for_memory": memory_steps, "epoch_at_end": core.epoch,
         "coordinator_ms_per_step": round(1000 * timed["seconds"] / made, 3),
         # per simulated second (each peer's heartbeat and report): what the step rate
-        # (a silent peer in the last plan holds the next one for the grace) does not move
+        # (a peer that died in the last plan holds the next one until it missed two
+        # heartbeats: about one extra simulated second per death) does not move
         "coordinator_ms_per_second": round(1000 * timed["seconds"] / max(steps, 1), 3),
         "global_steps_per_second": round(stepped / max(steps, 1), 2),
         "messages_per_step": round(timed["messages"] / made, 1),

@@ -387,7 +387,7 @@ def summarize(stats: dict, statuses: list[dict], leaving: set[str], wall_s: floa
         "lost_steps": max((s["lost_steps"] + s["repeated_steps"] for s in statuses), default=0),
         "skipped_steps": max((s["lost_steps"] for s in statuses), default=0),
         "repeated_steps": max((s["repeated_steps"] for s in statuses), default=0),
-        "rebalance_s_max": max(stats.get("rebalance_s") or [0.0]),
+        "rebalance_s_max": stats.get("rebalance_s_max") or 0.0,  # the longest of the run
         # steps some replica committed with a digest the others of that step did not hold
         # (a part owner died after some got its result): each resynced from a donor
         # what the replicas' averaging sent, all and to a peer of another zone

@@ -41,8 +41,8 @@ def test_fit_tells_growth_apart():
 
 def test_control_plane_figures_come_from_the_calls_it_made():
     figures = scale.control_plane(16, steps=3, memory_steps=5, churn=0.1, max_group=8, seed=0)
-    # the real core planned and committed steps (fewer than the simulated seconds: a silent
-    # peer in the last plan holds each step for the grace until it expires)
+    # the real core planned and committed steps (fewer than the simulated seconds: a peer
+    # that died in the last plan holds the next step until it missed two heartbeats)
     assert 1 <= figures["global_steps_made"] <= 3
     assert scale.control_plane(16, 3, 0, 0.0, 8, 0)["global_steps_made"] == 3  # no churn
     assert figures["coordinator_ms_per_step"] > 0
@@ -57,6 +57,28 @@ def test_control_plane_figures_come_from_the_calls_it_made():
     assert figures["rounds"] == 2 and 2 <= figures["group_size_max"] <= 8  # a 4 x 4 grid
     assert figures["coordinator_memory_mb"] > 0
     assert figures["silent_deaths"] >= 1  # churn 0.1 of 16 peers over 11 steps
+
+
+def test_the_long_memory_run_counts_global_steps_and_says_how_far_it_got():
+    figures = scale.memory_run(16, 20, churn=0.1, max_group=8, seed=0, points=4)
+    assert figures["global_steps_for_memory"] >= 20 and figures["memory_complete"]
+    assert figures["steps_for_memory"] >= 20  # simulated seconds (the churn slows steps)
+    assert [e for e, _ in figures["memory_curve"]] == sorted(
+        e for e, _ in figures["memory_curve"]) and len(figures["memory_curve"]) == 4
+    assert 0 < figures["coordinator_memory_mb"] == figures["memory_curve"][-1][1]
+    assert figures["history_rows"] == figures["global_steps_for_memory"]
+    short = scale.memory_run(16, 10**6, churn=0.1, max_group=8, seed=0, budget_s=0.5)
+    assert not short["memory_complete"] and 0 < short["global_steps_for_memory"] < 10**6
+    via = scale.control_plane(16, 2, 0, 0.1, 8, 0, memory_global_steps=5)
+    assert via["memory_method"] == "object graph" and via["global_steps_for_memory"] >= 5
+
+
+def test_retained_bytes_counts_what_an_object_holds_once():
+    shared = list(range(1000))
+    holder = {"a": shared, "b": shared}
+    alone = scale.retained_bytes(shared)
+    assert alone < scale.retained_bytes(holder) < 2 * alone  # the shared list once
+    assert scale.retained_bytes(holder, (shared,)) < alone / 10  # excluded
 
 
 def test_collective_is_exact_without_deaths_and_counts_what_deaths_cost():
@@ -77,7 +99,7 @@ def test_collective_is_exact_without_deaths_and_counts_what_deaths_cost():
 def test_the_command_prints_one_json_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "moshray.jobs.cli", "bench", "scale", "--peers", "4,9,16",
-         "--steps", "2", "--memory-steps", "2", "--avg-steps", "1", "--numel", "64",
+         "--steps", "2", "--memory-global-steps", "3", "--avg-steps", "1", "--numel", "64",
          "--out", str(tmp_path), "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -87,6 +109,7 @@ def test_the_command_prints_one_json_line(tmp_path):
                     "bytes_per_peer_per_step", "grid_bytes_per_peer_per_step",
                     "averaged_share_with_deaths", "max_abs_error"):
             assert key in figures, key
+        assert figures["global_steps_for_memory"] >= 3 and figures["memory_complete"]
     assert set(result["fits"]) == set(scale.FIGURES)
     assert (tmp_path / "scale.png").stat().st_size > 0
     assert json.loads((tmp_path / "scale.json").read_text())["peers"] == [4, 9, 16]

@@ -1,8 +1,9 @@
 """The Coordinator's work per call does not grow with the swarm (pure: an injected clock,
 ``MemoryKV``, no Ray): a report reads no member list while a full batch waits, the
 eligible peers' counts kept as they change agree with counting them over the members,
-a call that changes nothing encodes and writes nothing, and joins cost one write of the
-members record per ``flush_s``."""
+a call that changes nothing encodes and writes nothing, joins cost one write of the
+members record per ``flush_s``, and a donor is found without a pass over the members (and
+a burst of joiners spreads over the donors)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from moshray.cluster.coordinator import durable
 from moshray.cluster.coordinator.core import CoordinatorCore
+from moshray.cluster.coordinator.donors import PeerPool, spread_pick
 from moshray.cluster.coordinator.durable import FLUSH_S, DurableState, MemoryKV
 from moshray.cluster.coordinator.eligible import AtEpoch, EligibleTally
 from moshray.cluster.coordinator.membership import Membership, MembershipConfig
@@ -137,6 +139,9 @@ def test_the_counts_kept_as_they_change_agree_with_counting_over_the_members(see
         now = clock()
         eligible, at, finishing = core.progress._standing(now)
         assert (eligible, (at.peers, at.samples, at.micro), finishing) == oracle(core, now)
+        held = core.progress._held  # the donors' pools follow what each peer was seen holding
+        for e in {e for e, _ in held.values()} | {core.epoch}:
+            assert set(core.progress.holders(e)) == {q for q, (x, _) in held.items() if x == e}
 
 
 def test_a_call_that_changes_nothing_encodes_and_writes_nothing(monkeypatch):
@@ -203,8 +208,64 @@ def test_the_shards_record_is_built_again_only_after_the_ledger_changed():
     assert shards.snapshot() is first  # saved after every call: no rebuild, no encoding
     shards.grant("p", 2, 0, 0.0, member=True)
     granted = shards.snapshot()
-    assert granted is not first and granted == {"next": 2, "granted": {"p": 2}}
+    assert granted is not first and granted == {"next": 2}
     shards.position(1)  # below the position: nothing changes
     assert shards.snapshot() is granted
     shards.position(5)
-    assert shards.snapshot() == {"next": 5, "granted": {"p": 2}}
+    assert shards.snapshot() == {"next": 5}
+
+
+def test_a_burst_of_joiners_copies_from_different_donors_read_in_o1(monkeypatch):
+    core, clock = swarm(64, target=64 * 4)
+    for p in core.membership.members():
+        core.report(ProgressReport(p, 0, 4))
+    assert core.epoch == 1  # right after a plan: nobody holds epoch 1 yet
+    reads = []
+    for name in ("live", "present", "heard", "members"):
+        original = getattr(Membership, name)
+        monkeypatch.setattr(Membership, name, lambda self, *a, _o=original, _n=name, **k:
+                            reads.append(_n) or _o(self, *a, **k))
+    donors = []
+    for i in range(16):
+        joiner = f"j{i:02d}"
+        core.register(joiner, joiner, f"n-{joiner}")
+        donors.append(core.donor(joiner)[0])
+    assert reads == []  # no pass over the members
+    assert len(set(donors)) >= 8 and not set(donors) & {f"j{i:02d}" for i in range(16)}
+    for p in list(core.membership.members())[:32]:  # half the swarm applied step 1
+        if p.startswith("p"):
+            core.report(ProgressReport(p, 1, 0))
+    holders = set(core.progress.holders(1))
+    picked = [core.donor(f"j{i:02d}")[0] for i in range(16)]
+    assert set(picked) <= holders and len(set(picked)) >= 8  # holders of the epoch first
+
+
+def test_the_peer_pool_is_a_set_with_o1_picks():
+    rng = random.Random(0)
+    pool, mirror = PeerPool(), set()
+    for _ in range(2000):
+        p = f"p{rng.randrange(50)}"
+        if rng.random() < 0.5:
+            pool.add(p)
+            mirror.add(p)
+        else:
+            pool.discard(p)
+            mirror.discard(p)
+        assert len(pool) == len(mirror) and set(pool) == mirror
+        assert {pool[i] for i in range(len(pool))} == mirror
+    assert spread_pick(pool, "k", lambda q: False) is None
+    assert spread_pick(PeerPool(), "k", lambda q: True) is None
+    only = sorted(mirror)[0]
+    assert spread_pick(pool, "any key", lambda q: q == only) == only  # reads on, wrapping
+
+
+def test_the_steps_record_is_built_again_only_after_it_changed():
+    core, clock = swarm(4, target=10**6)
+    first = core.steps.snapshot()
+    core.report(ProgressReport("p0001", 0, 1))
+    assert core.steps.snapshot() is first  # a report changes nothing in it: no rebuild
+    core.mark_draining("n-p0002", 30.0)
+    drained = core.steps.snapshot()
+    assert drained is not first and drained["draining_nodes"][0][0] == "n-p0002"
+    core.request_stop()
+    assert core.steps.snapshot()["stop"] is True

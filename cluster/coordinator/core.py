@@ -179,7 +179,8 @@ class CoordinatorCore:
 
     def mark_draining(self, node_id: str, deadline_s: float) -> tuple[str, ...]:
         """Exclude ``node_id``'s peers from the next plans; ``deadline_s`` is seconds left."""
-        return self.steps.mark_draining(node_id, self.clock() + deadline_s)
+        now = self.clock()
+        return self.steps.mark_draining(node_id, now + deadline_s, now)
 
     def peer_view(self) -> dict[str, tuple[str, ...]]:
         """Membership as the elastic controller observes it: ``members`` (registered, not
@@ -222,9 +223,10 @@ class CoordinatorCore:
         }
 
     def step_timings(self, since_epoch: int = 0) -> dict:
-        """Global steps after ``since_epoch`` planned by this process (timings are not kept
-        over a restart): ``{"now_s": t, "steps": [(epoch, planned_at_s, committed_at_s or
-        None, participants), ...]}``, times on the clock of ``stats()``."""
+        """Global steps after ``since_epoch`` planned by this process, of the latest
+        ``progress.TIMINGS_KEEP`` (a window; timings are not kept over a restart):
+        ``{"now_s": t, "steps": [(epoch, planned_at_s, committed_at_s or None,
+        participants), ...]}``, times on the clock of ``stats()``."""
         now = self.clock()
         steps = [(t.epoch, t.planned_at - self.started,
                   None if t.committed_at is None else t.committed_at - self.started,
@@ -244,17 +246,20 @@ class CoordinatorCore:
         plan excludes its peers); a node without peers is rebalanced at once. That plan is
         made over the staying peers (``StepService.replan``) at once when no step is in
         flight, else at the first report after the step in flight. A second notice for the
-        same node re-marks it draining but keeps the first record.
+        same node re-marks it draining but keeps the first record. Records are a window
+        (``notices.py``: kept until a minute past the node's deadline); the counts in
+        ``stats`` are the run's.
         """
         peers = self.mark_draining(node_id, deadline_s)
         now = self.clock()
-        self.notices.note(node_id, now, notice_age_s, self.epoch, peers)
+        self.notices.note(node_id, now, notice_age_s, self.epoch, peers, now + deadline_s)
         if peers:
             self._replan(now)
         return peers
 
     def notice_stats(self) -> dict[str, dict]:
-        """Per noticed node: ``{"peers": [...], "epoch": e, "rebalance_s": s or None}``."""
+        """Per noticed node still kept (``NoticeBook``: until a minute past its deadline):
+        ``{"peers": [...], "epoch": e, "rebalance_s": s or None}``."""
         return self.notices.stats()
 
     # -- data shards -------------------------------------------------------------------------

@@ -21,6 +21,13 @@ from moshray.cluster.collective.shares import relative_shares
 from moshray.cluster.collective.grid import DEFAULT_MAX_GROUP, plan_grid
 from moshray.cluster.messages import PeerInfo, RoundPlan
 
+# How often a replica heartbeats the Coordinator (``StepManager._beat``); it also reports
+# after every micro-batch, and either call counts as heard from.
+HEARTBEAT_S = 1.0
+# A node marked draining is remembered (its later peers drain too) until this long past its
+# deadline: it is gone by then, and the marks of a long run's nodes do not pile up.
+DRAINED_KEEP_S = 60.0
+
 
 @dataclass(frozen=True)
 class MembershipConfig:
@@ -146,9 +153,16 @@ class Membership:
         member = self._members.get(peer_id)
         return member is not None and member.draining_deadline is not None
 
-    def mark_draining(self, node_id: str, deadline: float) -> tuple[str, ...]:
-        """Mark every peer on ``node_id`` draining, and those that register there later;
-        returns the affected peer ids (of those registered now)."""
+    def mark_draining(self, node_id: str, deadline: float,
+                      now: float | None = None) -> tuple[str, ...]:
+        """Mark every peer on ``node_id`` draining, and those that register there later
+        (until ``DRAINED_KEEP_S`` past ``deadline``); returns the affected peer ids (of
+        those registered now). With ``now``, first forgets the nodes past that keep
+        (O(nodes marked))."""
+        if now is not None:
+            for old in [n for n, d in self._draining_nodes.items() if d + DRAINED_KEEP_S < now]:
+                del self._draining_nodes[old]
+                self._draining_record = None
         if node_id:
             self._draining_nodes[node_id] = deadline
             self._draining_record = None
@@ -205,6 +219,18 @@ class Membership:
         if self._draining_record is None:
             self._draining_record = sorted([n, d] for n, d in self._draining_nodes.items())
         return self._draining_record
+
+    def is_up(self, peer_id: str, now: float, draining: bool = True) -> bool:
+        """``peer_id`` is a member heard from within the TTL at ``now`` (one of ``present``;
+        without ``draining``, one of ``live``). O(1)."""
+        m = self._members.get(peer_id)
+        return m is not None and now - m.last_seen <= self.config.peer_ttl_s and \
+            (draining or m.draining_deadline is None)
+
+    def info(self, peer_id: str) -> PeerInfo | None:
+        """What ``peer_id`` registered with (None if it is not a member)."""
+        m = self._members.get(peer_id)
+        return None if m is None else m.info
 
     def is_member(self, peer_id: str) -> bool:
         """Registered and not yet left or expired (draining or not)."""

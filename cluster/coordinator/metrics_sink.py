@@ -36,7 +36,7 @@ class MetricsSink:
         # all-reduce bytes sent, all and to another zone (RoundEvents), for ``stats``
         self.sent_bytes = 0
         self.cross_zone_bytes = 0
-        self._rebalances_seen: set[str] = set()  # noticed nodes already in the histogram
+        self._rebalances_seen = 0  # rebalance clocks closed already in the histogram
         self._quarantines_seen = 0
         # (peer, name, step, value) rows reported, oldest first; ``reported_total`` ever
         self._reported: collections.deque = collections.deque(maxlen=reported_keep)
@@ -81,11 +81,12 @@ class MetricsSink:
         self._quarantines_seen = len(records)
 
     def observe_rebalances(self, notices: NoticeBook) -> None:
-        """Observe each notice's rebalance delay once, when it is known."""
-        for node_id, r in notices.records.items():
-            if r.rebalance_s is not None and node_id not in self._rebalances_seen:
-                self._rebalances_seen.add(node_id)
-                self.exporter.apply(metrics.RebalanceEvent(r.rebalance_s))
+        """Observe each notice's rebalance delay once, when it is known (O(delays new since
+        the last call); more than ``notices.RECENT`` closed between two calls: the older
+        ones are not observed)."""
+        for delay in notices.closed_since(self._rebalances_seen):
+            self.exporter.apply(metrics.RebalanceEvent(delay))
+        self._rebalances_seen = notices.closed
 
     def reported(self, since: int = 0) -> tuple[int, list]:
         """``(total, rows)``: the rows reported after the first ``since`` ever (those still
@@ -102,7 +103,7 @@ class MetricsSink:
         append log: ``restore``'s ``profile_rows``)."""
         return {"nodes_lost": self.nodes_lost, "sent_bytes": self.sent_bytes,
                 "cross_zone_bytes": self.cross_zone_bytes,
-                "rebalances_seen": sorted(self._rebalances_seen),
+                "rebalances_seen": self._rebalances_seen,
                 "quarantines_seen": self._quarantines_seen}
 
     def restore(self, snap: dict, profile_rows: Iterable[StepPhases] = ()) -> None:
@@ -110,7 +111,8 @@ class MetricsSink:
         self.sent_bytes = int(snap.get("sent_bytes", 0))
         self.cross_zone_bytes = int(snap.get("cross_zone_bytes", 0))
         self.profiled = int(snap.get("profiled", 0))
-        self._rebalances_seen = set(snap.get("rebalances_seen", ()))
+        seen = snap.get("rebalances_seen", 0)  # (a list of nodes in older records)
+        self._rebalances_seen = len(seen) if isinstance(seen, list) else int(seen)
         self._quarantines_seen = int(snap.get("quarantines_seen", 0))
         for p in profile_rows:
             self.profile.add(p)

@@ -52,6 +52,7 @@ import logging
 from collections.abc import Callable, Iterator, MutableSet, Sequence
 from dataclasses import dataclass, field
 
+from moshray.cluster.coordinator.donors import EMPTY, PeerPool
 from moshray.cluster.coordinator.eligible import AtEpoch, EligibleTally
 from moshray.cluster.coordinator.membership import Membership
 from moshray.cluster.messages import PeerPlan, RoundPlan
@@ -63,6 +64,9 @@ log = logging.getLogger(__name__)
 # How many epochs behind the newest reported one the digests are kept for ``_disagrees``
 # (a report of an older epoch, from a replica that far behind, is resynced anyway).
 DIGEST_EPOCHS = 8
+# How many of the latest global steps keep their ``StepTiming`` (each holds its
+# participants: a window, not the run's history; ``CoordinatorCore.step_timings``).
+TIMINGS_KEEP = 256
 
 
 @dataclass(frozen=True)
@@ -108,11 +112,17 @@ def due_by_counts(samples: int, micro: int, eligible: int, target_batch_size: in
 
 class ReadySet(MutableSet):
     """The ready peers (a set of ids) that tells ``on_change`` of every peer added or
-    removed, so the tracker's counts follow (``ProgressTracker._refresh``)."""
+    removed, so the tracker's counts follow (``ProgressTracker._refresh``); ``pool`` is
+    the same peers as a ``donors.PeerPool`` (donors are picked from it in O(1))."""
 
     def __init__(self, on_change: Callable[[str], None]):
-        self._peers: set[str] = set()
+        self._peers = PeerPool()
         self._on_change = on_change
+
+    @property
+    def pool(self) -> PeerPool:
+        """The ready peers, indexable (do not mutate it)."""
+        return self._peers
 
     def __contains__(self, peer: object) -> bool:
         return peer in self._peers
@@ -205,7 +215,8 @@ class ProgressTracker:
     plan: RoundPlan | None = None  # the latest published plan (of the current epoch)
     history: list[StepRecord] = field(default_factory=list)
     stop: bool = False
-    timings: dict[int, StepTiming] = field(default_factory=dict)  # epoch -> its timing
+    # epoch -> its timing, the latest ``TIMINGS_KEEP`` steps planned (oldest first)
+    timings: dict[int, StepTiming] = field(default_factory=dict)
     # (newest committed, fallen back to) epochs: every holder of the steps between died
     rollbacks: list[tuple[int, int]] = field(default_factory=list)
     # (peer, epoch): a step a replica committed with a digest that lost the vote
@@ -230,8 +241,13 @@ class ProgressTracker:
     # the participants' views (``RoundPlan.views``) of ``_views_of``, built once per plan
     _views: dict[str, PeerPlan] = field(default_factory=dict, repr=False)
     _views_of: RoundPlan | None = field(default=None, repr=False)
-    _held: dict[str, tuple[int, float]] = field(default_factory=dict)  # peer -> (epoch, seen)
+    # peer -> (epoch, seen); a non-member's is dropped once unseen for ``hold_s``
+    # (``prune_held``), so the peers that came and went do not pile up
+    _held: dict[str, tuple[int, float]] = field(default_factory=dict)
+    _pruned_at: float = field(default=float("-inf"), repr=False)
     _top_held: int = 0  # the newest epoch any peer was ever seen holding (committed)
+    # epoch -> the peers of ``_held`` at it (donors are picked from the current one's)
+    _holders: dict[int, PeerPool] = field(default_factory=dict, repr=False)
     _joining: dict[str, JoinWait] = field(default_factory=dict)  # peer -> its donor requests
     # after a restart: peers that may still rejoin -> when last heard of (``await_rejoin``)
     _awaited: dict[str, float] = field(default_factory=dict)
@@ -301,8 +317,28 @@ class ProgressTracker:
 
     def hold(self, peer_id: str, epoch: int, now: float) -> None:
         """``peer_id`` was seen holding the state of ``epoch`` at ``now``."""
+        old = self._held.get(peer_id)
+        if old is None or old[0] != epoch:
+            self._unhold(peer_id)
+            pool = self._holders.get(epoch)
+            if pool is None:
+                pool = self._holders[epoch] = PeerPool()
+            pool.add(peer_id)
         self._held[peer_id] = (epoch, now)
         self._top_held = max(self._top_held, epoch)
+
+    def _unhold(self, peer_id: str) -> None:
+        """Forget what ``peer_id`` was seen holding."""
+        old = self._held.pop(peer_id, None)
+        if old is not None:
+            pool = self._holders[old[0]]
+            pool.discard(peer_id)
+            if not pool:
+                del self._holders[old[0]]
+
+    def holders(self, epoch: int) -> PeerPool:
+        """The peers last seen holding ``epoch`` (members or not; do not mutate it)."""
+        return self._holders.get(epoch, EMPTY)
 
     @property
     def top_held(self) -> int:
@@ -378,7 +414,7 @@ class ProgressTracker:
         self.ready.discard(peer_id)
         self._parked.discard(peer_id)
         self._drop_report(peer_id)
-        self._held.pop(peer_id, None)
+        self._unhold(peer_id)
         if (peer_id, epoch, branch) not in self.stale_returns:
             self.stale_returns.append((peer_id, epoch, branch))
             log.warning("%s came back holding step %d of branch %d, which the swarm fell back "
@@ -450,6 +486,18 @@ class ProgressTracker:
         """The peers a rebuild still waits for (``await_rejoin``), sorted."""
         return tuple(sorted(self._awaited))
 
+    def prune_held(self, now: float) -> None:
+        """Forget what the peers that are no longer members were seen holding once they
+        are unseen for ``hold_s`` (a held step then blocks no fall back anyway): one pass
+        over ``_held`` at most once per ``hold_s``, so O(1) per call amortized."""
+        if now - self._pruned_at < self.hold_s:
+            return
+        self._pruned_at = now
+        m = self.membership
+        for p in [p for p, (_, seen) in self._held.items()
+                  if now - seen > self.hold_s and not m.is_member(p)]:
+            self._unhold(p)
+
     def holds_current(self, peer_id: str) -> bool:
         """``peer_id`` was last seen holding the current epoch (a donor that gives a state
         ``mark_ready`` accepts)."""
@@ -471,7 +519,7 @@ class ProgressTracker:
         self._joining.pop(peer_id, None)
         self._parked.discard(peer_id)
         if gone:
-            self._held.pop(peer_id, None)
+            self._unhold(peer_id)
             self._awaited.pop(peer_id, None)
 
     def rejoin(self, peer_id: str, state_epoch: int, now: float = 0.0,
@@ -734,4 +782,6 @@ class ProgressTracker:
                                        len(at_epoch)))
         self.step_samples.planned(plan.epoch, {r.peer_id: r.samples for r in current})
         self.timings[plan.epoch] = StepTiming(plan.epoch, now, tuple(plan.participants))
+        while len(self.timings) > TIMINGS_KEEP:
+            del self.timings[next(iter(self.timings))]
         return True

@@ -17,7 +17,7 @@ the replicas tell their positions. Pure: no Ray; times are passed in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -25,7 +25,6 @@ class ShardLedger:
     """The counter behind ``Coordinator.grant_shards`` (see module docstring)."""
 
     next: int = 0
-    granted: dict[str, int] = field(default_factory=dict)  # peer -> shards handed to it
     version: int = 0  # one more at every change (``ShardService.snapshot`` keys on it)
 
     def raise_floor(self, floor: int) -> int:
@@ -38,11 +37,11 @@ class ShardLedger:
 
     def grant(self, peer_id: str, count: int = 1, floor: int = 0) -> tuple[int, ...]:
         """The next ``count`` shard numbers for ``peer_id`` (after ``raise_floor(floor)``);
-        each number is handed out once. ``count`` < 1 grants nothing."""
+        each number is handed out once (who got which is not kept: the position alone
+        makes a restart exact). ``count`` < 1 grants nothing."""
         self.raise_floor(floor)
         ids = tuple(range(self.next, self.next + max(0, int(count))))
         self.next += len(ids)
-        self.granted[peer_id] = self.granted.get(peer_id, 0) + len(ids)
         self.version += 1
         return ids
 
@@ -86,18 +85,17 @@ class ShardService:
         return self.ledger.raise_floor(floor)
 
     def snapshot(self) -> dict:
-        """The ledger as a record (JSON-able): built again only after it changed (the
-        Coordinator saves after every call, and ``granted`` holds a count per peer); do
-        not mutate it."""
+        """The ledger as a record (JSON-able, ``{"next": n}``): built again only after it
+        changed (the Coordinator saves after every call); do not mutate it."""
         ledger = self.ledger
         if self._snapshot[0] != ledger.version:
-            self._snapshot = (ledger.version, {"next": ledger.next,
-                                               "granted": dict(sorted(ledger.granted.items()))})
+            self._snapshot = (ledger.version, {"next": ledger.next})
         return self._snapshot[1]
 
     def restore(self, snap: dict) -> None:
+        """Take back a ``snapshot`` (an older one's per-peer ``granted`` counts are
+        ignored: nothing read them)."""
         self.ledger.raise_floor(int(snap.get("next", 0)))
-        self.ledger.granted.update({p: int(n) for p, n in snap.get("granted", {}).items()})
         self.ledger.version += 1
         self._restored = True
 

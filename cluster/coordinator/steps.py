@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from moshray.cluster.coordinator.donors import spread_pick
 from moshray.cluster.coordinator.membership import Membership, MembershipConfig
 from moshray.cluster.coordinator.progress import ProgressReply, ProgressReport, ProgressTracker
 from moshray.cluster.coordinator.quarantine import QuarantineRecord
@@ -55,6 +56,8 @@ class StepService:
         self._peers_key: tuple | None = None  # ``members_record``'s cache
         self._peers_of: list[str] | None = None
         self._members_record: dict = {"peers": []}
+        self._donor_asks = 0  # donor requests so far (spreads the choice: ``donor``)
+        self._snapshot: tuple[tuple, dict] | None = None  # (what it was built from, it)
 
     @property
     def epoch(self) -> int:
@@ -107,9 +110,12 @@ class StepService:
         self._lost_peer |= lost
         return left, lost
 
-    def mark_draining(self, node_id: str, deadline: float) -> tuple[str, ...]:
-        """Exclude ``node_id``'s peers (and later ones there) from the next plans."""
-        return self.membership.mark_draining(node_id, deadline)
+    def mark_draining(self, node_id: str, deadline: float,
+                      now: float | None = None) -> tuple[str, ...]:
+        """Exclude ``node_id``'s peers (and later ones there) from the next plans (see
+        ``Membership.mark_draining``: with ``now``, nodes long past their deadline are
+        forgotten)."""
+        return self.membership.mark_draining(node_id, deadline, now)
 
     def expire(self, now: float) -> None:
         """Forget peers silent for longer than the TTL (dead ones stop being donors and
@@ -119,6 +125,7 @@ class StepService:
             self._lost_peer |= self._ready_and_staying(gone)
             self.progress.forget(gone)
         self.progress.expire_awaited(now)
+        self.progress.prune_held(now)
 
     def _ready_and_staying(self, peer_id: str) -> bool:
         return peer_id in self.progress.ready and not self.membership.is_draining(peer_id)
@@ -180,28 +187,29 @@ class StepService:
         None. A ready live one first, else a ready one that is draining but still up (it
         may hold the newest steps), else, as a last resort, any member holding the
         current epoch (a quarantined peer: its contributions were bad, its state is the
-        swarm's). Within each group, one that holds the current epoch first, else the
-        first in id order. Reads the members only until it finds one that holds the
-        current epoch (O(1) per call while most do)."""
+        swarm's). Within each group, one that holds the current epoch first. Which one is
+        spread by a hash of the request (``donors.spread_pick``: the joiner and a count of
+        requests), so the joiners of a burst copy from different peers; O(1) expected per
+        call (the candidates are indexed: the ready peers, the current epoch's holders)."""
         self.expire(now)
         self.progress.note_joining(exclude, now)
-        ready, holds = self.progress.ready, self.progress.holds_current
-        m = self.membership
-        groups = (lambda: (i for i in m.heard(now, draining=False) if i.peer_id in ready),
-                  lambda: (i for i in m.heard(now) if i.peer_id in ready),
-                  lambda: (i for i in m.heard(now) if holds(i.peer_id)))
-        for group in groups:
-            first = None
-            for info in group():
-                if info.peer_id == exclude:
-                    continue
-                if holds(info.peer_id):
-                    return info.peer_id, info.handle
-                if first is None:
-                    first = info
-            if first is not None:
-                return first.peer_id, first.handle
-        return None
+        p, m = self.progress, self.membership
+        self._donor_asks += 1
+        key = f"{exclude}/{self._donor_asks}"
+        holders, ready = p.holders(p.epoch), p.ready
+
+        def up(draining: bool) -> Callable[[str], bool]:
+            return lambda q: q != exclude and m.is_up(q, now, draining)
+
+        live, present = up(False), up(True)
+        found = (spread_pick(holders, key, lambda q: q in ready and live(q))
+                 or spread_pick(ready.pool, key, live)
+                 or spread_pick(holders, key, lambda q: q in ready and present(q))
+                 or spread_pick(ready.pool, key, present)
+                 or spread_pick(holders, key, present))
+        if found is None:
+            return None
+        return found, m.info(found).handle
 
     def request_stop(self) -> None:
         self.progress.stop = True
@@ -259,9 +267,17 @@ class StepService:
         docstring), but for the newest step known committed, which changes with every
         step, and the members, which change with every join (``members_record``): both
         are saved apart (written behind). Times are on the Coordinator's clock
-        (``time.monotonic`` of the head node, which the restarted actor shares)."""
+        (``time.monotonic`` of the head node, which the restarted actor shares). The
+        same object while nothing in it changed (its lists only grow, but at a
+        ``restore``), so saving it unchanged after every call costs no rebuild."""
         p = self.progress
-        return {
+        draining = self.membership.draining_nodes()  # (the same list until one changes)
+        key = (p.stop, len(p.rollbacks), len(p.abandoned), len(p.stale_returns), p.branch,
+               len(p.forks), len(p.diverged), len(p.quarantine.records), self.checkpoint)
+        if self._snapshot is not None and self._snapshot[0] == key and \
+                self._snapshot[1]["draining_nodes"] is draining:
+            return self._snapshot[1]
+        record = {
             "stop": p.stop,
             "rollbacks": [list(x) for x in p.rollbacks],
             "abandoned": [list(x) for x in p.abandoned],
@@ -270,10 +286,12 @@ class StepService:
             "forks": sorted([b, e] for b, e in p.forks.items()),
             "diverged": [list(x) for x in p.diverged],
             "quarantines": [[q.peer_id, q.at, q.reason] for q in p.quarantine.records],
-            "draining_nodes": self.membership.draining_nodes(),
+            "draining_nodes": draining,
             "checkpoint": (None if self.checkpoint is None else
                            [self.checkpoint.uri, self.checkpoint.run_id, self.checkpoint.step]),
         }
+        self._snapshot = (key, record)
+        return record
 
     def members_record(self) -> dict:
         """``{"peers": [...]}``: who a restarted Coordinator awaits (``restore``,
@@ -298,6 +316,7 @@ class StepService:
         before a fall back is told apart. The members are awaited by the rebuild
         (``open_rebuild_window``)."""
         p = self.progress
+        self._snapshot = None
         p.note_committed(int(snap.get("committed", 0)))  # (before the rollbacks: its own)
         p.stop = bool(snap.get("stop", False))
         p.rollbacks[:] = [tuple(x) for x in snap.get("rollbacks", ())]

@@ -23,7 +23,13 @@ Coordinator's CPU time per global step (every call and its save and pushes, all 
 under the actor's one lock, so this is also its lock time), messages and control-plane
 bytes per peer and in total, the largest view pushed (``plan_bytes``), store writes per
 step, rounds and group sizes; and the memory the core holds after the steps
-(``tracemalloc`` of its objects, ``--memory-steps`` more steps).
+(``tracemalloc`` of its objects, ``--memory-steps`` more steps), or, with
+``--memory-global-steps G`` (the issue's 10,000), after G global steps of the control plane
+alone (``memory_run``: the same peers and churn, no heartbeat calls and no serialization,
+so a long run fits in minutes), as the bytes of the objects the core holds
+(``retained_bytes``; not the stand-in for Ray's GCS), measured along the way
+(``memory_curve``); ``--memory-budget-s`` stops it early, and the figures say how far it
+got.
 
 Caveat: a bench peer's handle is its id (a string); a real ``ActorHandle`` pickles larger
 and slower, so push bytes and time are a lower bound of the actor's.
@@ -94,9 +100,10 @@ class _Wire:
 class _Shell:
     """The actor shell's per-call work around a ``CoordinatorCore`` (see module docstring):
     ``call`` runs a method, saves what changed, serializes each participant's view of each
-    new plan, and counts the messages, bytes and CPU time."""
+    new plan, and counts the messages, bytes and CPU time. ``lean`` (the long memory run):
+    no serialization, only the call and its saves."""
 
-    def __init__(self, n: int, max_group: int, seed: int):
+    def __init__(self, n: int, max_group: int, seed: int, lean: bool = False):
         from moshray.cluster import metrics
         from moshray.cluster.coordinator.core import CoordinatorCore
         from moshray.cluster.coordinator.durable import DurableState, MemoryKV
@@ -104,6 +111,7 @@ class _Shell:
         from moshray.cluster.coordinator.metrics_sink import MetricsSink
 
         self.now = 0.0
+        self.lean = lean
         self.kv = MemoryKV()
         self.store = DurableState(self.kv, "bench")
         self.core = CoordinatorCore(
@@ -116,6 +124,12 @@ class _Shell:
         self.wire = _Wire()
 
     def call(self, method: str, *args):
+        if self.lean:
+            reply = getattr(self.core, method)(*args)
+            self.core.save()
+            self.store.save_record("sink", self.sink.snapshot())
+            self.plans.clear()
+            return reply
         sent = pickle.dumps(args)  # the caller's work, not the Coordinator's
         started = time.process_time()
         args = pickle.loads(sent)  # the actor deserializes the call ...
@@ -136,64 +150,55 @@ class _Shell:
         return reply
 
 
-def control_plane(n: int, steps: int, memory_steps: int, churn: float, max_group: int,
-                  seed: int) -> dict:
-    """The control plane's figures with ``n`` peers: ``steps`` timed simulated seconds
-    (``_simulate``), then the memory the core holds after ``memory_steps`` seconds of a
-    second run traced by ``tracemalloc`` (not timed: tracing slows every allocation)."""
-    figures = _simulate(n, steps, 0, churn, max_group, seed, traced=False)
-    if memory_steps > 0:
-        memory = _simulate(n, 0, memory_steps, churn, max_group, seed, traced=True)
-        figures["coordinator_memory_mb"] = memory["coordinator_memory_mb"]
-        figures["steps_for_memory"] = memory["steps_for_memory"]  # simulated seconds
-        figures["global_steps_for_memory"] = memory["epoch_at_end"]
-    return figures
+class _Swarm:
+    """``n`` simulated peers around one ``_Shell``: ``step`` is one simulated second (the
+    churn's events, then every live peer's heartbeat and report, then the participants of
+    a new plan report it applied). ``lean``: no heartbeat calls (the reports are heard
+    from anyway) and no serialization, for the long memory run."""
 
+    def __init__(self, n: int, churn: float, max_group: int, seed: int, lean: bool = False):
+        self.rng = random.Random(seed)
+        self.shell = _Shell(n, max_group, seed, lean)
+        self.core = self.shell.core
+        self.churn, self.lean = churn, lean
+        self.alive: dict[str, str] = {}  # peer -> node
+        self.dead: dict[str, float] = {}  # silent peers -> when they went
+        self.serial = iter(range(10**9))
+        self.contributed: dict[str, tuple[int, int]] = {}
+        self.rounds: list[int] = []
+        self.groups: list[int] = []
+        for _ in range(n):
+            self.join(None)
 
-def _simulate(n: int, steps: int, memory_steps: int, churn: float, max_group: int,
-              seed: int, traced: bool) -> dict:
-    from moshray.cluster.coordinator.progress import ProgressReport
-
-    rng = random.Random(seed)
-    if traced:
-        tracemalloc.start()
-    shell = _Shell(n, max_group, seed)
-    core = shell.core
-    alive: dict[str, str] = {}  # peer -> node
-    dead: dict[str, float] = {}  # silent peers -> when they went
-    serial = iter(range(10**9))
-
-    def join(state_epoch: int | None) -> None:
-        peer = f"p{next(serial):06d}"
+    def join(self, state_epoch: int | None) -> None:
+        peer = f"p{next(self.serial):06d}"
         node = f"n-{peer}"
-        shell.call("register", peer, peer, node, 1.0)
+        call, core = self.shell.call, self.core
+        call("register", peer, peer, node, 1.0)
         if state_epoch is not None:
-            shell.call("donor", peer)
-        shell.call("mark_ready", peer, core.epoch if state_epoch is None else state_epoch)
-        alive[peer] = node
+            call("donor", peer)
+        call("mark_ready", peer, core.epoch if state_epoch is None else state_epoch)
+        self.alive[peer] = node
 
-    for _ in range(n):
-        join(None)
-    contributed: dict[str, tuple[int, int]] = {}
-    rounds, groups, planned = [], [], 0
-    timed = {"seconds": 0.0, "messages": 0, "bytes": 0, "puts": 0}
+    def step(self) -> None:
+        from moshray.cluster.coordinator.progress import ProgressReport
 
-    def one_step() -> None:
-        nonlocal planned
-        events = churn * len(alive)
-        whole = int(events) + (rng.random() < events - int(events))
+        shell, core, alive, contributed = self.shell, self.core, self.alive, self.contributed
+        events = self.churn * len(alive)
+        whole = int(events) + (self.rng.random() < events - int(events))
         for k in range(whole):  # half notices, half silent deaths, as many joiners
-            victim = rng.choice(sorted(alive))
+            victim = self.rng.choice(sorted(alive))
             if k % 2 == 0:
                 shell.call("note_notice", alive[victim], shell.now + 2 * STEP_S)
                 shell.call("leave", victim)
             else:
-                dead[victim] = shell.now
+                self.dead[victim] = shell.now
             alive.pop(victim)
-            join(core.epoch)
+            self.join(core.epoch)
         epoch = core.epoch
         for peer in sorted(alive):
-            shell.call("heartbeat", peer)
+            if not self.lean:
+                shell.call("heartbeat", peer)
             done = contributed.pop(peer, None)
             reply = shell.call("report", ProgressReport(
                 peer, epoch, SAMPLES, loss=1.0, checksum=f"c{epoch}", numel=1024,
@@ -202,9 +207,9 @@ def _simulate(n: int, steps: int, memory_steps: int, churn: float, max_group: in
                 shell.call("mark_ready", peer, core.epoch)
         plan = core.progress.plan
         if plan is not None and plan.epoch == epoch + 1:
-            planned += 1
-            rounds.append(len(plan.grid.rounds))
-            groups.extend(len(g.members) for r in plan.grid.rounds for g in r.groups)
+            if not self.lean:
+                self.rounds.append(len(plan.grid.rounds))
+                self.groups.extend(len(g.members) for r in plan.grid.rounds for g in r.groups)
             for peer in plan.participants:
                 if peer in alive:
                     contributed[peer] = (plan.epoch, SAMPLES)
@@ -216,12 +221,95 @@ def _simulate(n: int, steps: int, memory_steps: int, churn: float, max_group: in
                         contributed=contributed.pop(peer), micro=0))
         shell.now += STEP_S
 
+
+def retained_bytes(root: object, exclude: tuple = ()) -> int:
+    """The bytes of every object reachable from ``root`` (``sys.getsizeof`` each, once),
+    but through functions, methods, classes and modules (code and shared state, not the
+    object's own) and the objects in ``exclude``. O(objects reached)."""
+    import gc
+    import types
+
+    skip = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+            types.MethodType, types.CodeType, types.FrameType)
+    seen = {id(x) for x in exclude}
+    todo, total = [root], 0
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        todo.extend(gc.get_referents(obj))
+    return total
+
+
+def control_plane(n: int, steps: int, memory_steps: int, churn: float, max_group: int,
+                  seed: int, memory_global_steps: int = 0,
+                  memory_budget_s: float = math.inf) -> dict:
+    """The control plane's figures with ``n`` peers: ``steps`` timed simulated seconds
+    (``_simulate``), then the memory the core holds: with ``memory_global_steps``, after
+    that many global steps of a lean run (``memory_run``), else after ``memory_steps``
+    seconds of a second run traced by ``tracemalloc`` (not timed: tracing slows every
+    allocation)."""
+    figures = _simulate(n, steps, 0, churn, max_group, seed, traced=False)
+    if memory_global_steps > 0:
+        figures.update(memory_run(n, memory_global_steps, churn, max_group, seed,
+                                  memory_budget_s))
+    elif memory_steps > 0:
+        memory = _simulate(n, 0, memory_steps, churn, max_group, seed, traced=True)
+        figures["coordinator_memory_mb"] = memory["coordinator_memory_mb"]
+        figures["steps_for_memory"] = memory["steps_for_memory"]  # simulated seconds
+        figures["global_steps_for_memory"] = memory["epoch_at_end"]
+        figures["memory_method"] = "tracemalloc"
+    return figures
+
+
+def memory_run(n: int, global_steps: int, churn: float, max_group: int, seed: int,
+               budget_s: float = math.inf, points: int = 5) -> dict:
+    """The control plane alone (the real core and its saves; the peers report, get plans
+    and commit, without moving tensors or serializing messages) until ``global_steps``
+    global steps were made or ``budget_s`` of wall time ran out (then the figures say how
+    many it reached: ``memory_complete`` False). The memory is ``retained_bytes`` of the
+    core (its services, tracker, caches and store object; not the ``MemoryKV`` standing in
+    for Ray's GCS, nor the simulated peers), measured at ``points`` steps along the way
+    (``memory_curve``: [global steps, MB], to show it flat or growing)."""
+    swarm = _Swarm(n, churn, max_group, seed, lean=True)
+    core, kv = swarm.core, swarm.shell.kv
+    marks = sorted({max(1, global_steps * (i + 1) // points) for i in range(points)})
+    curve, started, seconds = [], time.perf_counter(), 0
+    out_of_time = False
+    while core.epoch < global_steps:
+        if time.perf_counter() - started > budget_s:
+            out_of_time = True
+            break
+        swarm.step()
+        seconds += 1
+        if marks and core.epoch >= marks[0]:
+            marks.pop(0)
+            curve.append([core.epoch, round(retained_bytes(core, (kv,)) / 2**20, 2)])
+    memory = retained_bytes(core, (kv,))
+    if not curve or curve[-1][0] != core.epoch:
+        curve.append([core.epoch, round(memory / 2**20, 2)])
+    return {"coordinator_memory_mb": round(memory / 2**20, 2),
+            "global_steps_for_memory": core.epoch, "steps_for_memory": seconds,
+            "memory_complete": not out_of_time, "memory_curve": curve,
+            "memory_run_s": round(time.perf_counter() - started, 1),
+            "memory_method": "object graph", "history_rows": len(core.progress.history)}
+
+
+def _simulate(n: int, steps: int, memory_steps: int, churn: float, max_group: int,
+              seed: int, traced: bool) -> dict:
+    if traced:
+        tracemalloc.start()
+    swarm = _Swarm(n, churn, max_group, seed)
+    shell, core = swarm.shell, swarm.core
+    timed = {"seconds": 0.0, "messages": 0, "bytes": 0, "puts": 0}
     for _ in range(3 if steps else 0):  # warm up: the first plans
-        one_step()
+        swarm.step()
     wire0, puts0, epoch0 = (shell.wire.seconds, shell.wire.messages, shell.wire.bytes), \
         shell.kv.puts, core.epoch
     for _ in range(steps):
-        one_step()
+        swarm.step()
     stepped = core.epoch - epoch0
     made = max(1, stepped)
     timed["seconds"] = shell.wire.seconds - wire0[0]
@@ -229,18 +317,20 @@ def _simulate(n: int, steps: int, memory_steps: int, churn: float, max_group: in
     timed["bytes"] = shell.wire.bytes - wire0[2]
     timed["puts"] = shell.kv.puts - puts0
     for _ in range(memory_steps):
-        one_step()
+        swarm.step()
     del shell.plans[:]
     current = 0
     if traced:
         current, _ = tracemalloc.get_traced_memory()
         tracemalloc.stop()
+    rounds, groups = swarm.rounds, swarm.groups
     return {
         "peers": n, "steps_timed": steps, "global_steps_made": made,
         "steps_for_memory": memory_steps, "epoch_at_end": core.epoch,
         "coordinator_ms_per_step": round(1000 * timed["seconds"] / made, 3),
         # per simulated second (each peer's heartbeat and report): what the step rate
-        # (a silent peer in the last plan holds the next one for the grace) does not move
+        # (a peer that died in the last plan holds the next one until it missed two
+        # heartbeats: about one extra simulated second per death) does not move
         "coordinator_ms_per_second": round(1000 * timed["seconds"] / max(steps, 1), 3),
         "global_steps_per_second": round(stepped / max(steps, 1), 2),
         "messages_per_step": round(timed["messages"] / made, 1),
@@ -253,7 +343,7 @@ def _simulate(n: int, steps: int, memory_steps: int, churn: float, max_group: in
         "group_size_max": max(groups, default=0),
         "group_size_mean": round(sum(groups) / len(groups), 2) if groups else 0,
         "coordinator_memory_mb": round(current / 2**20, 2) if traced else None,
-        "churn_per_step": churn, "silent_deaths": len(dead),
+        "churn_per_step": churn, "silent_deaths": len(swarm.dead),
     }
 
 
@@ -425,6 +515,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed global steps of the control plane per peer count")
     parser.add_argument("--memory-steps", type=int, default=1000, metavar="S",
                         help="more control-plane steps before the memory figure")
+    parser.add_argument("--memory-global-steps", type=int, default=0, metavar="G",
+                        help="measure the memory after G global steps of the control plane "
+                             "alone instead (no tensors, no serialization; e.g. 10000)")
+    parser.add_argument("--memory-budget-s", type=float, default=None, metavar="S",
+                        help="stop that run after S seconds of wall time per peer count "
+                             "(the figures say how many steps it reached)")
     parser.add_argument("--churn", type=float, default=0.01, metavar="F",
                         help="share of the peers replaced per step (notices and silent "
                              "deaths, as many joiners)")
@@ -463,8 +559,13 @@ def run(args: argparse.Namespace) -> dict:
     from moshray.cluster.collective.grid import DEFAULT_MAX_GROUP
 
     ns = _peer_counts(args.peers)
-    if args.steps < 1 or args.avg_steps < 1 or args.memory_steps < 0:
-        raise ScaleBenchError("--steps and --avg-steps must be >= 1, --memory-steps >= 0")
+    if args.steps < 1 or args.avg_steps < 1 or args.memory_steps < 0 or \
+            args.memory_global_steps < 0:
+        raise ScaleBenchError("--steps and --avg-steps must be >= 1, --memory-steps and "
+                              "--memory-global-steps >= 0")
+    if args.memory_budget_s is not None and not args.memory_budget_s > 0:
+        raise ScaleBenchError("--memory-budget-s must be positive")
+    budget_s = math.inf if args.memory_budget_s is None else args.memory_budget_s
     if not 0 <= args.churn < 0.5 or not 0 <= args.deaths < 1:
         raise ScaleBenchError("--churn must be in [0, 0.5) and --deaths in [0, 1)")
     if args.compression not in codec_names():
@@ -476,7 +577,7 @@ def run(args: argparse.Namespace) -> dict:
     for n in ns:
         started = time.perf_counter()
         figures = control_plane(n, args.steps, args.memory_steps, args.churn, max_group,
-                                args.seed)
+                                args.seed, args.memory_global_steps, budget_s)
         figures.update(collective(n, args.avg_steps, args.numel, args.deaths, max_group,
                                   args.compression, args.seed))
         figures["bench_s"] = round(time.perf_counter() - started, 1)
@@ -488,7 +589,8 @@ def run(args: argparse.Namespace) -> dict:
               f"{figures['control_bytes_per_peer_per_step']:.0f} B per peer), plan "
               f"{figures['plan_bytes']} B, {figures['store_writes_per_step']} store writes/"
               f"step, memory {figures['coordinator_memory_mb']} MB after "
-              f"{figures.get('global_steps_for_memory')} global steps; averaging "
+              f"{figures.get('global_steps_for_memory')} global steps"
+              f"{'' if figures.get('memory_complete', True) else ' (out of time)'}; averaging "
               f"{figures['grid_rounds']} "
               f"round(s): {figures['bytes_per_peer_per_step']} B/peer/step (grid "
               f"{figures['grid_bytes_per_peer_per_step']}), share averaged "

@@ -50,14 +50,21 @@ def _shared_cluster_of(item) -> str | None:
     return next((name for name in SHARED_CLUSTERS if name in names), None)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """A test that uses the session's cluster is a cluster test, marked or not. The users of
     each shared cluster run together, first, in their collected order (the session's
     cluster's, then the ``ray start`` cluster's, then every other test), so each shared
-    cluster is up only while its users run (``pytest_runtest_teardown`` ends it)."""
+    cluster is up only while its users run (``pytest_runtest_teardown`` ends it).
+
+    Under pytest-xdist (``--dist loadgroup``, the project's default) every cluster test is in
+    one group, ``cluster``, so they all run in this order on one worker, one at a time, and
+    the pure tests run on the other workers beside them (``_pure_tests_yield_the_cpu``)."""
     for item in items:
         if _shared_cluster_of(item) is not None:
             item.add_marker(pytest.mark.cluster)
+        if item.get_closest_marker("cluster") is not None:
+            item.add_marker(pytest.mark.xdist_group(CLUSTER_LANE))
 
     def rank(item) -> int:
         name = _shared_cluster_of(item)
@@ -69,6 +76,24 @@ def pytest_collection_modifyitems(config, items):
 def _ray_sessions() -> set[str]:
     root = _GUARD / "ray"
     return {p.name for p in root.iterdir()} if root.is_dir() else set()
+
+
+CLUSTER_LANE = "cluster"  # the pytest-xdist group of every cluster test: one worker, serial
+PURE_NICE = 19  # a worker's niceness once it runs a pure test (Linux: ~1.5% of a busy CPU)
+
+
+@pytest.fixture(autouse=True)
+def _pure_tests_yield_the_cpu(request):
+    """A pure test on a pytest-xdist worker runs at the lowest CPU priority: the cluster
+    tests on the cluster worker judge scenarios inside time windows, and the pure tests then
+    take only the CPU those leave idle (about a third of this 2-core machine in a serial
+    run). Raised once per worker process and never lowered; a worker that runs cluster
+    tests runs its pure tests after them (the ``cluster`` group is scheduled first, as the
+    largest), so no cluster test runs niced."""
+    if (os.environ.get("PYTEST_XDIST_WORKER") and request.node.get_closest_marker("cluster")
+            is None and os.nice(0) < PURE_NICE):
+        os.nice(PURE_NICE - os.nice(0))
+    yield
 
 
 @pytest.fixture(autouse=True)

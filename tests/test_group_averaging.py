@@ -27,7 +27,6 @@ from moshray.actors.replica.group_averaging import (
 from moshray.cluster.messages import AllReduceReport, Rejection, RejectReason
 from moshray.jobs.examples.lm.tasks import lm_task
 
-pytestmark = pytest.mark.cluster
 
 # Dims 16, 32, 64, 256: FSDP2 shards every parameter over 2 ranks; rows=12 divides among
 # 2 groups x 2 ranks and 3 groups x 2 ranks.

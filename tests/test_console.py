@@ -221,7 +221,7 @@ def test_the_end_lines_say_what_the_replica_starts_came_to():
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(__import__("shutil").which("tmux") is None, reason="needs tmux")
 def test_moshray_train_on_a_terminal_shows_one_redrawn_line_and_no_ray_internals(tmp_path):
-    """The issue's check: `moshray train --max-seconds 40` in a real terminal (tmux, its own
+    """A newcomer's first run: `moshray train --max-seconds 40` in a real terminal (tmux, its own
     server socket), the screen captured at the end: one progress line, the end lines, and
     none of Ray's own processes' lines or the metadata emulator's tracebacks."""
     import os

@@ -1,5 +1,5 @@
-"""A rank killed inside a replica group of the swarm (actors/replica/group_swarm.py, issue
-47): one rank's process of one group is SIGKILLed while its node stays up; that group leaves
+"""A rank killed inside a replica group of the swarm (actors/replica/group_swarm.py):
+one rank's process of one group is SIGKILLed while its node stays up; that group leaves
 the swarm as a whole, the other group goes on stepping alone meanwhile, and once the node
 settled a new group (new actors) is placed on it and rejoins by shard. No step is lost and
 both groups end bitwise equal."""

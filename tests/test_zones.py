@@ -78,7 +78,7 @@ def test_small_layouts_fall_by_the_harmonic_mean_of_the_zone_sizes(sizes) -> Non
     """The bench's layouts (one group of at most 8): the zone-blind group moves
     ``2 S / n`` per pair of a part's owner and a member in the other zone, ``4 S a b / n``
     in all; the delegates move ``2 S``: the fall is ``2 a b / (a + b)``, the zone size for
-    two equal zones (2 + 2: 2, as the issue asks) and 4/3 for 2 + 1. Equal zones keep it
+    two equal zones (2 + 2: 2) and 4/3 for 2 + 1. Equal zones keep it
     when the slow zone's peers take small bandwidth shares (each part still has one owner
     per zone pair to cross to)."""
     zones = _zones(sizes)

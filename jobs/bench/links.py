@@ -75,7 +75,7 @@ Prints one JSON line (``--json``; else a short table and the JSON) and writes
 - ``straggler`` against ``even`` (every node at the fast nodes' rate): ``ddp`` and
   ``collaborative`` (moshray with its bandwidth shares and adaptive deadlines);
   ``step_time_rise`` per system is its median step time with the straggler over its median
-  on even links, minus 1 (the issue's target: <= 0.25 for moshray, DDP's near the link's
+  on even links, minus 1 (the target: <= 0.25 for moshray, DDP's near the link's
   ratio);
 - ``zones`` against ``zone_blind`` (the same links and zone labels, the job run with
   ``training.zone_aware = false``, so the Coordinator's grid ignores zones):

@@ -84,7 +84,7 @@ LABELS = {
     "join_to_contribution_s": "join -> 1st contribution",
     "expert_respawn_s": "expert node -> served again",
 }
-# The targets, for the default model (no target for expert re-spawn).
+# The recovery targets (seconds), for the default model (no target for expert re-spawn).
 TARGETS: dict[str, float] = {
     "notice_to_rebalanced_s": 1.0,
     "hard_kill_to_progress_s": 5.0,

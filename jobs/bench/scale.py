@@ -24,7 +24,7 @@ under the actor's one lock, so this is also its lock time), messages and control
 bytes per peer and in total, the largest view pushed (``plan_bytes``), store writes per
 step, rounds and group sizes; and the memory the core holds after the steps
 (``tracemalloc`` of its objects, ``--memory-steps`` more steps), or, with
-``--memory-global-steps G`` (the issue's 10,000), after G global steps of the control plane
+``--memory-global-steps G`` (e.g. 10,000, a long job's), after G global steps of the control plane
 alone (``memory_run``: the same peers and churn, no heartbeat calls and no serialization,
 so a long run fits in minutes), as the bytes of the objects the core holds
 (``retained_bytes``; not the stand-in for Ray's GCS), measured along the way

@@ -9,7 +9,7 @@ in) next to the per-step profile the replicas sent the Coordinator
 compute (the training loop), control (reports and replies), round (the all-reduce) and apply
 (optimizer step and commit), the plan's wait in the replica, the samples one replica put
 into a step (``mine``, median) and the all-reduce's own phases.
-This is the profile the issue's steady-state targets are judged by; the DDP rate to compare
+This is the profile the steady-state targets (a step within reach of DDP's) are judged by; the DDP rate to compare
 with is ``bench goodput``'s calibration.
 
 One JSON line on stdout with ``--json``; bad arguments exit 2 with one line.

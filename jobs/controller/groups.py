@@ -1,5 +1,5 @@
-"""The driver of a job whose replicas are replica groups (``cluster.replica = "node"``, issue
-47): one group of ``group_ranks`` Ray actors on every spot node (``STRICT_PACK``, one GPU
+"""The driver of a job whose replicas are replica groups (``cluster.replica = "node"``):
+one group of ``group_ranks`` Ray actors on every spot node (``STRICT_PACK``, one GPU
 each on GPU nodes), the model sharded inside by FSDP2 as the user's loop asks
 (``session.prepare(..., shard=True)``), averaged by shard across groups
 (``actors/replica/group_swarm.py`` carries all of that out).

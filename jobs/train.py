@@ -47,6 +47,7 @@ import threading
 import time
 from typing import Callable
 
+from moshray.cluster.coordinator.step_samples import KEEP_EPOCHS
 from moshray.jobs.config import (
     ConfigError,
     TrainConfig,
@@ -398,29 +399,60 @@ def _stop_experts(experts) -> dict:
 
 def read_stats(fetch, last: dict) -> dict:
     """The Coordinator's stats with its whole step history; ``fetch(since)`` is its
-    ``stats(since)`` and ``last`` the previous answer. Only the rows after those held are
-    fetched from the same Coordinator; after a restart (``restarts``) or from a new one (a
-    new ``incarnation``: the state was lost, the history started over) its history is read
-    from its first row, and the rows held of the steps before its first are kept in front
-    (``history_kept`` of them): no row is ever dropped; kept rows' times are on the earlier
-    Coordinator's clock. A restart that restored the state keeps every row itself."""
+    ``stats(since)`` and ``last`` the previous answer.
+
+    From the same Coordinator, only the rows a Coordinator may still rewrite are fetched
+    again: the last ``KEEP_EPOCHS`` held (a plan nobody applied is replaced by a newer
+    plan of its epoch; a participant's count corrects its row) and the new ones. If the
+    first row fetched is not the one held at its place, rows before it changed too (a fall
+    back of more steps than that) and the whole history is read. After a restart
+    (``restarts``) or from a new Coordinator (a new ``incarnation``: the state was lost,
+    the history started over) its history is read from its first row, and the rows held
+    of the steps before its first are kept in front (``history_kept`` of them): no row is
+    ever dropped; kept rows' times are on the earlier Coordinator's clock.
+
+    A row of the same plan (its epoch and plan time) as one held keeps the larger sample
+    count: counts only grow, and a restarted Coordinator may have lost a correction made
+    just before it died (corrections are written behind, ``durable.FLUSH_S``)."""
     held = last["history"] if last.get("incarnation") else []
     kept = last.get("history_kept", 0) if held else 0
-    stats = fetch(len(held) - kept)
+    tail = max(kept, len(held) - KEEP_EPOCHS)  # the first held row fetched again
+    stats = fetch(tail - kept)
     if stats["incarnation"] == last.get("incarnation") and \
             stats.get("restarts") == last.get("restarts"):
-        stats["history"] = held + stats["history"]
-        stats["history_kept"] = kept
-        return stats
-    # Another Coordinator than the rows held, or a restarted one (its newest rows may differ
-    # from those held: a plan nobody applied was made again): its whole history is read.
+        rows = stats["history"]
+        if tail == len(held) or (rows and _same_plan(rows[0], held[tail])):
+            stats["history"] = held[:tail] + _merged(held[tail:], rows)
+            stats["history_kept"] = kept
+            return stats
+    # Another Coordinator than the rows held, a restarted one (its newest rows may differ
+    # from those held: a plan nobody applied was made again), or rows before the tail
+    # changed: its whole history is read.
     if held:
-        stats = fetch(0)
-        first = stats["history"][0][0] if stats["history"] else float("inf")
+        if tail != kept:
+            stats = fetch(0)
+        rows = stats["history"]
+        first = rows[0][0] if rows else float("inf")
         before = [h for h in held if h[0] < first]
-        stats["history"] = before + stats["history"]
+        stats["history"] = before + _merged(held[len(before):], rows)
         stats["history_kept"] = len(before)
     return stats
+
+
+def _same_plan(a, b) -> bool:
+    """Two history rows ``(epoch, at_s, samples, loss, peers)`` are of one plan."""
+    return a[0] == b[0] and abs(a[1] - b[1]) < 1e-6
+
+
+def _merged(held: list, rows: list) -> list:
+    """``rows`` (the Coordinator's, in place of ``held``), each with the larger sample
+    count of the held row of the same plan, if any."""
+    seen = {(h[0], round(h[1], 6)): h[2] for h in held}
+    out = []
+    for r in rows:
+        old = seen.get((r[0], round(r[1], 6)))
+        out.append(r if old is None or old <= r[2] else (r[0], r[1], old, *r[3:]))
+    return out
 
 
 def data_epochs(stats: dict, num_shards: int | None) -> float | None:

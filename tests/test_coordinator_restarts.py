@@ -48,7 +48,7 @@ def test_three_coordinator_kills_lose_no_step_count_or_history(tmp_path: Path):
         # participant's count corrects its row)
         for row in kill["history"][:-1]:
             kept = final[row[0]]
-            assert (kept[1], kept[4]) == (row[1], row[4]) and kept[2] >= row[2], (row, kept)
+            assert (kept[1], kept[4]) == (row[1], row[4]) and kept[2] >= row[2], (row, kept, seen)
         assert summary["steps"] >= kill["epoch"] + 6  # training went on after each restart
     # Killed after the notice: it is still counted after the restart, and no plan made
     # after it took the noticed node's replica (three peers).

@@ -408,6 +408,16 @@ def test_step_samples_forget_old_steps_and_unplanned_peers():
     assert s.contributed(1, "a", 20) is None  # too old to correct
 
 
+def test_a_count_told_again_never_lowers_a_steps_samples():
+    from moshray.cluster.coordinator.step_samples import StepSamples
+
+    s = StepSamples()
+    s.planned(3, {"a": 8, "b": 8})
+    assert s.contributed(3, "a", 12) == 20
+    assert s.contributed(3, "a", 10) == 20  # a smaller count for the same step: kept
+    assert s.contributed(3, "a", 14) == 22 and s.total(3) == 22
+
+
 def test_the_driver_reads_only_new_history_rows_and_keeps_them_over_a_lost_state():
     from moshray.jobs.train import read_stats
 
@@ -426,12 +436,12 @@ def test_the_driver_reads_only_new_history_rows_and_keeps_them_over_a_lost_state
     full = core.stats()["history"]
     assert len(full) == 1 and stats["history"] == full and asked[-1] == 0
     again = read_stats(fetch, stats)
-    assert again["history"] == full and asked[-1] == 1  # the held row is not resent
+    assert again["history"] == full and asked[-1] == 0  # the rows it may rewrite: again
     clock = Clock()
     coordinators.append(CoordinatorCore(MembershipConfig(), clock=clock, target_batch_size=24,
                                         restarted=True))
     restarted = read_stats(fetch, again)  # a Coordinator that lost its state (no store)
-    assert asked[-2:] == [1, 0]  # read again from row 0
+    assert asked[-1] == 0  # read again from row 0
     assert restarted["history"] == full and restarted["history_kept"] == 1  # nothing dropped
     assert restarted["incarnation"] != again["incarnation"]
     newest = coordinators[-1]
@@ -442,6 +452,48 @@ def test_the_driver_reads_only_new_history_rows_and_keeps_them_over_a_lost_state
         newest.report(ProgressReport(peer, 1, 8))
     later = read_stats(fetch, restarted)
     assert [h[0] for h in later["history"]] == [1, 2] and asked[-1] == 0  # its row 0 is new
+
+
+def test_the_driver_sees_rows_the_coordinator_rewrote_and_keeps_corrections_over_a_restart():
+    # A plan nobody applied is replaced by a newer plan of its epoch (same row count), a
+    # participant corrects a row's count; a restarted Coordinator may have lost a
+    # correction made just before it died. The driver's rows follow the Coordinator's.
+    from moshray.cluster.coordinator.step_samples import KEEP_EPOCHS
+    from moshray.jobs.train import read_stats
+
+    coordinator = {"incarnation": "x", "restarts": 0,
+                   "history": [(e, float(e), 16, 5.0, 3) for e in range(1, 9)]}
+    asked = []
+
+    def fetch(since):
+        asked.append(since)
+        return {**coordinator, "history": list(coordinator["history"][since:])}
+
+    stats = read_stats(fetch, {"history": [], "epoch": 0})
+    assert len(stats["history"]) == 8
+    coordinator["history"][-2:] = [(7, 7.0, 20, 5.0, 3), (8, 9.5, 40, 5.0, 2)]  # 7 corrected,
+    stats = read_stats(fetch, stats)  # 8 planned again without a peer
+    assert stats["history"][-2:] == [(7, 7.0, 20, 5.0, 3), (8, 9.5, 40, 5.0, 2)]
+    # restarted: its copy of row 7 predates the correction; row 8 is the same plan
+    coordinator.update(restarts=1, history=[*coordinator["history"][:6], (7, 7.0, 16, 5.0, 3),
+                                            (8, 9.5, 40, 5.0, 2), (9, 10.0, 16, 5.0, 2)])
+    stats = read_stats(fetch, stats)
+    assert [h[2] for h in stats["history"]] == [16] * 6 + [20, 40, 16]
+    assert stats["history_kept"] == 0
+    again = read_stats(fetch, stats)  # a later poll of the same Coordinator keeps it too
+    assert [h[2] for h in again["history"]] == [16] * 6 + [20, 40, 16]
+    # a long history: only the last KEEP_EPOCHS rows are read again; a change before them
+    # (a fall back of more steps) is seen at the first of them and the whole is read
+    coordinator["history"] = [(e, float(e), 16, 5.0, 3) for e in range(1, 3 * KEEP_EPOCHS)]
+    stats = read_stats(fetch, {"history": [], "epoch": 0})
+    n = len(coordinator["history"])
+    stats = read_stats(fetch, stats)
+    assert asked[-1] == n - KEEP_EPOCHS and len(stats["history"]) == n
+    coordinator["history"][KEEP_EPOCHS:] = [(e, e + 0.5, 8, 5.0, 2)
+                                            for e in range(KEEP_EPOCHS + 1, 3 * KEEP_EPOCHS)]
+    stats = read_stats(fetch, stats)
+    assert asked[-2:] == [n - KEEP_EPOCHS, 0]
+    assert stats["history"] == coordinator["history"]
 
 
 def test_a_joiner_whose_copies_take_longer_than_a_step_is_waited_for_until_it_catches_up():

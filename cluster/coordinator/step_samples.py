@@ -40,8 +40,8 @@ class StepSamples:
             return None
         mine = self._contributed.setdefault(epoch, {})
         before = max(planned[peer], mine.get(peer, 0))
-        mine[peer] = int(samples)
-        self._totals[epoch] += max(planned[peer], int(samples)) - before
+        mine[peer] = max(mine.get(peer, 0), int(samples))  # (a count told again: no less)
+        self._totals[epoch] += max(before, int(samples)) - before
         return self._totals[epoch]
 
     def total(self, epoch: int) -> int:

@@ -152,6 +152,7 @@ def run_job(config: TrainConfig, address: str, job=None,
     if not os.path.isabs(os.path.expanduser(config.run_dir)):
         config = dataclasses.replace(config, run_dir=os.path.abspath(config.run_dir))
 
+    from moshray.jobs.controller.lease import fingerprint as lease_fingerprint
     from moshray.jobs.controller.replica_launch import ReplicaSpec, adopted_job_key
 
     from moshray.jobs import run_report
@@ -189,7 +190,13 @@ def run_job(config: TrainConfig, address: str, job=None,
                 resume, where = found
                 print(f"resuming from checkpoint at step {resume.step} ({where})", file=out,
                       flush=True)
-        coordinator, lease, record, adopting = _claim_cluster(config, out)
+        # the job is named by its config as submitted, not as this driver's guard (or
+        # training.mode auto) made it: a resubmission that sees more machines at its start
+        # than the first driver did is still the same job, and adopts its swarm
+        coordinator, lease, record, adopting = _claim_cluster(
+            config, out, lease_fingerprint(guard.submitted.to_dict()))
+        if adopting:
+            config = guard.adopt_location(record.checkpoint_uri)
         address_shown = ray.get(coordinator.metrics_address.remote(), timeout=30)
         if address_shown:
             print(f"metrics: http://{address_shown}/metrics", file=out, flush=True)
@@ -263,7 +270,7 @@ def _end_job(controller, coordinator, lease=None) -> None:
             log.warning("job lease not released: %r", exc)
 
 
-def _claim_cluster(config: TrainConfig, out):
+def _claim_cluster(config: TrainConfig, out, fingerprint: str):
     """The Coordinator and the job's lease (``jobs/controller/lease.py``) for this driver:
     ``(coordinator, lease, record, adopting)``. Jobs of other names are not touched. The
     running swarm of this name whose driver is gone is adopted (its Coordinator and replicas
@@ -281,7 +288,6 @@ def _claim_cluster(config: TrainConfig, out):
     me = leases.current_job()
     lease = leases.get_or_create(config.name)
     record, holder_alive = ray.get(lease.get.remote(), timeout=60)
-    fingerprint = leases.fingerprint(config.to_dict())
     if holder_alive and record.holder != me and record.fingerprint == fingerprint:
         # The same job's driver, maybe just killed: Ray declares a dead driver within
         # seconds; wait for that (bounded) rather than replace a swarm we could adopt.
@@ -310,7 +316,7 @@ def _claim_cluster(config: TrainConfig, out):
         ray.get(lease.end.remote(claim.reason), timeout=240)
     coordinator = _fresh_coordinator(config)
     record = leases.JobRecord(
-        run_id=uuid.uuid4().hex[:8], fingerprint=leases.fingerprint(config.to_dict()),
+        run_id=uuid.uuid4().hex[:8], fingerprint=fingerprint,
         holder=me, lease_s=config.cluster.driver_lease_s,
         checkpoint_uri=config.checkpoint.uri, name=config.name)
     ray.get(lease.take.remote(record), timeout=60)
@@ -500,7 +506,8 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
         controller.step()
         if guard is not None:
             config = guard.update(controller.hosts)
-            controller.checkpoint_uri = config.checkpoint.uri  # the lease's final save too
+            # the lease's final save goes there too: it hears so now, not a tick later
+            controller.move_checkpoints(config.checkpoint.uri)
         try:
             stats = read_stats(
                 lambda since: ray.get(coordinator.stats.remote(since), timeout=30), stats)
@@ -558,6 +565,9 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
     summary = run_report.summarize(stats, statuses, controller.leaving(), wall,
                                    controller.hard_losses)
     summary["preemptions"] = controller.preemptions  # the driver counts its node losses
+    # replica starts put off because the lease did not take them in its record (each
+    # decided again at the next tick; see ElasticController._start)
+    summary["launches_deferred"] = getattr(controller, "launches_deferred", 0)
     summary["reported"] = reported.summary()  # the loops' own metrics: last value, step
     summary["data_epochs"] = stats["data_epochs"]
     summary["tensorboard"] = reported.tensorboard_dir

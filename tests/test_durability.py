@@ -139,3 +139,34 @@ def test_parquet_files_given_after_the_start_are_checked_on_the_machines_seen():
     other.update(["10.0.0.1", "10.0.0.2"])
     with pytest.raises(UserError, match="moshray.data.parquet"):
         other.add_data(["/data/a.parquet"])
+
+
+def test_the_job_is_named_by_its_config_as_submitted_not_as_the_guard_switched_it():
+    """A resubmitted driver that sees two machines at its start (the guard switches at
+    once) fingerprinted the switched config: not the first driver's job, so it replaced the
+    swarm it should have adopted. The guard keeps the config as submitted for the name."""
+    from moshray.jobs.controller.lease import fingerprint
+
+    first = DurabilityGuard(LOCAL, "s3://cluster/ckpt", io.StringIO())
+    first.update(["10.0.0.1"])  # the first driver started on one machine
+    again = DurabilityGuard(LOCAL, "s3://cluster/ckpt", io.StringIO())
+    switched = again.update(["10.0.0.1", "10.0.0.2"])  # the resubmission sees two
+    assert switched.checkpoint.uri == "s3://cluster/ckpt"
+    assert fingerprint(switched.to_dict()) != fingerprint(first.config.to_dict())
+    assert again.submitted is LOCAL and first.submitted is LOCAL
+    assert fingerprint(again.submitted.to_dict()) == fingerprint(first.submitted.to_dict())
+
+
+def test_an_adopted_swarm_keeps_the_location_its_checkpoints_were_switched_to():
+    out = io.StringIO()
+    guard = DurabilityGuard(LOCAL, "s3://cluster/ckpt", out)
+    guard.update(["10.0.0.1"])  # this driver has seen one machine so far
+    adopted = guard.adopt_location("s3://cluster/ckpt")  # where the swarm's lease says
+    assert adopted.checkpoint.uri == "s3://cluster/ckpt"
+    assert out.getvalue().strip() == \
+        "checkpoints go to s3://cluster/ckpt, where the adopted swarm keeps them"
+    # more machines later: the location is durable already, it stays (no second line)
+    assert guard.update(["10.0.0.1", "10.0.0.2"]).checkpoint.uri == "s3://cluster/ckpt"
+    assert len(out.getvalue().strip().splitlines()) == 1
+    assert guard.adopt_location(None) is guard.config  # a record without one: unchanged
+    assert guard.adopt_location("s3://cluster/ckpt") is guard.config

@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from moshray.jobs.config import TrainConfig
 from moshray.jobs.controller.lease import (
     Adopt,
@@ -203,6 +205,127 @@ def test_a_replica_is_in_the_lease_before_it_is_launched(monkeypatch):
     assert in_lease
     assert max(r.count for r in renewals) == 1
     assert {r.checkpoint_uri for r in renewals} == {"/tmp/ckpt"}
+
+
+def _controller_with(keeper, monkeypatch, launch):
+    from types import SimpleNamespace
+
+    from moshray.jobs.config import TrainConfig
+    from moshray.jobs.controller import elastic
+
+    monkeypatch.setattr(elastic, "launch_replica", launch)
+    controller = elastic.ElasticController(TrainConfig.from_dict({}),
+                                           SimpleNamespace(coordinator=None), lease=object())
+    controller.keeper = keeper
+    keeper.publish(controller._job_state())
+    return controller
+
+
+def _start_on(controller, node_id: str) -> None:
+    from types import SimpleNamespace
+
+    from moshray.jobs.controller.observations import NodeView
+    from moshray.jobs.controller.reconcile import StartReplica
+
+    obs = SimpleNamespace(node=lambda n: NodeView(n, True, True), now_s=1.0)
+    controller._start(StartReplica(node_id, 0.0), obs)
+
+
+def test_a_replica_the_lease_did_not_record_is_not_launched(monkeypatch):
+    """A renewal that fails before a launch (the lease restarting, a timeout) left the
+    replica launched but out of the record: a driver dying then leaked it. It is not
+    launched now, the record goes back to the replicas that exist, the deferral is counted,
+    and the next start (the next tick's decision) launches once a renewal takes it."""
+    failing = threading.Event()
+    renewals: list[JobState] = []
+
+    def renew(state: JobState) -> bool:
+        if failing.is_set():
+            raise TimeoutError("the lease is restarting")
+        renewals.append(state)
+        return True
+
+    launched = []
+    keeper = LeaseKeeper(renew, interval_s=3600)
+    try:
+        controller = _controller_with(keeper, monkeypatch, lambda spec, rid, node, gpus: (
+            launched.append(rid) or (object(), object())))
+        failing.set()
+        _start_on(controller, "node-a")
+        assert launched == [] and controller.launches_deferred == 1
+        assert controller.runs == {} and keeper._state.replicas == ()  # none published
+        failing.clear()
+        _start_on(controller, "node-a")
+    finally:
+        keeper.stop()
+    assert len(launched) == 1 and launched[0] in controller.runs
+    assert launched[0] in [r[0] for r in renewals[-1].replicas]
+
+
+def test_a_launch_that_raises_leaves_no_replica_in_the_published_state(monkeypatch):
+    def launch(spec, replica_id, node_id, num_gpus):
+        raise RuntimeError("the node went away")
+
+    keeper = LeaseKeeper(lambda state: True, interval_s=3600)
+    try:
+        controller = _controller_with(keeper, monkeypatch, launch)
+        with pytest.raises(RuntimeError):
+            _start_on(controller, "node-a")
+        assert keeper._state.replicas == () and controller.runs == {}
+    finally:
+        keeper.stop()
+
+
+def test_an_older_state_never_lands_after_a_newer_renewal():
+    """The keeper's thread read the state, then the controller published a newer one (a
+    replica about to be launched) and renewed it at once: the thread's renewal with the
+    older state then landed last, and the record lost the replica. Renewals now go one at
+    a time, each with the state published last."""
+    landed: list[JobState] = []
+    in_renewal = threading.Event()
+    release = threading.Event()
+
+    def renew(state: JobState) -> bool:
+        if not landed and not in_renewal.is_set():
+            in_renewal.set()  # the thread's renewal is slow (a restarting lease)
+            release.wait(10)
+        landed.append(state)
+        return True
+
+    keeper = LeaseKeeper(renew, interval_s=3600)
+    old, new = JobState(count=1), JobState((("replica-0-2", "node-a", 0.0),), 2)
+    try:
+        keeper.publish(old)
+        assert in_renewal.wait(10)
+        keeper.publish(new)
+        done = threading.Thread(target=keeper.renew_now)
+        done.start()
+        time.sleep(0.1)
+        release.set()
+        done.join(10)
+    finally:
+        keeper.stop()
+    assert landed[-1] == new and landed == [old, new]
+
+
+def test_a_switched_checkpoint_location_reaches_the_lease_at_once(monkeypatch):
+    """The durability guard's new location reached the lease's record only with the next
+    tick's renewal: a driver dying in between left the lease to save its final checkpoint
+    on one machine's disk. The controller renews with it at once."""
+    renewals: list[JobState] = []
+    keeper = LeaseKeeper(lambda state: renewals.append(state) or True, interval_s=3600)
+    try:
+        controller = _controller_with(keeper, monkeypatch, None)
+        deadline = time.monotonic() + 10
+        while not renewals and time.monotonic() < deadline:  # the first publish's renewal
+            time.sleep(0.01)
+        controller.move_checkpoints("s3://cluster/ckpt")
+        assert renewals[-1].checkpoint_uri == "s3://cluster/ckpt"
+        count = len(renewals)
+        controller.move_checkpoints("s3://cluster/ckpt")  # unchanged: no renewal
+        assert len(renewals) == count
+    finally:
+        keeper.stop()
 
 
 def test_replica_names_carry_the_run():

@@ -121,6 +121,7 @@ class DurabilityGuard:
 
     def __init__(self, config: TrainConfig, cluster_default: str | None,
                  out: TextIO | None = None):
+        self.submitted = config  # as the user gave it: what names the job (its fingerprint)
         self.config = config
         self.cluster_default = cluster_default or None
         self.out = out
@@ -134,6 +135,16 @@ class DurabilityGuard:
             return self.config
         self.hosts = seen
         return self._apply()
+
+    def adopt_location(self, uri: str | None) -> TrainConfig:
+        """An adopted swarm checkpoints to ``uri`` (its lease's record: where its earlier
+        driver's guard had switched it, maybe before this driver saw as many machines):
+        that location stays; later machines re-decide from it. None or "" changes nothing."""
+        if uri and uri != self.config.checkpoint.uri:
+            self.config = replace(self.config,
+                                  checkpoint=replace(self.config.checkpoint, uri=uri))
+            self._say(f"checkpoints go to {uri}, where the adopted swarm keeps them")
+        return self.config
 
     def add_data(self, uris: Iterable[str]) -> TrainConfig:
         self.data_uris = tuple(uris)

@@ -158,6 +158,7 @@ class ElasticController:
         self.lost_at: list[float] = []
         self.joined_at: list[float] = []
         self.hard_losses = 0
+        self.launches_deferred = 0  # replica starts put off: the lease did not record them
         self.waiting_since: float | None = None
         self._waiting_shown: tuple | None = None
         self._reported: tuple | None = None
@@ -223,6 +224,17 @@ class ElasticController:
         return JobState(replicas + tuple(launching), self._count,
                         tuple(sorted(self.own_watchers)), self.last_checkpoint,
                         self.checkpoint_uri)
+
+    def move_checkpoints(self, uri: str | None) -> None:
+        """Checkpoints go to ``uri`` from now on (the durability guard switched them): the
+        lease's record says so at once (a renewal in this thread), so a lease that ends the
+        swarm after this driver dies saves its final checkpoint there."""
+        if uri == self.checkpoint_uri:
+            return
+        self.checkpoint_uri = uri
+        if self.keeper is not None:
+            self.keeper.publish(self._job_state())
+            self.keeper.renew_now()
 
     @property
     def stop_requested(self) -> bool:
@@ -349,8 +361,23 @@ class ElasticController:
             # dies right after the launch leaves it to the lease (ended or adopted by name)
             self.keeper.publish(self._job_state(
                 ((replica_id, action.node_id, action.num_gpus),)))
-            self.keeper.renew_now()
-        handle, run = launch_replica(self.spec, replica_id, action.node_id, action.num_gpus)
+            if not self.keeper.renew_now():
+                # Not on record: launched now, it could outlive this driver unseen by the
+                # lease (never ended, never adopted). The next tick decides again (a lease
+                # that ended raises JobFailed there).
+                self.keeper.publish(self._job_state())
+                self.launches_deferred += 1
+                log.warning("replica %s not launched on node %s: the lease did not take it "
+                            "in its record (%d launch(es) deferred so far)", replica_id,
+                            action.node_id[:12], self.launches_deferred)
+                return
+        try:
+            handle, run = launch_replica(self.spec, replica_id, action.node_id,
+                                         action.num_gpus)
+        except Exception:
+            if self.keeper is not None:  # not launched: not in the record either
+                self.keeper.publish(self._job_state())
+            raise
         self.runs[replica_id] = (handle, run)
         self.records[replica_id] = ReplicaRecord(replica_id, action.node_id, action.num_gpus,
                                                  obs.now_s)

@@ -216,7 +216,9 @@ class LeaseKeeper:
     next). After a False, ``ended`` is True and the thread stops: the controller raises
     ``JobFailed`` on its next tick. ``stop`` ends the thread (bounded);
     the driver stops it before it releases the lease. Nothing is renewed before the first
-    ``publish``."""
+    ``publish``. One renewal at a time (the thread's and ``renew_now``'s), each with the
+    state published last when it starts: an older state never lands after a newer one
+    (e.g. the record without a replica about to be launched, after the renewal with it)."""
 
     def __init__(self, renew, interval_s: float, name: str = "lease-keeper"):
         self._renew = renew
@@ -224,6 +226,7 @@ class LeaseKeeper:
         self._state: JobState | None = None
         self._wake = threading.Event()
         self._stopped = threading.Event()
+        self._renewing = threading.Lock()  # one renewal at a time (see the class docstring)
         self.ended = False
         self.stop_requested = False
         self.renewals = 0
@@ -242,16 +245,17 @@ class LeaseKeeper:
         ``renew``), before the caller goes on: e.g. a replica in the record before it is
         launched, so that a driver dying right after the launch leaves it to the lease.
         False if the lease ended or the renewal failed (logged)."""
-        state = self._state
-        if state is None or self.ended:
+        with self._renewing:
+            state = self._state
+            if state is None or self.ended:
+                return False
+            try:
+                if self._answer(self._renew(state)):
+                    return True
+                self.ended = True
+            except Exception as exc:  # noqa: BLE001 - a lease restarting
+                log.warning("lease not renewed: %r", exc)
             return False
-        try:
-            if self._answer(self._renew(state)):
-                return True
-            self.ended = True
-        except Exception as exc:  # noqa: BLE001 - a lease restarting
-            log.warning("lease not renewed: %r", exc)
-        return False
 
     def _answer(self, answer) -> bool:
         if answer == STOP_REQUESTED:
@@ -265,15 +269,18 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            state = self._state
-            if state is not None:
-                try:
-                    if not self._answer(self._renew(state)):
-                        self.ended = True
-                        return
-                    self.renewals += 1
-                except Exception as exc:  # noqa: BLE001 - a lease restarting: next time
-                    log.warning("lease not renewed: %r", exc)
+            with self._renewing:
+                state = None if self.ended else self._state
+                if state is not None:
+                    try:
+                        if not self._answer(self._renew(state)):
+                            self.ended = True
+                            return
+                        self.renewals += 1
+                    except Exception as exc:  # noqa: BLE001 - a lease restarting: next time
+                        log.warning("lease not renewed: %r", exc)
+            if self.ended:
+                return
             self._wake.wait(self.interval_s if state is not None else None)
             self._wake.clear()
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from moshray.jobs.bench.join_profile import ProcSample, descendants, read_procs
-from raystart import free_port
+from raystart import _node_ports, free_port
 
 LOOPBACK = "127.0.0.1"
 SPOT = 1000  # the `spot` resource of a worker node, as in infra/ray/*.yaml
@@ -126,20 +126,18 @@ class AutoscalingHead:
             return ""
 
     def _spawn(self, attempt: int) -> None:
+        from moshray.jobs.local.cluster import free_ports
+
         log = open(self.dir / f"head-{attempt}.log", "w")
+        # one pick for all of its ports, none the GCS's: distinct (raystart._node_ports)
+        client_port, *node_ports = [p for p in free_ports(9) if p != self.port][:7]
         self.proc = subprocess.Popen(
             ["ray", "start", "--head", "--block", "--port", str(self.port),
              "--node-ip-address", LOOPBACK, "--num-cpus", "1", "--include-dashboard", "false",
              "--disable-usage-stats", "--object-store-memory", str(100 * 1024 * 1024),
              "--autoscaling-config", str(self.config_path),
              "--system-config", json.dumps(SYSTEM_CONFIG, separators=(",", ":")),
-             "--node-manager-port", str(free_port()),
-             "--object-manager-port", str(free_port()),
-             "--ray-client-server-port", str(free_port()),
-             "--metrics-export-port", str(free_port()),
-             "--dashboard-agent-listen-port", str(free_port()),
-             "--dashboard-agent-grpc-port", str(free_port()),
-             "--runtime-env-agent-port", str(free_port())],
+             "--ray-client-server-port", str(client_port), *_node_ports(node_ports)],
             stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
 
     def track(self) -> list[int]:

@@ -55,15 +55,20 @@ def ray_env(token: str | None = None) -> dict:
     return env
 
 
-def _node_ports() -> list[str]:
-    return [
-        "--node-manager-port", str(free_port()),
-        "--object-manager-port", str(free_port()),
-        "--metrics-export-port", str(free_port()),
-        "--dashboard-agent-listen-port", str(free_port()),
-        "--dashboard-agent-grpc-port", str(free_port()),
-        "--runtime-env-agent-port", str(free_port()),
-    ]
+NODE_PORT_FLAGS = ("--node-manager-port", "--object-manager-port", "--metrics-export-port",
+                   "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                   "--runtime-env-agent-port")
+
+
+def _node_ports(ports: list[int] | None = None) -> list[str]:
+    """The port flags of one `ray start`: ``ports`` (one per ``NODE_PORT_FLAGS``), else
+    distinct free ones picked together. One pick per flag could return the same port twice
+    (a socket closed, then the OS hands its port out again): `ray start` then exits 1
+    ("trying to use a port number ... that is used by other components")."""
+    from moshray.jobs.local.cluster import free_ports
+
+    ports = list(ports) if ports is not None else free_ports(len(NODE_PORT_FLAGS))
+    return [arg for flag, port in zip(NODE_PORT_FLAGS, ports) for arg in (flag, str(port))]
 
 
 def _end(proc: subprocess.Popen, timeout: float = 30) -> None:
@@ -123,8 +128,12 @@ class RayStartCluster:
     spot_nodes: list["SpotNode"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.gcs_port = free_port()
-        self.dashboard_port = free_port()
+        from moshray.jobs.local.cluster import free_ports
+
+        # every port of the head's `ray start` distinct (see _node_ports)
+        ports = free_ports(3 + len(NODE_PORT_FLAGS))
+        self.gcs_port, self.dashboard_port, self._client_port = ports[:3]
+        self._head_ports = ports[3:]
         self.gcs_address = f"{LOOPBACK}:{self.gcs_port}"
         self.dashboard_url = f"http://{LOOPBACK}:{self.dashboard_port}"
         self.logdir = Path(tempfile.mkdtemp(prefix="raystart-"))
@@ -151,8 +160,9 @@ class RayStartCluster:
             "--system-config", json.dumps(SYSTEM_CONFIG),
             "--include-dashboard", "true", "--dashboard-host", LOOPBACK,
             "--dashboard-port", str(self.dashboard_port),
-            "--ray-client-server-port", str(free_port()),
-            "--object-store-memory", str(self.object_store_bytes), *_node_ports()])
+            "--ray-client-server-port", str(self._client_port),
+            "--object-store-memory", str(self.object_store_bytes),
+            *_node_ports(self._head_ports)])
         self._wait_dashboard(timeout)
         for i in range(self.workers):
             # One node at a time: `ray start` gives a raylet a fixed 30 s to register, which

@@ -427,7 +427,7 @@ def read_stats(fetch, last: dict) -> dict:
     if stats["incarnation"] == last.get("incarnation") and \
             stats.get("restarts") == last.get("restarts"):
         rows = stats["history"]
-        if tail == len(held) or (rows and _same_plan(rows[0], held[tail])):
+        if tail == len(held) or (rows and _plan(rows[0]) == _plan(held[tail])):
             stats["history"] = held[:tail] + _merged(held[tail:], rows)
             stats["history_kept"] = kept
             return stats
@@ -445,18 +445,19 @@ def read_stats(fetch, last: dict) -> dict:
     return stats
 
 
-def _same_plan(a, b) -> bool:
-    """Two history rows ``(epoch, at_s, samples, loss, peers)`` are of one plan."""
-    return a[0] == b[0] and abs(a[1] - b[1]) < 1e-6
+def _plan(row) -> tuple:
+    """Which plan a history row ``(epoch, at_s, samples, loss, peers)`` is of: its epoch and
+    plan time (a plan made again for an epoch has a later one)."""
+    return row[0], round(row[1], 6)
 
 
 def _merged(held: list, rows: list) -> list:
     """``rows`` (the Coordinator's, in place of ``held``), each with the larger sample
     count of the held row of the same plan, if any."""
-    seen = {(h[0], round(h[1], 6)): h[2] for h in held}
+    seen = {_plan(h): h[2] for h in held}
     out = []
     for r in rows:
-        old = seen.get((r[0], round(r[1], 6)))
+        old = seen.get(_plan(r))
         out.append(r if old is None or old <= r[2] else (r[0], r[1], old, *r[3:]))
     return out
 
@@ -567,7 +568,7 @@ def _supervise(config: TrainConfig, controller, out, stop_when: StopWhen | None 
     summary["preemptions"] = controller.preemptions  # the driver counts its node losses
     # replica starts put off because the lease did not take them in its record (each
     # decided again at the next tick; see ElasticController._start)
-    summary["launches_deferred"] = getattr(controller, "launches_deferred", 0)
+    summary["launches_deferred"] = controller.launches_deferred
     summary["reported"] = reported.summary()  # the loops' own metrics: last value, step
     summary["data_epochs"] = stats["data_epochs"]
     summary["tensorboard"] = reported.tensorboard_dir

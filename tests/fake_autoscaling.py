@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from moshray.jobs.bench.join_profile import ProcSample, descendants, read_procs
-from raystart import _node_ports, free_port
+from raystart import free_port, node_port_args
 
 LOOPBACK = "127.0.0.1"
 SPOT = 1000  # the `spot` resource of a worker node, as in infra/ray/*.yaml
@@ -129,7 +129,7 @@ class AutoscalingHead:
         from moshray.jobs.local.cluster import free_ports
 
         log = open(self.dir / f"head-{attempt}.log", "w")
-        # one pick for all of its ports, none the GCS's: distinct (raystart._node_ports)
+        # one pick for all of its ports, none the GCS's: distinct (raystart.node_port_args)
         client_port, *node_ports = [p for p in free_ports(9) if p != self.port][:7]
         self.proc = subprocess.Popen(
             ["ray", "start", "--head", "--block", "--port", str(self.port),
@@ -137,7 +137,7 @@ class AutoscalingHead:
              "--disable-usage-stats", "--object-store-memory", str(100 * 1024 * 1024),
              "--autoscaling-config", str(self.config_path),
              "--system-config", json.dumps(SYSTEM_CONFIG, separators=(",", ":")),
-             "--ray-client-server-port", str(client_port), *_node_ports(node_ports)],
+             "--ray-client-server-port", str(client_port), *node_port_args(node_ports)],
             stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
 
     def track(self) -> list[int]:

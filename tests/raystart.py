@@ -60,7 +60,7 @@ NODE_PORT_FLAGS = ("--node-manager-port", "--object-manager-port", "--metrics-ex
                    "--runtime-env-agent-port")
 
 
-def _node_ports(ports: list[int] | None = None) -> list[str]:
+def node_port_args(ports: list[int] | None = None) -> list[str]:
     """The port flags of one `ray start`: ``ports`` (one per ``NODE_PORT_FLAGS``), else
     distinct free ones picked together. One pick per flag could return the same port twice
     (a socket closed, then the OS hands its port out again): `ray start` then exits 1
@@ -130,7 +130,7 @@ class RayStartCluster:
     def __post_init__(self) -> None:
         from moshray.jobs.local.cluster import free_ports
 
-        # every port of the head's `ray start` distinct (see _node_ports)
+        # every port of the head's `ray start` distinct (see node_port_args)
         ports = free_ports(3 + len(NODE_PORT_FLAGS))
         self.gcs_port, self.dashboard_port, self._client_port = ports[:3]
         self._head_ports = ports[3:]
@@ -162,7 +162,7 @@ class RayStartCluster:
             "--dashboard-port", str(self.dashboard_port),
             "--ray-client-server-port", str(self._client_port),
             "--object-store-memory", str(self.object_store_bytes),
-            *_node_ports(self._head_ports)])
+            *node_port_args(self._head_ports)])
         self._wait_dashboard(timeout)
         for i in range(self.workers):
             # One node at a time: `ray start` gives a raylet a fixed 30 s to register, which
@@ -171,7 +171,7 @@ class RayStartCluster:
                 self._start(f"worker{i}-{attempt}", [
                     "--address", self.gcs_address, "--num-cpus", str(self.cpus_per_worker),
                     "--resources", f'{{"spot": 1000, "slot-{i}": 1}}',
-                    "--object-store-memory", str(self.object_store_bytes), *_node_ports()])
+                    "--object-store-memory", str(self.object_store_bytes), *node_port_args()])
                 try:
                     self._wait_nodes(i + 2, timeout)
                     break
@@ -195,7 +195,7 @@ class RayStartCluster:
             # `ray start` gives its raylet a fixed 30 s to register, which a loaded 2-core
             # machine can miss: one retry, as in ``start``.
             log = open(self.logdir / f"{name}-{attempt}.log", "w")
-            ports = _node_ports()
+            ports = node_port_args()
             proc = subprocess.Popen(
                 ["ray", "start", "--block", "--node-ip-address", LOOPBACK,
                  "--disable-usage-stats", "--address", self.gcs_address, "--num-cpus",

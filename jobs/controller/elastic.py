@@ -233,8 +233,7 @@ class ElasticController:
             return
         self.checkpoint_uri = uri
         if self.keeper is not None:
-            self.keeper.publish(self._job_state())
-            self.keeper.renew_now()
+            self.keeper.renew_now(self._job_state())
 
     @property
     def stop_requested(self) -> bool:
@@ -359,9 +358,8 @@ class ElasticController:
         replica_id = f"replica-{label}-{self._count}"
         if self.keeper is not None:  # in the lease's record before it exists: a driver that
             # dies right after the launch leaves it to the lease (ended or adopted by name)
-            self.keeper.publish(self._job_state(
-                ((replica_id, action.node_id, action.num_gpus),)))
-            if not self.keeper.renew_now():
+            if not self.keeper.renew_now(self._job_state(
+                    ((replica_id, action.node_id, action.num_gpus),))):
                 # Not on record: launched now, it could outlive this driver unseen by the
                 # lease (never ended, never adopted). The next tick decides again (a lease
                 # that ended raises JobFailed there).

@@ -240,11 +240,13 @@ class LeaseKeeper:
         if first:
             self._wake.set()
 
-    def renew_now(self) -> bool:
-        """Renew with the state published last, in the caller's thread (bounded by
-        ``renew``), before the caller goes on: e.g. a replica in the record before it is
-        launched, so that a driver dying right after the launch leaves it to the lease.
-        False if the lease ended or the renewal failed (logged)."""
+    def renew_now(self, state: JobState | None = None) -> bool:
+        """Publish ``state`` (if given) and renew with the state published last, in the
+        caller's thread (bounded by ``renew``), before the caller goes on: e.g. a replica
+        in the record before it is launched, so that a driver dying right after the launch
+        leaves it to the lease. False if the lease ended or the renewal failed (logged)."""
+        if state is not None:
+            self.publish(state)
         with self._renewing:
             state = self._state
             if state is None or self.ended:
@@ -270,7 +272,9 @@ class LeaseKeeper:
     def _run(self) -> None:
         while not self._stopped.is_set():
             with self._renewing:
-                state = None if self.ended else self._state
+                if self.ended:
+                    return
+                state = self._state
                 if state is not None:
                     try:
                         if not self._answer(self._renew(state)):
@@ -279,8 +283,6 @@ class LeaseKeeper:
                         self.renewals += 1
                     except Exception as exc:  # noqa: BLE001 - a lease restarting: next time
                         log.warning("lease not renewed: %r", exc)
-            if self.ended:
-                return
             self._wake.wait(self.interval_s if state is not None else None)
             self._wake.clear()
 
